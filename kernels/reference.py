@@ -1,0 +1,96 @@
+"""Plain torch twins of the Triton kernels: the definition of what they compute, and the CPU path.
+
+Shapes, shared with the Triton versions in kernels/triton_attention.py:
+  key, value     [num_tokens, num_kv_heads, head_dim]
+  k/v cache      [num_blocks, block_size, num_kv_heads, head_dim]
+  slot_mapping   int64 [num_tokens], slot = block * block_size + offset, -1 = skip
+  q, out         [num_tokens, num_q_heads, head_dim], the new tokens of all sequences, flattened
+  block_tables   int32 [num_seqs, max_blocks]
+  seq_lens       int32 [num_seqs], whole context including the new tokens
+  query_start_loc int32 [num_seqs + 1]
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    num_blocks, block_size = k_cache.shape[:2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_flat = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
+    v_flat = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
+    k_flat.index_copy_(0, slots, key[keep].to(k_cache.dtype))
+    v_flat.index_copy_(0, slots, value[keep].to(v_cache.dtype))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole cached context.
+
+    The batch is padded to [num_seqs, max_query_len] queries and [num_seqs, max_context] keys so
+    that one SDPA call serves every sequence; the mask hides padding and future tokens.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return torch.empty_like(q)
+    starts = query_start_loc[:-1].long()
+    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    seq_lens = seq_lens.long()
+    max_q = int(query_lens.max())
+    max_blocks_used = int((seq_lens.max() + block_size - 1) // block_size)
+    tables = block_tables[:, :max_blocks_used].long()
+    max_ctx = max_blocks_used * block_size
+
+    # Gather every sequence's context: [num_seqs, max_ctx, num_kv_heads, head_dim].
+    keys = k_cache[tables].reshape(num_seqs, max_ctx, num_kv_heads, head_dim)
+    values = v_cache[tables].reshape(num_seqs, max_ctx, num_kv_heads, head_dim)
+
+    # Scatter the flat queries into a padded [num_seqs, max_q] layout.
+    q_idx = torch.arange(max_q, device=q.device)
+    q_valid = q_idx[None, :] < query_lens[:, None]
+    flat_idx = (starts[:, None] + q_idx[None, :]).clamp(max=num_tokens - 1)
+    queries = q[flat_idx]  # [num_seqs, max_q, Hq, D]
+
+    # Query i of a sequence sits at absolute position seq_len - query_len + i.
+    q_pos = seq_lens[:, None] - query_lens[:, None] + q_idx[None, :]
+    k_pos = torch.arange(max_ctx, device=q.device)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < seq_lens[:, None, None])
+    mask = mask & q_valid[:, :, None]
+    # Padded query rows see key 0 only, to keep softmax finite; their output is dropped.
+    mask[:, :, 0] |= ~q_valid
+
+    group = num_q_heads // num_kv_heads
+    compute_dtype = q.dtype
+    qh = queries.transpose(1, 2)                                     # [S, Hq, max_q, D]
+    kh = keys.to(compute_dtype).repeat_interleave(group, dim=2).transpose(1, 2)
+    vh = values.to(compute_dtype).repeat_interleave(group, dim=2).transpose(1, 2)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None], scale=scale)
+    out = out.transpose(1, 2)                                        # [S, max_q, Hq, D]
+    return out[q_valid]
+
+
+def paged_attention_float64(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                            scale) -> torch.Tensor:
+    """A slow per-sequence loop in float64: the independent check for both implementations."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    for s in range(seq_lens.shape[0]):
+        start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        ctx = int(seq_lens[s])
+        blocks = [int(b) for b in block_tables[s, :(ctx + block_size - 1) // block_size]]
+        k = torch.cat([k_cache[b] for b in blocks])[:ctx].double()
+        v = torch.cat([v_cache[b] for b in blocks])[:ctx].double()
+        for t in range(start, end):
+            pos = ctx - (end - start) + (t - start)
+            for h in range(q.shape[1]):
+                kh = k[:pos + 1, h // group]
+                scores = (kh @ q[t, h].double()) * scale
+                out[t, h] = torch.softmax(scores, 0) @ v[:pos + 1, h // group]
+    return out
