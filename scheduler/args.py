@@ -1,0 +1,27 @@
+"""The scheduler's flags. Names follow vLLM's; the launcher routes each flag to the processes
+whose parser knows it (an address flag goes to both ends of its socket)."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_scheduler_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("scheduler")
+    g.add_argument("--max-num-seqs", type=int, default=256,
+                   help="most sequences in one step's batch, per worker")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one step, per worker; long prompts are chunked to fit")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="past this many waiting sequences, new requests get RESOURCE_EXHAUSTED")
+    g.add_argument("--scheduler-gateway-address", default="tcp://127.0.0.1:5555")
+    g.add_argument("--scheduler-worker-address", default="tcp://127.0.0.1:5556")
+    g.add_argument("--scheduler-metrics-port", type=int, default=9400,
+                   help="Prometheus /metrics on 127.0.0.1 (0 = off)")
+    g.add_argument("--scheduler-metrics-host", default="127.0.0.1")
+    g.add_argument("--worker-timeout", type=float, default=60.0,
+                   help="seconds without a message before a worker is dropped and its "
+                        "sequences recomputed elsewhere")
+    g.add_argument("--max-message-bytes", type=int, default=64 << 20)
+    g.add_argument("--log-level", default="INFO")
+    return parser

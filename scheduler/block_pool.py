@@ -1,0 +1,124 @@
+"""One worker's KV blocks: reference counts, an LRU free list and the prefix cache.
+
+The scheduler talks to its pool through this narrow interface only. Block ids are the worker's
+physical block numbers; the pool never sees tensors.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, Sequence
+
+
+def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra: int = 0) -> int:
+    """A full block's identity: its tokens, everything before it (through the parent's hash) and
+    extra keys (a LoRA, a cache salt) so that different contexts never share a block."""
+    return hash((parent_hash, tuple(token_ids), extra))
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        # Free blocks, least recently freed first. An OrderedDict gives O(1) removal of a cached
+        # block that gets a new reference while still on the free list.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        # Prefix cache statistics, in tokens (see scheduler/metrics.py).
+        self.queries = 0
+        self.hits = 0
+
+    # -- capacity ---------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free_blocks)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self.free_blocks)
+
+    # -- allocation -------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free_blocks):
+            raise MemoryError(f"asked for {n} blocks, {len(self.free_blocks)} free")
+        out = []
+        for _ in range(n):
+            block, _ = self.free_blocks.popitem(last=False)
+            self._forget_hash(block)
+            self.ref_cnt[block] = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[int]) -> None:
+        """Take one more reference on blocks found in the prefix cache or shared by a fork."""
+        for block in blocks:
+            if self.ref_cnt[block] == 0:
+                del self.free_blocks[block]
+            self.ref_cnt[block] += 1
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Drop one reference each. Blocks are freed tail first, so that a sequence's last blocks,
+        the least likely to be shared, are the first to be reused."""
+        for block in reversed(blocks):
+            self.ref_cnt[block] -= 1
+            assert self.ref_cnt[block] >= 0, f"block {block} freed twice"
+            if self.ref_cnt[block] == 0:
+                if self.block_hash[block] is None:
+                    # Nothing to find in it: reuse it before blocks that still hold a prefix.
+                    self.free_blocks[block] = None
+                    self.free_blocks.move_to_end(block, last=False)
+                else:
+                    self.free_blocks[block] = None
+
+    # -- prefix cache -----------------------------------------------------------------------
+    def cache_block(self, block: int, block_hash: int) -> None:
+        """Make a full, computed block findable by its hash."""
+        if not self.enable_prefix_caching or self.block_hash[block] is not None:
+            return
+        if block_hash in self.cached:
+            return  # an identical block is already cached; this copy stays anonymous
+        self.block_hash[block] = block_hash
+        self.cached[block_hash] = block
+
+    def find_cached(self, block_hashes: Sequence[int]) -> list[int]:
+        """The longest run of leading blocks already in the cache (no references taken)."""
+        hits = []
+        if self.enable_prefix_caching:
+            for h in block_hashes:
+                block = self.cached.get(h)
+                if block is None:
+                    break
+                hits.append(block)
+        return hits
+
+    def _forget_hash(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None:
+            self.block_hash[block] = None
+            if self.cached.get(h) == block:
+                del self.cached[h]
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self.free_blocks):
+            self._forget_hash(block)
+
+    # -- checks -----------------------------------------------------------------------------
+    def check_invariant(self, tables: Iterable[Sequence[int]] = ()) -> None:
+        """free + referenced = total, and each refcount equals the number of tables holding it."""
+        referenced = sum(1 for c in self.ref_cnt if c > 0)
+        assert len(self.free_blocks) + referenced == self.num_blocks, \
+            f"free {len(self.free_blocks)} + referenced {referenced} != total {self.num_blocks}"
+        for block in self.free_blocks:
+            assert self.ref_cnt[block] == 0, f"free block {block} has refcount {self.ref_cnt[block]}"
+        if tables is not None:
+            counts = [0] * self.num_blocks
+            for table in tables:
+                for block in table:
+                    counts[block] += 1
+            assert counts == self.ref_cnt, "refcounts differ from the block tables that hold them"
+        for h, block in self.cached.items():
+            assert self.block_hash[block] == h

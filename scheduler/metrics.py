@@ -1,0 +1,51 @@
+"""Prometheus metrics, read from the router's state when scraped, so the step loop pays nothing."""
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from scheduler.request import Status
+from scheduler.router import Router
+
+
+class RouterCollector(Collector):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def collect(self):
+        g = {name: GaugeMetricFamily(f"pagoda_{name}", doc, labels=["worker"]) for name, doc in [
+            ("kv_cache_usage_ratio", "KV blocks in use over all KV blocks"),
+            ("kv_cache_token_utilization", "tokens held over the slots of allocated blocks"),
+            ("kv_blocks_total", "KV blocks in the pool"),
+            ("kv_blocks_free", "KV blocks on the free list (cached prefixes included)"),
+            ("num_requests_running", "sequences in the running batch"),
+            ("num_requests_waiting", "sequences waiting for blocks"),
+            ("num_requests_swapped", "sequences swapped out to CPU"),
+        ]}
+        preempt = CounterMetricFamily("pagoda_num_preemptions", "preemptions by mode",
+                                      labels=["worker", "mode"])
+        queries = CounterMetricFamily("pagoda_prefix_cache_queries",
+                                      "prompt tokens looked up in the prefix cache", labels=["worker"])
+        hits = CounterMetricFamily("pagoda_prefix_cache_hits",
+                                   "prompt tokens found in the prefix cache", labels=["worker"])
+        for state in list(self.router.workers.values()):
+            wid = state.hello.worker_id
+            sched, pool = state.scheduler, state.scheduler.pool
+            used = pool.num_used
+            reqs = list(sched.requests.values())
+            running = [r for r in reqs if r.status is Status.RUNNING]
+            slots = used * sched.block_size
+            empty = sum(len(r.block_ids) * sched.block_size - r.num_computed_tokens for r in running)
+            g["kv_cache_usage_ratio"].add_metric([wid], used / max(1, pool.num_blocks))
+            g["kv_cache_token_utilization"].add_metric([wid], (slots - empty) / slots if slots else 0.0)
+            g["kv_blocks_total"].add_metric([wid], pool.num_blocks)
+            g["kv_blocks_free"].add_metric([wid], pool.num_free)
+            g["num_requests_running"].add_metric([wid], len(running))
+            g["num_requests_waiting"].add_metric([wid], sum(r.status is Status.WAITING for r in reqs))
+            g["num_requests_swapped"].add_metric([wid], sum(r.status is Status.SWAPPED for r in reqs))
+            for mode, count in sched.stats.num_preemptions.items():
+                preempt.add_metric([wid, mode], count)
+            queries.add_metric([wid], pool.queries)
+            hits.add_metric([wid], pool.hits)
+        yield from g.values()
+        yield from (preempt, queries, hits)

@@ -1,0 +1,82 @@
+"""A sequence as the scheduler sees it: token ids, progress and blocks. No tensors."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from proto import internal_pb2 as pb
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.IntEnum):
+    LENGTH = pb.LENGTH
+    STOP = pb.STOP
+    ABORT = pb.ABORT
+    ERROR = pb.ERROR
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence. A request with n > 1 becomes n of these, with ids "<id>#<index>".
+
+    There is no prefill or decode phase: num_computed_tokens chases num_tokens. That one rule
+    covers chunked prefill, prefix hits and recompute after preemption.
+    """
+    seq_id: str
+    request_id: str                 # the gateway's internal id, shared by the n sequences
+    index: int
+    gateway: bytes                  # ZeroMQ identity of the gateway that owns the stream
+    prompt_token_ids: list[int]
+    sampling: pb.SamplingConfig
+    max_tokens: int
+    ignore_eos: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    arrival: int = 0                # a global counter: FCFS order within a priority
+
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of the full blocks, in order
+    num_cached_tokens: int = -1     # the prefix hit at first admission (-1 = not admitted yet)
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+
+    worker: bytes | None = None     # the worker whose pool holds its blocks
+    # What the worker already knows, so that a plan carries only the difference.
+    on_worker: bool = False
+    num_blocks_sent: int = 0
+    num_preemptions: int = 0
+    # Tokens produced but not yet streamed to the gateway.
+    num_streamed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def sort_key(self) -> tuple[int, int]:
+        """Lower runs first: priority, then arrival."""
+        return (self.priority, self.arrival)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

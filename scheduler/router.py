@@ -1,0 +1,229 @@
+"""The scheduler's view of the whole cluster: workers, their schedulers, and the gateways' requests.
+
+Sockets stay in scheduler/server.py; this file is pure bookkeeping so it can be tested
+in-process with a fake worker.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+from proto import internal_pb2 as pb
+from scheduler.request import FinishReason, Request, Status
+from scheduler.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger("pagoda.router")
+
+
+class Rejected(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class WorkerState:
+    worker_id: bytes
+    hello: pb.WorkerHello
+    scheduler: Scheduler
+    last_seen: float = field(default_factory=time.monotonic)
+    busy: bool = False  # a plan is out and its result not yet back
+
+    @property
+    def load(self) -> int:
+        return len(self.scheduler.requests)
+
+
+@dataclass
+class RouterConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    max_waiting_requests: int = 1024
+    eos_token_ids: frozenset[int] = frozenset()
+    # A prefix hit wins the routing unless its worker is this much busier than the least loaded.
+    load_slack: int = 8
+
+
+class Router:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.workers: dict[bytes, WorkerState] = {}
+        self.pending: list[Request] = []          # no worker can take them yet
+        self.seqs: dict[str, list[Request]] = {}  # request id -> its n sequences
+        self.arrivals = itertools.count()
+        self.outbox: dict[bytes, list[pb.TokenDelta]] = {}
+
+    # -- workers ------------------------------------------------------------------------------
+    def register(self, worker_id: bytes, hello: pb.WorkerHello) -> None:
+        if worker_id in self.workers:
+            self.remove(worker_id, "registered again")
+        cfg = SchedulerConfig(
+            block_size=hello.block_size, max_model_len=hello.max_model_len,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            eos_token_ids=frozenset(hello.eos_token_ids) or self.config.eos_token_ids)
+        self.workers[worker_id] = WorkerState(worker_id, hello, Scheduler(cfg, hello.num_blocks))
+        log.info("worker %s registered: %d blocks of %d, max_model_len %d, %s",
+                 hello.worker_id, hello.num_blocks, hello.block_size, hello.max_model_len,
+                 hello.device)
+        pending, self.pending = self.pending, []
+        for req in pending:
+            self._route(req)
+
+    def remove(self, worker_id: bytes, why: str) -> None:
+        """A lost worker's sequences are recomputed elsewhere from prompt plus the tokens already
+        streamed, so their clients' streams just continue."""
+        state = self.workers.pop(worker_id, None)
+        if state is None:
+            return
+        orphans = state.scheduler.drain()
+        log.warning("worker %s dropped (%s); %d sequences requeued",
+                    state.hello.worker_id, why, len(orphans))
+        for req in orphans:
+            self._route(req)
+
+    def cluster_info(self) -> pb.ClusterInfo:
+        if not self.workers:
+            return pb.ClusterInfo(num_workers=0)
+        hellos = [w.hello for w in self.workers.values()]
+        return pb.ClusterInfo(
+            model=hellos[0].model, num_workers=len(hellos),
+            max_model_len=min(h.max_model_len for h in hellos),
+            block_size=hellos[0].block_size, vocab_size=hellos[0].vocab_size,
+            total_blocks=max(h.num_blocks for h in hellos))
+
+    # -- requests -----------------------------------------------------------------------------
+    def add(self, gateway: bytes, add: pb.AddRequest) -> None:
+        """Admit a request or raise Rejected: one that can never fit is refused now, not left
+        waiting forever."""
+        if add.request_id in self.seqs:
+            raise Rejected("ALREADY_EXISTS", f"request_id {add.request_id!r} is already running")
+        if not add.prompt_token_ids:
+            raise Rejected("INVALID_ARGUMENT", "prompt is empty")
+        n = max(1, add.n)
+        if self.workers:
+            info = self.cluster_info()
+            total = len(add.prompt_token_ids) + add.max_tokens
+            if total > info.max_model_len:
+                raise Rejected("INVALID_ARGUMENT",
+                               f"prompt ({len(add.prompt_token_ids)} tokens) plus max_tokens "
+                               f"({add.max_tokens}) exceeds max_model_len {info.max_model_len}")
+            blocks = -(-total // info.block_size) * n
+            if blocks > info.total_blocks:
+                raise Rejected("INVALID_ARGUMENT",
+                               f"prompt plus max_tokens needs {blocks} KV blocks for n={n}, "
+                               f"but a worker holds only {info.total_blocks}")
+        num_waiting = len(self.pending) + sum(w.scheduler.num_waiting for w in self.workers.values())
+        if num_waiting + n > self.config.max_waiting_requests:
+            raise Rejected("RESOURCE_EXHAUSTED",
+                           f"the waiting queue is full ({num_waiting} waiting, "
+                           f"--max-waiting-requests {self.config.max_waiting_requests})")
+        arrival = next(self.arrivals)
+        reqs = []
+        for i in range(n):
+            sampling = pb.SamplingConfig()
+            sampling.CopyFrom(add.sampling)
+            if sampling.has_seed:
+                sampling.seed = (sampling.seed + i) & (2 ** 64 - 1)  # n seeded, distinct draws
+            reqs.append(Request(
+                seq_id=f"{add.request_id}#{i}", request_id=add.request_id, index=i, gateway=gateway,
+                prompt_token_ids=list(add.prompt_token_ids), sampling=sampling,
+                max_tokens=add.max_tokens, ignore_eos=add.ignore_eos,
+                stop_token_ids=frozenset(add.stop_token_ids), priority=add.priority,
+                arrival=arrival))
+        self.seqs[add.request_id] = reqs
+        for req in reqs:
+            self._route(req)
+
+    def abort(self, request_id: str) -> None:
+        for req in self.seqs.pop(request_id, []):
+            state = self._worker_of(req)
+            if state is not None:
+                state.scheduler.abort(req.seq_id)
+            elif req in self.pending:
+                self.pending.remove(req)
+            req.status = Status.FINISHED
+            req.finish_reason = FinishReason.ABORT
+
+    def _route(self, req: Request) -> None:
+        if not self.workers:
+            self.pending.append(req)
+            return
+        states = list(self.workers.values())
+        least = min(states, key=lambda w: w.load)
+        best, best_hits = least, 0
+        if self.config.enable_prefix_caching and len(states) > 1:
+            for w in states:
+                bs = w.scheduler.block_size
+                hashes = w.scheduler._full_block_hashes(req, (req.num_tokens - 1) // bs)
+                hits = len(w.scheduler.pool.find_cached(hashes))
+                if hits > best_hits:
+                    best, best_hits = w, hits
+            if best.load > least.load + self.config.load_slack:
+                best = least
+        req.worker = best.worker_id
+        best.scheduler.add(req)
+
+    def _worker_of(self, req: Request) -> WorkerState | None:
+        state = self.workers.get(req.worker) if req.worker is not None else None
+        if state is not None and req.seq_id in state.scheduler.requests:
+            return state
+        return None
+
+    # -- steps --------------------------------------------------------------------------------
+    def plans(self) -> list[tuple[bytes, pb.StepPlan]]:
+        """A plan for every idle worker that has work."""
+        out = []
+        for state in self.workers.values():
+            if state.busy or (not state.scheduler.has_work and not state.scheduler.dropped):
+                continue
+            plan = state.scheduler.schedule()
+            if plan is not None:
+                state.busy = True
+                out.append((state.worker_id, plan))
+        return out
+
+    def on_result(self, worker_id: bytes, result: pb.StepResult) -> None:
+        state = self.workers.get(worker_id)
+        if state is None:
+            return
+        state.busy = False
+        state.last_seen = time.monotonic()
+        sched = state.scheduler
+        if result.error:
+            # The forward failed: end the step's sequences with an error rather than retrying a
+            # request that may be what breaks the worker.
+            log.error("worker %s step %d failed: %s", state.hello.worker_id, result.step_id,
+                      result.error)
+            for req, _ in sched.in_flight:
+                if req.status is Status.RUNNING:
+                    sched.finish(req, FinishReason.ERROR)
+                    self._emit(req, error=pb.Error(code="INTERNAL", message=result.error))
+            sched.in_flight = []
+            return
+        for req in sched.update(result):
+            self._emit(req)
+
+    def _emit(self, req: Request, error: pb.Error | None = None) -> None:
+        delta = pb.TokenDelta(request_id=req.request_id, index=req.index,
+                              token_ids=req.output_token_ids[req.num_streamed:])
+        req.num_streamed = len(req.output_token_ids)
+        if req.is_finished:
+            delta.finish = int(req.finish_reason)
+            delta.prompt_tokens = req.num_prompt_tokens
+            delta.cached_prompt_tokens = max(0, req.num_cached_tokens)
+            if error is not None:
+                delta.error.CopyFrom(error)
+            seqs = self.seqs.get(req.request_id)
+            if seqs is not None and all(s.is_finished for s in seqs):
+                del self.seqs[req.request_id]
+        self.outbox.setdefault(req.gateway, []).append(delta)
+
+    def take_outbox(self) -> dict[bytes, list[pb.TokenDelta]]:
+        out, self.outbox = self.outbox, {}
+        return out

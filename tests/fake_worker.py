@@ -1,0 +1,80 @@
+"""An in-process worker for scheduler tests: it executes StepPlans against a KV "cache" that
+stores token ids instead of tensors, and a deterministic "model" whose next token depends on the
+whole context read back through the block table. A wrong block table, a stale prefix hit or a
+lost token changes the output, so tests can compare against a run with no cache at all."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proto import internal_pb2 as pb
+
+VOCAB = 1000
+EOS = 0
+
+
+def next_token(context: list[int]) -> int:
+    h = 1469598103934665603
+    for t in context:
+        h = ((h ^ t) * 1099511628211) & (2 ** 64 - 1)
+    return 1 + h % (VOCAB - 1)  # never EOS, so lengths are controlled by max_tokens
+
+
+def reference_output(prompt: list[int], max_tokens: int) -> list[int]:
+    ctx, out = list(prompt), []
+    for _ in range(max_tokens):
+        t = next_token(ctx)
+        ctx.append(t)
+        out.append(t)
+    return out
+
+
+@dataclass
+class Seq:
+    tokens: list[int]
+    blocks: list[int]
+    num_computed: int
+
+
+class FakeWorker:
+    def __init__(self, num_blocks: int, block_size: int = 4, worker_id: str = "fake") -> None:
+        self.num_blocks, self.block_size, self.worker_id = num_blocks, block_size, worker_id
+        self.cache = [-1] * (num_blocks * block_size)
+        self.seqs: dict[str, Seq] = {}
+        self.steps = 0
+
+    def hello(self, max_model_len: int = 4096) -> pb.WorkerHello:
+        return pb.WorkerHello(worker_id=self.worker_id, model="fake", num_blocks=self.num_blocks,
+                              block_size=self.block_size, max_model_len=max_model_len,
+                              vocab_size=VOCAB, eos_token_ids=[EOS], device="cpu")
+
+    def execute(self, plan: pb.StepPlan) -> pb.StepResult:
+        self.steps += 1
+        bs = self.block_size
+        for sid in plan.dropped_seq_ids:
+            self.seqs.pop(sid, None)
+        for c in plan.copy:
+            self.cache[c.dst * bs:(c.dst + 1) * bs] = self.cache[c.src * bs:(c.src + 1) * bs]
+        work = []
+        for s in plan.new_seqs:
+            assert s.seq_id not in self.seqs, f"{s.seq_id} sent as new twice"
+            seq = Seq(list(s.token_ids), list(s.block_ids), s.num_computed_tokens)
+            self.seqs[s.seq_id] = seq
+            work.append((s.seq_id, seq, s.num_new_tokens))
+        for r in plan.running_seqs:
+            seq = self.seqs[r.seq_id]
+            seq.blocks += list(r.new_block_ids)
+            work.append((r.seq_id, seq, r.num_new_tokens))
+        result = pb.StepResult(step_id=plan.step_id)
+        for sid, seq, n in work:
+            assert n >= 1 and seq.num_computed + n <= len(seq.tokens), (sid, n, seq.num_computed)
+            assert len(seq.blocks) * bs >= seq.num_computed + n, f"{sid}: too few blocks"
+            for p in range(seq.num_computed, seq.num_computed + n):
+                self.cache[seq.blocks[p // bs] * bs + p % bs] = seq.tokens[p]
+            seq.num_computed += n
+            if seq.num_computed == len(seq.tokens):
+                context = [self.cache[seq.blocks[p // bs] * bs + p % bs] for p in range(len(seq.tokens))]
+                tok = next_token(context)
+                seq.tokens.append(tok)
+                result.seq_ids.append(sid)
+                result.token_ids.append(tok)
+        return result

@@ -1,0 +1,219 @@
+"""Scheduler policy against an in-process fake worker: outputs must equal an uncached reference,
+and the block invariant must hold after every operation."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from proto import internal_pb2 as pb
+from scheduler.request import Status
+from scheduler.router import Rejected, Router, RouterConfig
+from tests.fake_worker import FakeWorker, reference_output
+
+GW = b"gw"
+
+
+def make_router(**kw) -> Router:
+    return Router(RouterConfig(**kw))
+
+
+def add(router, rid, prompt, max_tokens, **kw):
+    router.add(GW, pb.AddRequest(request_id=rid, prompt_token_ids=prompt, max_tokens=max_tokens,
+                                 sampling=pb.SamplingConfig(), **kw))
+
+
+def check(router):
+    for state in router.workers.values():
+        state.scheduler.pool.check_invariant(state.scheduler.tables())
+        for req in state.scheduler.requests.values():
+            assert not req.is_finished
+
+
+def step(router, workers, outputs, plans_seen=None):
+    plans = router.plans()
+    for wid, plan in plans:
+        if plans_seen is not None:
+            plans_seen.append(plan)
+        router.on_result(wid, workers[wid].execute(plan))
+        check(router)
+    for delta in router.take_outbox().get(GW, []):
+        entry = outputs.setdefault((delta.request_id, delta.index), {"tokens": [], "finish": 0})
+        entry["tokens"] += list(delta.token_ids)
+        if delta.finish:
+            entry["finish"] = delta.finish
+            entry["cached"] = delta.cached_prompt_tokens
+            entry["error"] = delta.error.code
+    return bool(plans)
+
+
+def run(router, workers, outputs, max_steps=10000, plans_seen=None):
+    for _ in range(max_steps):
+        if not step(router, workers, outputs, plans_seen):
+            return
+    raise AssertionError("did not finish")
+
+
+def with_workers(router, *workers):
+    table = {}
+    for i, w in enumerate(workers):
+        wid = f"w{i}".encode()
+        router.register(wid, w.hello())
+        table[wid] = w
+    return table
+
+
+def test_single_request_matches_reference():
+    router = make_router()
+    workers = with_workers(router, FakeWorker(64))
+    add(router, "a", [5, 6, 7, 8, 9], 12)
+    out = {}
+    run(router, workers, out)
+    assert out[("a", 0)]["tokens"] == reference_output([5, 6, 7, 8, 9], 12)
+    assert out[("a", 0)]["finish"] == pb.LENGTH
+    pool = router.workers[b"w0"].scheduler.pool
+    assert pool.num_free == pool.num_blocks  # freed the moment it finished
+
+
+def test_chunked_prefill_respects_budget_and_decodes_keep_running():
+    router = make_router(max_num_batched_tokens=32)
+    workers = with_workers(router, FakeWorker(256))
+    for i in range(4):
+        add(router, f"d{i}", [i + 1] * 3, 40)
+    out, plans = {}, []
+    for _ in range(3):
+        step(router, workers, out, plans)
+    add(router, "long", list(range(1, 200)), 4)
+    run(router, workers, out, plans_seen=plans)
+    for plan in plans:
+        total = sum(s.num_new_tokens for s in plan.new_seqs) + sum(s.num_new_tokens for s in plan.running_seqs)
+        assert total <= 32
+    # While the long prompt is prefilled in chunks, every decoding stream still gets its token.
+    long_steps = [p for p in plans if any(s.seq_id == "long#0" for s in p.new_seqs)
+                  or any(s.seq_id == "long#0" and s.num_new_tokens > 1 for s in p.running_seqs)]
+    assert len(long_steps) >= 199 // 32
+    for p in long_steps:
+        assert sum(1 for s in p.running_seqs if s.seq_id.startswith("d")) == 4
+    assert out[("long", 0)]["tokens"] == reference_output(list(range(1, 200)), 4)
+    for i in range(4):
+        assert out[(f"d{i}", 0)]["tokens"] == reference_output([i + 1] * 3, 40)
+
+
+def test_preemption_by_recompute_gives_the_undisturbed_output():
+    router = make_router()
+    workers = with_workers(router, FakeWorker(12, block_size=4))  # 48 slots for 6 x 20 tokens
+    rng = random.Random(0)
+    prompts = {f"r{i}": [rng.randrange(1, 1000) for _ in range(rng.randrange(3, 9))] for i in range(6)}
+    for rid, p in prompts.items():
+        add(router, rid, p, 12)
+    out = {}
+    run(router, workers, out)
+    assert router.workers[b"w0"].scheduler.stats.num_preemptions["recompute"] > 0
+    for rid, p in prompts.items():
+        assert out[(rid, 0)]["tokens"] == reference_output(p, 12), rid
+
+
+def test_prefix_cache_hit_is_reported_and_correct():
+    router = make_router()
+    workers = with_workers(router, FakeWorker(128, block_size=4))
+    system = list(range(1, 41))  # 40 tokens = 10 full blocks
+    add(router, "first", system + [900, 901], 5)
+    out = {}
+    run(router, workers, out)
+    add(router, "second", system + [902], 5)
+    run(router, workers, out)
+    assert out[("first", 0)]["cached"] == 0
+    assert out[("second", 0)]["cached"] == 40
+    assert out[("second", 0)]["tokens"] == reference_output(system + [902], 5)
+    # A hit never covers the whole prompt, even when the prompt is exactly cached blocks.
+    add(router, "third", system, 3)
+    run(router, workers, out)
+    assert out[("third", 0)]["cached"] == 36
+    assert out[("third", 0)]["tokens"] == reference_output(system, 3)
+
+
+def test_priority_runs_lower_first_and_fcfs_within():
+    router = make_router(max_num_seqs=1)
+    workers = with_workers(router, FakeWorker(64))
+    add(router, "low", [1, 2], 2, priority=5)
+    add(router, "high", [3, 4], 2, priority=-1)
+    add(router, "high2", [5, 6], 2, priority=-1)
+    order, out = [], {}
+    while True:
+        plans = router.plans()
+        if not plans:
+            break
+        for wid, plan in plans:
+            order += [s.seq_id for s in plan.new_seqs]
+            router.on_result(wid, workers[wid].execute(plan))
+    assert order == ["high#0", "high2#0", "low#0"]
+
+
+def test_rejections_and_queue_bound():
+    router = make_router(max_waiting_requests=3)
+    with_workers(router, FakeWorker(8, block_size=4))  # 32 slots
+    with pytest.raises(Rejected) as e:
+        add(router, "big", [1] * 20, 20)
+    assert e.value.code == "INVALID_ARGUMENT" and "KV blocks" in e.value.message
+    for i in range(3):
+        add(router, f"q{i}", [1, 2], 2)
+    with pytest.raises(Rejected) as e:
+        add(router, "q3", [1, 2], 2)
+    assert e.value.code == "RESOURCE_EXHAUSTED"
+
+
+def test_worker_loss_requeues_and_output_continues():
+    router = make_router()
+    w0, w1 = FakeWorker(64, worker_id="a"), FakeWorker(64, worker_id="b")
+    workers = with_workers(router, w0)
+    add(router, "x", [7, 8, 9], 20)
+    out = {}
+    for _ in range(6):
+        step(router, workers, out)
+    router.remove(b"w0", "test")
+    assert router.pending  # nobody to run it
+    workers = {b"w1": w1}
+    router.register(b"w1", w1.hello())
+    run(router, workers, out)
+    assert out[("x", 0)]["tokens"] == reference_output([7, 8, 9], 20)
+
+
+ops = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "step", "abort", "lose"]),
+                         st.integers(0, 10 ** 6)), min_size=1, max_size=60)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops)
+def test_block_invariant_under_random_operations(operations):
+    router = make_router(max_num_batched_tokens=24, max_num_seqs=6)
+    workers = with_workers(router, FakeWorker(10, block_size=4), FakeWorker(14, block_size=4))
+    out, ids, prompts = {}, [], {}
+    for op, x in operations:
+        rng = random.Random(x)
+        if op == "add":
+            rid = f"r{len(ids)}"
+            shared = [1, 2, 3, 4, 5, 6, 7, 8] if rng.random() < 0.5 else []
+            prompt = shared + [rng.randrange(1, 1000) for _ in range(rng.randrange(1, 12))]
+            try:
+                add(router, rid, prompt, rng.randrange(1, 12))
+                ids.append(rid)
+                prompts[rid] = prompt
+            except Rejected:
+                pass
+        elif op == "step":
+            step(router, workers, out)
+        elif op == "abort" and ids:
+            router.abort(rng.choice(ids))
+        elif op == "lose" and len(router.workers) > 1:
+            wid = rng.choice(list(router.workers))
+            router.remove(wid, "test")
+        check(router)
+    run(router, workers, out)
+    check(router)
+    for state in router.workers.values():
+        assert not state.scheduler.requests
+        assert state.scheduler.pool.num_free == state.scheduler.pool.num_blocks
+    for (rid, _), entry in out.items():
+        if entry["finish"] == pb.LENGTH:
+            assert entry["tokens"] == reference_output(prompts[rid], len(entry["tokens"]))
