@@ -50,6 +50,10 @@ class Request:
     finish_reason: FinishReason | None = None
 
     worker: bytes | None = None     # the worker whose pool holds its blocks
+    cpu_block_ids: list[int] = field(default_factory=list)  # while swapped out
+    # n > 1: sequence 0 computes the prompt, then the others fork its blocks (copy-on-write).
+    fork_children: list["Request"] = field(default_factory=list)
+    fork_parent: "Request | None" = None
     # What the worker already knows, so that a plan carries only the difference.
     on_worker: bool = False
     num_blocks_sent: int = 0

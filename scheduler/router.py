@@ -66,7 +66,9 @@ class Router:
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             enable_prefix_caching=self.config.enable_prefix_caching,
-            eos_token_ids=frozenset(hello.eos_token_ids) or self.config.eos_token_ids)
+            eos_token_ids=frozenset(hello.eos_token_ids) or self.config.eos_token_ids,
+            num_cpu_blocks=hello.num_cpu_blocks, bytes_per_block=hello.bytes_per_block,
+            swap_bytes_per_s=hello.swap_bytes_per_s, prefill_tokens_per_s=hello.prefill_tokens_per_s)
         self.workers[worker_id] = WorkerState(worker_id, hello, Scheduler(cfg, hello.num_blocks))
         log.info("worker %s registered: %d blocks of %d, max_model_len %d, %s",
                  hello.worker_id, hello.num_blocks, hello.block_size, hello.max_model_len,
@@ -137,8 +139,18 @@ class Router:
                 stop_token_ids=frozenset(add.stop_token_ids), priority=add.priority,
                 arrival=arrival))
         self.seqs[add.request_id] = reqs
-        for req in reqs:
-            self._route(req)
+        self._route(reqs[0])
+        if n > 1 and reqs[0].worker is not None:
+            # The n sequences share the prompt's blocks: the others fork sequence 0 once it has
+            # computed the prompt, on the same worker.
+            reqs[0].fork_children = reqs[1:]
+            for child in reqs[1:]:
+                child.fork_parent = reqs[0]
+                child.worker = reqs[0].worker
+                self.workers[reqs[0].worker].scheduler.add(child)
+        else:
+            for req in reqs[1:]:
+                self._route(req)
 
     def abort(self, request_id: str) -> None:
         for req in self.seqs.pop(request_id, []):

@@ -1,16 +1,20 @@
 """One worker's continuous-batching policy: which sequences compute how many tokens this step.
 
 Each registered worker gets its own Scheduler and BlockPool. The router (scheduler/router.py)
-decides which worker a request goes to; this file decides everything after that.
+decides which worker a request goes to; this file decides everything after that. A step has
+three phases, in this order: running sequences (preempting when blocks run out), swapped
+sequences coming back, then waiting ones.
 """
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from proto import internal_pb2 as pb
 from scheduler.block_pool import BlockPool, hash_block
+from scheduler.preemption import PreemptionPolicy
 from scheduler.request import FinishReason, Request, Status
 
 log = logging.getLogger("pagoda.scheduler")
@@ -24,11 +28,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     eos_token_ids: frozenset[int] = frozenset()
-
-
-@dataclass
-class StepStats:
-    num_preemptions: dict[str, int] = field(default_factory=lambda: {"recompute": 0, "swap": 0})
+    num_cpu_blocks: int = 0            # swap space; 0 = recompute only
+    bytes_per_block: int = 0
+    swap_bytes_per_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
 
 
 class Scheduler:
@@ -36,19 +39,26 @@ class Scheduler:
         self.config = config
         self.block_size = config.block_size
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
-        self.waiting: list[tuple[int, int, Request]] = []   # heap of (priority, arrival, request)
+        self.preemption = PreemptionPolicy(config)
+        self.waiting: list[tuple[int, int, int, Request]] = []  # heap: priority, arrival, tiebreak
+        self._tiebreak = itertools.count()
         self.running: list[Request] = []
+        self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}              # every unfinished sequence here
         self.dropped: list[str] = []                         # to tell the worker to forget
         self.in_flight: list[tuple[Request, int]] = []       # (sequence, tokens) of the sent plan
         self.step_id = 0
-        self.stats = StepStats()
+        self._swap_out: list[pb.BlockCopy] = []
+        self._swap_in: list[pb.BlockCopy] = []
+        self._copy: list[pb.BlockCopy] = []
 
     # -- intake -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         req.status = Status.WAITING
         self.requests[req.seq_id] = req
-        heapq.heappush(self.waiting, (req.priority, req.arrival, req))
+        if req.fork_parent is None:
+            heapq.heappush(self.waiting, (req.priority, req.arrival, next(self._tiebreak), req))
+        # A fork child waits, off the queue, for its parent to compute the prompt.
 
     def abort(self, seq_id: str) -> Request | None:
         req = self.requests.get(seq_id)
@@ -66,82 +76,160 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> pb.StepPlan | None:
-        """Running sequences first (one decode token, or the next chunk of a prefill), then
-        waiting ones in priority order for as long as blocks and the token budget last."""
         assert not self.in_flight, "one plan at a time per worker"
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
-        preempted = False
+        self.budget = self.config.max_num_batched_tokens
+        self.scheduled: list[tuple[Request, int]] = []
+        preempted = self._schedule_running()
+        # A step that had to preempt admits nothing: the victims would come straight back.
+        if not preempted:
+            self._schedule_swapped()
+            if not self.swapped:  # swapped sequences resume before any new one is admitted
+                self._schedule_waiting()
+        if not self.scheduled and not self.dropped:
+            return None
+        return self._build_plan()
 
-        self.running = [r for r in self.running if r.status is Status.RUNNING]
-        self.running.sort(key=Request.sort_key)
-        for req in self.running:
-            if budget == 0:
+    def _schedule_running(self) -> bool:
+        """One decode token, or the next prefill chunk, for every running sequence."""
+        preempted, forked = False, []
+        self.running = sorted((r for r in self.running if r.status is Status.RUNNING),
+                              key=Request.sort_key)
+        for req in list(self.running):
+            if self.budget == 0:
                 break
             if req.status is not Status.RUNNING:
-                continue  # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            need = self._blocks_needed(req, n)
+                continue  # a victim earlier in this loop
+            forking = bool(req.fork_children) and req.num_tokens - req.num_computed_tokens == 1
+            n = 1 if forking else self._chunk(req)
+            need = self._blocks_needed(req, n) + (len(req.fork_children) if forking else 0)
+            if forking and n + len(req.fork_children) > self.budget:
+                continue  # the fork needs one token per child; wait for a roomier step
             while not self.pool.can_allocate(need):
-                victim = max((r for r in self.running if r.status is Status.RUNNING),
-                             key=Request.sort_key)
+                # The lowest-priority, latest-arrived sequence not yet given work this step: the
+                # list is in that order, so the scan from the end stops at `req` at the latest.
+                victim = next(r for r in reversed(self.running) if r.status is Status.RUNNING)
                 self.preempt(victim)
                 preempted = True
                 if victim is req:
                     break
             if req.status is not Status.RUNNING:
                 continue
-            req.block_ids += self.pool.allocate(need)
-            scheduled.append((req, n))
-            budget -= n
-        self.running = [r for r in self.running if r.status is Status.RUNNING]
+            if forking:
+                forked += self._fork(req)
+            self._take(req, n)
+        self.running += forked
+        return preempted
 
-        # A step that had to preempt admits nothing new: the victims would come straight back.
-        while self.waiting and not preempted and budget > 0 \
-                and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0][2]
+    def _schedule_swapped(self) -> None:
+        self.swapped.sort(key=Request.sort_key)
+        while self.swapped and self.budget > 0 and self._room_for_one():
+            req = self.swapped[0]
+            n = self._chunk(req)
+            need = self._blocks_needed(req, n)  # the swapped blocks plus room for n tokens
+            if not self.pool.can_allocate(need):
+                return
+            self.swapped.pop(0)
+            gpu = self.pool.allocate(len(req.cpu_block_ids))
+            self._swap_in += [pb.BlockCopy(src=c, dst=g) for c, g in zip(req.cpu_block_ids, gpu)]
+            self.preemption.cpu_pool.free(req.cpu_block_ids)
+            req.cpu_block_ids = []
+            req.block_ids = gpu
+            req.status = Status.RUNNING
+            self.running.append(req)
+            if n > 0:
+                self._take(req, n)
+            else:
+                self._fork_now(req)
+
+    def _schedule_waiting(self) -> None:
+        while self.waiting and self.budget > 0 and self._room_for_one():
+            req = self.waiting[0][-1]
             if req.status is not Status.WAITING:
                 heapq.heappop(self.waiting)  # aborted while waiting
                 continue
-            n = self._admit(req, budget)
-            if n == 0:
-                break  # strict priority order: nothing jumps the queue
+            n = self._admit(req)
+            if n < 0:
+                return  # strict priority order: nothing jumps the queue
             heapq.heappop(self.waiting)
-            scheduled.append((req, n))
-            budget -= n
+            if n > 0:
+                self._take(req, n)
+            else:
+                self._fork_now(req)
 
-        if not scheduled and not self.dropped:
-            return None
-        return self._build_plan(scheduled)
+    def _fork_now(self, req: Request) -> None:
+        """Fork a parent whose prompt is computed but for its last token, if the step has room;
+        otherwise the running phase of a later step does it."""
+        need = self._blocks_needed(req, 1) + len(req.fork_children)
+        if 1 + len(req.fork_children) <= self.budget and self.pool.can_allocate(need):
+            self.running += self._fork(req)
+            self._take(req, 1)
+
+    def _room_for_one(self) -> bool:
+        return len(self.running) < self.config.max_num_seqs
+
+    def _chunk(self, req: Request) -> int:
+        """Tokens to compute now. A parent with children waiting to fork stops one short of
+        its prompt's end; only the running phase's fork computes that last token."""
+        remaining = req.num_tokens - req.num_computed_tokens
+        if req.fork_children:
+            remaining -= 1
+        return min(remaining, self.budget)
 
     def _blocks_needed(self, req: Request, n: int) -> int:
         total = -(-(req.num_computed_tokens + n) // self.block_size)
         return max(0, total - len(req.block_ids))
 
-    def _admit(self, req: Request, budget: int) -> int:
-        """Take blocks for a waiting request's first chunk, reusing cached prefix blocks.
-        Returns the number of tokens scheduled, 0 when it does not fit."""
+    def _take(self, req: Request, n: int) -> None:
+        req.block_ids += self.pool.allocate(self._blocks_needed(req, n))
+        self.scheduled.append((req, n))
+        self.budget -= n
+
+    def _admit(self, req: Request) -> int:
+        """Take blocks for a waiting request, reusing cached prefix blocks. Returns the tokens
+        to compute this step (0 when only a fork is pending), or -1 when it does not fit."""
         bs = self.block_size
         # A hit never covers the whole sequence: at least one token is computed, so logits exist.
         hashes = self._full_block_hashes(req, (req.num_tokens - 1) // bs)
         hits = self.pool.find_cached(hashes)
-        num_computed = len(hits) * bs
-        n = min(req.num_tokens - num_computed, budget)
-        need = -(-(num_computed + n) // bs) - len(hits)
+        req.num_computed_tokens = len(hits) * bs
+        n = self._chunk(req)  # 0 when only the fork is left: the next step does it
+        need = -(-(req.num_computed_tokens + n) // bs) - len(hits)
         reviving = sum(1 for b in hits if self.pool.ref_cnt[b] == 0)
         if not self.pool.can_allocate(need + reviving):
-            return 0
+            req.num_computed_tokens = 0
+            return -1
         self.pool.touch(hits)
-        req.block_ids = hits + self.pool.allocate(need)
+        req.block_ids = hits
         req.block_hashes = hashes[:len(hits)]
-        req.num_computed_tokens = num_computed
         if req.num_cached_tokens < 0:
-            req.num_cached_tokens = num_computed
+            req.num_cached_tokens = req.num_computed_tokens
             self.pool.queries += req.num_tokens
-            self.pool.hits += num_computed
+            self.pool.hits += req.num_computed_tokens
         req.status = Status.RUNNING
         self.running.append(req)
         return n
+
+    def _fork(self, parent: Request) -> list[Request]:
+        """The children share the parent's full blocks. The partly filled last block is about to
+        be written by each of them, so each gets a copy through a copy operation in the plan."""
+        bs, c = self.block_size, parent.num_computed_tokens
+        full = c // bs
+        for child in parent.fork_children:
+            shared = parent.block_ids[:full]
+            self.pool.touch(shared)
+            own = self.pool.allocate(1)
+            if c % bs:
+                self._copy.append(pb.BlockCopy(src=parent.block_ids[full], dst=own[0]))
+            child.block_ids = shared + own
+            child.block_hashes = parent.block_hashes[:full]
+            child.num_computed_tokens = c
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.fork_parent = None
+            child.status = Status.RUNNING
+            self.scheduled.append((child, 1))
+            self.budget -= 1
+        children, parent.fork_children = parent.fork_children, []
+        return children
 
     def _full_block_hashes(self, req: Request, num_blocks: int) -> list[int]:
         bs, out, parent = self.block_size, [], None
@@ -151,11 +239,12 @@ class Scheduler:
             out.append(parent)
         return out
 
-    def _build_plan(self, scheduled: list[tuple[Request, int]]) -> pb.StepPlan:
+    def _build_plan(self) -> pb.StepPlan:
         self.step_id += 1
-        plan = pb.StepPlan(step_id=self.step_id, dropped_seq_ids=self.dropped)
-        self.dropped = []
-        for req, n in scheduled:
+        plan = pb.StepPlan(step_id=self.step_id, dropped_seq_ids=self.dropped,
+                           swap_out=self._swap_out, swap_in=self._swap_in, copy=self._copy)
+        self.dropped, self._swap_out, self._swap_in, self._copy = [], [], [], []
+        for req, n in self.scheduled:
             if req.on_worker:
                 plan.running_seqs.append(pb.RunningSeq(
                     seq_id=req.seq_id, new_block_ids=req.block_ids[req.num_blocks_sent:],
@@ -167,7 +256,7 @@ class Scheduler:
                     num_new_tokens=n))
                 req.on_worker = True
             req.num_blocks_sent = len(req.block_ids)
-        self.in_flight = scheduled
+        self.in_flight, self.scheduled = self.scheduled, []
         return plan
 
     # -- results ------------------------------------------------------------------------------
@@ -177,7 +266,7 @@ class Scheduler:
         bs = self.block_size
         for req, n in self.in_flight:
             if req.status is not Status.RUNNING:
-                continue  # aborted or preempted while the plan ran
+                continue  # aborted while the plan ran
             req.num_computed_tokens += n
             full = req.num_computed_tokens // bs
             if self.pool.enable_prefix_caching and full > len(req.block_hashes):
@@ -209,27 +298,40 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    # -- endings ------------------------------------------------------------------------------
+    # -- endings and preemption ---------------------------------------------------------------
     def finish(self, req: Request, reason: FinishReason) -> None:
         """Every way a sequence ends comes here, so its blocks are always freed at once."""
         if req.status is Status.FINISHED:
             return
         self._release(req)
+        if req.cpu_block_ids:
+            self.preemption.cpu_pool.free(req.cpu_block_ids)
+            req.cpu_block_ids = []
+        if req in self.swapped:
+            self.swapped.remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.requests.pop(req.seq_id, None)
 
     def preempt(self, req: Request) -> None:
-        """Recompute preemption: free the blocks and requeue. Freed blocks keep their hashes, so
-        the recompute often finds most of its prefix still cached."""
-        self._release(req)
-        req.num_computed_tokens = 0
-        req.block_hashes = []
+        """Swap out to CPU when the cost model says moving the blocks twice beats computing the
+        tokens again; else recompute: free the blocks and requeue. Freed blocks keep their
+        hashes, so a recompute often finds most of its prefix still cached."""
+        mode = self.preemption.choose(req)
         req.num_preemptions += 1
-        req.status = Status.WAITING
-        heapq.heappush(self.waiting, (req.priority, req.arrival, req))
-        self.stats.num_preemptions["recompute"] += 1
-        log.info("preempt %s by recompute (%d tokens)", req.seq_id, req.num_tokens)
+        if mode == "swap":
+            cpu = self.preemption.cpu_pool.allocate(len(req.block_ids))
+            self._swap_out += [pb.BlockCopy(src=g, dst=c) for g, c in zip(req.block_ids, cpu)]
+            self._release(req)
+            req.cpu_block_ids = cpu
+            req.status = Status.SWAPPED
+            self.swapped.append(req)
+        else:
+            self._release(req)
+            req.num_computed_tokens = 0
+            req.block_hashes = []
+            req.status = Status.WAITING
+            heapq.heappush(self.waiting, (req.priority, req.arrival, next(self._tiebreak), req))
 
     def _release(self, req: Request) -> None:
         if req.block_ids:
@@ -245,15 +347,24 @@ class Scheduler:
         out = sorted(self.requests.values(), key=Request.sort_key)
         for req in out:
             self._release(req)
+            if req.cpu_block_ids:
+                self.preemption.cpu_pool.free(req.cpu_block_ids)
+                req.cpu_block_ids = []
             req.num_computed_tokens = 0
             req.block_hashes = []
+            req.fork_children, req.fork_parent = [], None
             req.status = Status.WAITING
         self.requests.clear()
         self.waiting.clear()
         self.running.clear()
+        self.swapped.clear()
         self.in_flight = []
         self.dropped = []
         return out
 
     def tables(self) -> list[list[int]]:
         return [r.block_ids for r in self.requests.values()]
+
+    @property
+    def stats(self):
+        return self.preemption.stats

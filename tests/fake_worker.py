@@ -12,17 +12,17 @@ VOCAB = 1000
 EOS = 0
 
 
-def next_token(context: list[int]) -> int:
-    h = 1469598103934665603
+def next_token(context: list[int], seed: int = 0) -> int:
+    h = 1469598103934665603 ^ seed
     for t in context:
         h = ((h ^ t) * 1099511628211) & (2 ** 64 - 1)
     return 1 + h % (VOCAB - 1)  # never EOS, so lengths are controlled by max_tokens
 
 
-def reference_output(prompt: list[int], max_tokens: int) -> list[int]:
+def reference_output(prompt: list[int], max_tokens: int, seed: int = 0) -> list[int]:
     ctx, out = list(prompt), []
     for _ in range(max_tokens):
-        t = next_token(ctx)
+        t = next_token(ctx, seed)
         ctx.append(t)
         out.append(t)
     return out
@@ -33,31 +33,44 @@ class Seq:
     tokens: list[int]
     blocks: list[int]
     num_computed: int
+    seed: int = 0
 
 
 class FakeWorker:
-    def __init__(self, num_blocks: int, block_size: int = 4, worker_id: str = "fake") -> None:
+    def __init__(self, num_blocks: int, block_size: int = 4, worker_id: str = "fake",
+                 num_cpu_blocks: int = 0) -> None:
         self.num_blocks, self.block_size, self.worker_id = num_blocks, block_size, worker_id
+        self.num_cpu_blocks = num_cpu_blocks
         self.cache = [-1] * (num_blocks * block_size)
+        self.cpu_cache = [-1] * (num_cpu_blocks * block_size)
+        self.copies = 0
         self.seqs: dict[str, Seq] = {}
         self.steps = 0
 
     def hello(self, max_model_len: int = 4096) -> pb.WorkerHello:
         return pb.WorkerHello(worker_id=self.worker_id, model="fake", num_blocks=self.num_blocks,
                               block_size=self.block_size, max_model_len=max_model_len,
-                              vocab_size=VOCAB, eos_token_ids=[EOS], device="cpu")
+                              vocab_size=VOCAB, eos_token_ids=[EOS], device="cpu",
+                              num_cpu_blocks=self.num_cpu_blocks, bytes_per_block=1000,
+                              swap_bytes_per_s=1e9, prefill_tokens_per_s=1e3)
 
     def execute(self, plan: pb.StepPlan) -> pb.StepResult:
         self.steps += 1
         bs = self.block_size
         for sid in plan.dropped_seq_ids:
             self.seqs.pop(sid, None)
+        for c in plan.swap_out:
+            self.cpu_cache[c.dst * bs:(c.dst + 1) * bs] = self.cache[c.src * bs:(c.src + 1) * bs]
+        for c in plan.swap_in:
+            self.cache[c.dst * bs:(c.dst + 1) * bs] = self.cpu_cache[c.src * bs:(c.src + 1) * bs]
         for c in plan.copy:
+            self.copies += 1
             self.cache[c.dst * bs:(c.dst + 1) * bs] = self.cache[c.src * bs:(c.src + 1) * bs]
         work = []
         for s in plan.new_seqs:
             assert s.seq_id not in self.seqs, f"{s.seq_id} sent as new twice"
-            seq = Seq(list(s.token_ids), list(s.block_ids), s.num_computed_tokens)
+            seq = Seq(list(s.token_ids), list(s.block_ids), s.num_computed_tokens,
+                      s.sampling.seed if s.sampling.has_seed else 0)
             self.seqs[s.seq_id] = seq
             work.append((s.seq_id, seq, s.num_new_tokens))
         for r in plan.running_seqs:
@@ -73,7 +86,7 @@ class FakeWorker:
             seq.num_computed += n
             if seq.num_computed == len(seq.tokens):
                 context = [self.cache[seq.blocks[p // bs] * bs + p % bs] for p in range(len(seq.tokens))]
-                tok = next_token(context)
+                tok = next_token(context, seq.seed)
                 seq.tokens.append(tok)
                 result.seq_ids.append(sid)
                 result.token_ids.append(tok)

@@ -27,6 +27,8 @@ def add(router, rid, prompt, max_tokens, **kw):
 def check(router):
     for state in router.workers.values():
         state.scheduler.pool.check_invariant(state.scheduler.tables())
+        state.scheduler.preemption.cpu_pool.check_invariant(
+            [r.cpu_block_ids for r in state.scheduler.requests.values()])
         for req in state.scheduler.requests.values():
             assert not req.is_finished
 
@@ -179,26 +181,30 @@ def test_worker_loss_requeues_and_output_continues():
     assert out[("x", 0)]["tokens"] == reference_output([7, 8, 9], 20)
 
 
-ops = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "step", "abort", "lose"]),
+ops = st.lists(st.tuples(st.sampled_from(["add", "add_n", "step", "step", "step", "abort", "lose"]),
                          st.integers(0, 10 ** 6)), min_size=1, max_size=60)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops)
 def test_block_invariant_under_random_operations(operations):
     router = make_router(max_num_batched_tokens=24, max_num_seqs=6)
-    workers = with_workers(router, FakeWorker(10, block_size=4), FakeWorker(14, block_size=4))
+    workers = with_workers(router, FakeWorker(10, block_size=4, num_cpu_blocks=8),
+                           FakeWorker(14, block_size=4))
     out, ids, prompts = {}, [], {}
     for op, x in operations:
         rng = random.Random(x)
-        if op == "add":
+        if op in ("add", "add_n"):
             rid = f"r{len(ids)}"
             shared = [1, 2, 3, 4, 5, 6, 7, 8] if rng.random() < 0.5 else []
             prompt = shared + [rng.randrange(1, 1000) for _ in range(rng.randrange(1, 12))]
+            n = rng.randrange(2, 4) if op == "add_n" else 1
             try:
-                add(router, rid, prompt, rng.randrange(1, 12))
+                router.add(GW, pb.AddRequest(request_id=rid, prompt_token_ids=prompt, n=n,
+                                             max_tokens=rng.randrange(1, 12),
+                                             sampling=pb.SamplingConfig(has_seed=True, seed=x)))
                 ids.append(rid)
-                prompts[rid] = prompt
+                prompts[rid] = (prompt, x)
             except Rejected:
                 pass
         elif op == "step":
@@ -214,6 +220,48 @@ def test_block_invariant_under_random_operations(operations):
     for state in router.workers.values():
         assert not state.scheduler.requests
         assert state.scheduler.pool.num_free == state.scheduler.pool.num_blocks
-    for (rid, _), entry in out.items():
+    for (rid, index), entry in out.items():
         if entry["finish"] == pb.LENGTH:
-            assert entry["tokens"] == reference_output(prompts[rid], len(entry["tokens"]))
+            prompt, seed = prompts[rid]
+            assert entry["tokens"] == reference_output(prompt, len(entry["tokens"]), seed + index)
+    for state in router.workers.values():
+        assert state.scheduler.preemption.cpu_pool.num_free == state.scheduler.preemption.cpu_pool.num_blocks
+
+
+def test_parallel_sampling_shares_the_prompt_and_copies_on_write():
+    router = make_router()
+    worker = FakeWorker(64, block_size=4)
+    workers = with_workers(router, worker)
+    prompt = list(range(1, 11))  # 10 tokens: 2 full blocks and a partial one
+    router.add(GW, pb.AddRequest(request_id="p", prompt_token_ids=prompt, max_tokens=6, n=3,
+                                 sampling=pb.SamplingConfig(has_seed=True, seed=42)))
+    out, plans = {}, []
+    step(router, workers, out, plans)
+    step(router, workers, out, plans)
+    sched = router.workers[b"w0"].scheduler
+    seqs = [sched.requests[f"p#{i}"] for i in range(3)]
+    assert seqs[0].block_ids[:2] == seqs[1].block_ids[:2] == seqs[2].block_ids[:2]
+    assert sched.pool.ref_cnt[seqs[0].block_ids[0]] == 3
+    assert len({s.block_ids[2] for s in seqs}) == 3  # the partial block was copied, not shared
+    run(router, workers, out, plans_seen=plans)
+    assert worker.copies == 2
+    computed = sum(s.num_new_tokens for p in plans for s in list(p.new_seqs) + list(p.running_seqs))
+    assert computed == len(prompt) + 2 + 3 * 5  # prompt once, the last token per child, decodes
+    for i in range(3):
+        assert out[("p", i)]["tokens"] == reference_output(prompt, 6, seed=42 + i)
+    assert len({tuple(out[("p", i)]["tokens"]) for i in range(3)}) == 3
+
+
+def test_preemption_by_swap_gives_the_undisturbed_output():
+    router = make_router()
+    workers = with_workers(router, FakeWorker(12, block_size=4, num_cpu_blocks=40))
+    rng = random.Random(1)
+    prompts = {f"s{i}": [rng.randrange(1, 1000) for _ in range(rng.randrange(3, 9))] for i in range(6)}
+    for rid, p in prompts.items():
+        add(router, rid, p, 12)
+    out = {}
+    run(router, workers, out)
+    assert router.workers[b"w0"].scheduler.stats.num_preemptions["swap"] > 0
+    for rid, p in prompts.items():
+        assert out[(rid, 0)]["tokens"] == reference_output(p, 12), rid
+    assert router.workers[b"w0"].scheduler.preemption.cpu_pool.num_free == 40

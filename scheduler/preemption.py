@@ -1,0 +1,46 @@
+"""How a victim leaves the GPU: recompute or swap, chosen per victim by a cost model."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from scheduler.block_pool import BlockPool
+
+if TYPE_CHECKING:
+    from scheduler.request import Request
+    from scheduler.scheduler import SchedulerConfig
+
+log = logging.getLogger("pagoda.preemption")
+
+
+@dataclass
+class PreemptionStats:
+    num_preemptions: dict[str, int] = field(default_factory=lambda: {"recompute": 0, "swap": 0})
+
+
+class PreemptionPolicy:
+    def __init__(self, config: "SchedulerConfig") -> None:
+        self.config = config
+        self.cpu_pool = BlockPool(config.num_cpu_blocks, enable_prefix_caching=False)
+        self.stats = PreemptionStats()
+
+    def choose(self, req: "Request") -> str:
+        """Swap when moving the blocks out and back in costs less time than computing the
+        tokens again, by the bandwidth and prefill speed the worker measured at start-up."""
+        mode, why = "recompute", "no swap space"
+        cfg = self.config
+        if self.cpu_pool.num_blocks and req.block_ids:
+            if not self.cpu_pool.can_allocate(len(req.block_ids)):
+                why = "swap space full"
+            elif cfg.swap_bytes_per_s <= 0 or cfg.prefill_tokens_per_s <= 0:
+                mode, why = "swap", "no measurements; swap space configured"
+            else:
+                swap_s = 2 * len(req.block_ids) * cfg.bytes_per_block / cfg.swap_bytes_per_s
+                recompute_s = req.num_computed_tokens / cfg.prefill_tokens_per_s
+                mode = "swap" if swap_s < recompute_s else "recompute"
+                why = f"swap {swap_s * 1e3:.2f} ms vs recompute {recompute_s * 1e3:.2f} ms"
+        self.stats.num_preemptions[mode] += 1
+        log.info("preempt %s (%d tokens, %d blocks) by %s: %s", req.seq_id, req.num_tokens,
+                 len(req.block_ids), mode, why)
+        return mode
