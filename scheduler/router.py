@@ -224,11 +224,13 @@ class Router:
     def _emit(self, req: Request, error: pb.Error | None = None) -> None:
         delta = pb.TokenDelta(request_id=req.request_id, index=req.index,
                               token_ids=req.output_token_ids[req.num_streamed:])
+        if req.num_streamed == 0 or req.is_finished:
+            # Usage rides on the first delta too, for a stream the gateway ends on a stop string.
+            delta.prompt_tokens = req.num_prompt_tokens
+            delta.cached_prompt_tokens = max(0, req.num_cached_tokens)
         req.num_streamed = len(req.output_token_ids)
         if req.is_finished:
             delta.finish = int(req.finish_reason)
-            delta.prompt_tokens = req.num_prompt_tokens
-            delta.cached_prompt_tokens = max(0, req.num_cached_tokens)
             if error is not None:
                 delta.error.CopyFrom(error)
             seqs = self.seqs.get(req.request_id)

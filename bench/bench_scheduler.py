@@ -1,0 +1,109 @@
+"""Scheduler time per iteration at N running sequences: schedule, plan encoding, a ZeroMQ round
+trip to a null worker in another process, decoding the result and updating state.
+
+    .venv/bin/python bench/bench_scheduler.py [--seqs 256] [--steps 2000] [--profile]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import multiprocessing as mp
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from proto import internal_pb2 as pb  # noqa: E402
+from scheduler.router import Router, RouterConfig  # noqa: E402
+
+
+def null_worker(address: str) -> None:
+    """Answers every plan at once: one token for each sequence that reaches its end."""
+    sock = zmq.Context().socket(zmq.DEALER)
+    sock.connect(address)
+    seqs: dict[str, list[int]] = {}  # seq id -> [num_tokens, num_computed]
+    sock.send(pb.WorkerMessage(hello=pb.WorkerHello(
+        worker_id="null", model="null", num_blocks=65536, block_size=16, max_model_len=8192,
+        vocab_size=50000, eos_token_ids=[0])).SerializeToString())
+    while True:
+        msg = pb.SchedulerToWorker.FromString(sock.recv())
+        if msg.WhichOneof("kind") == "shutdown":
+            return
+        plan = msg.plan
+        for sid in plan.dropped_seq_ids:
+            seqs.pop(sid, None)
+        result = pb.StepResult(step_id=plan.step_id)
+        for s in plan.new_seqs:
+            seqs[s.seq_id] = [len(s.token_ids), s.num_computed_tokens]
+        work = [(s.seq_id, s.num_new_tokens) for s in plan.new_seqs]
+        work += [(s.seq_id, s.num_new_tokens) for s in plan.running_seqs]
+        for sid, n in work:
+            st = seqs[sid]
+            st[1] += n
+            if st[1] == st[0]:
+                st[0] += 1
+                result.seq_ids.append(sid)
+                result.token_ids.append(7)
+        sock.send(pb.WorkerMessage(result=result).SerializeToString())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqs", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--profile", action="store_true")
+    opts = ap.parse_args()
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    proc = mp.get_context("spawn").Process(target=null_worker, args=(f"tcp://127.0.0.1:{port}",))
+    proc.start()
+    ident, data = sock.recv_multipart()
+    router = Router(RouterConfig(max_num_seqs=opts.seqs, max_num_batched_tokens=8192))
+    router.register(ident, pb.WorkerMessage.FromString(data).hello)
+    for i in range(opts.seqs):
+        router.add(b"gw", pb.AddRequest(request_id=f"r{i}", max_tokens=4096, ignore_eos=True,
+                                        prompt_token_ids=[(i * 31 + j) % 50000 + 1 for j in range(opts.prompt_len)],
+                                        sampling=pb.SamplingConfig()))
+
+    def iteration() -> int:
+        plans = router.plans()
+        for wid, plan in plans:
+            sock.send_multipart([wid, pb.SchedulerToWorker(plan=plan).SerializeToString()])
+            _, reply = sock.recv_multipart()
+            router.on_result(wid, pb.WorkerMessage.FromString(reply).result)
+        outbox = router.take_outbox()
+        for deltas in outbox.values():
+            pb.SchedulerMessage(deltas=deltas).SerializeToString()
+        return len(plans)
+
+    while any(r.num_computed_tokens < opts.prompt_len for r in router.workers[ident].scheduler.requests.values()):
+        iteration()  # prefill until every sequence decodes
+    running = len(router.workers[ident].scheduler.running)
+    profiler = cProfile.Profile() if opts.profile else None
+    times = []
+    if profiler:
+        profiler.enable()
+    for _ in range(opts.steps):
+        t0 = time.perf_counter()
+        iteration()
+        times.append(time.perf_counter() - t0)
+    if profiler:
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
+    sock.send_multipart([ident, pb.SchedulerToWorker(shutdown=True).SerializeToString()])
+    proc.join(5)
+    times.sort()
+    print(f"running sequences: {running}, steps: {opts.steps}")
+    print(f"per iteration: median {statistics.median(times) * 1e3:.3f} ms, "
+          f"p90 {times[int(0.9 * len(times))] * 1e3:.3f} ms, min {times[0] * 1e3:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Assembles one gateway: the gRPC server (Generation, Health, reflection) and its scheduler link.
+
+Kept apart from main.py so tests can run a whole gateway inside their own event loop on an
+ephemeral port.
+"""
+from __future__ import annotations
+
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gateway import metrics
+from gateway.scheduler_client import SchedulerClient
+from gateway.server import GenerationServicer
+from gateway.tokenizer import TextTokenizer
+from proto import internal_pb2, pagoda_pb2, pagoda_pb2_grpc
+
+log = logging.getLogger("pagoda.gateway")
+
+SERVICE_NAME = pagoda_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+_HEALTH_NAMES = ("", SERVICE_NAME)
+
+
+def _bind_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+class Gateway:
+    def __init__(self, tokenizer: TextTokenizer, scheduler_address: str, host: str = "127.0.0.1",
+                 port: int = 50051, max_message_bytes: int = 16 << 20,
+                 client: SchedulerClient | None = None):
+        self.tokenizer = tokenizer
+        self.host = host
+        self.port = port
+        self.client = client or SchedulerClient(scheduler_address, max_message_bytes)
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            # Without this a second gateway on the same port would silently share it.
+            ("grpc.so_reuseport", 0),
+        ])
+        pagoda_pb2_grpc.add_GenerationServicer_to_server(
+            GenerationServicer(tokenizer, self.client), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), self.server)
+        self.client.add_info_listener(self._on_cluster_info)
+        self._warned_model = ""
+
+    async def start(self) -> int:
+        """Binds and starts serving; returns the bound port (useful with port 0)."""
+        bound = self.server.add_insecure_port(_bind_address(self.host, self.port))
+        if not bound:
+            raise OSError(f"cannot bind the gateway to {_bind_address(self.host, self.port)}")
+        self.port = bound
+        await self._set_health(False)
+        await self.client.start()
+        await self.server.start()
+        log.info("gateway serving %s on %s:%d (scheduler %s)", self.tokenizer.name, self.host,
+                 bound, self.client.address)
+        return bound
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        # Tell load balancers first, then let RPCs in flight finish (their finally blocks still
+        # need the scheduler socket to send aborts), then close the socket.
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        await self.client.close()
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+    async def _on_cluster_info(self, info: internal_pb2.ClusterInfo | None) -> None:
+        workers = info.num_workers if info is not None else 0
+        metrics.NUM_WORKERS.set(workers)
+        if info is not None and info.model not in ("", self.tokenizer.name, self._warned_model):
+            self._warned_model = info.model  # once per model, not on every keepalive answer
+            log.warning("the scheduler serves %r but this gateway tokenizes for %r",
+                        info.model, self.tokenizer.name)
+        await self._set_health(workers >= 1)
+
+    async def _set_health(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in _HEALTH_NAMES:
+            await self.health.set(name, status)

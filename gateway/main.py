@@ -1,0 +1,53 @@
+"""`python -m gateway.main [flags]`: one gateway process.
+
+SIGINT/SIGTERM start a graceful stop: health turns NOT_SERVING, new RPCs are refused, RPCs in
+flight get GRACE_SECONDS to finish, and the rest are cancelled (which aborts them at the scheduler).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+import uvloop
+
+from gateway.app import Gateway
+from gateway.args import parse_gateway_args
+from gateway.metrics import start_metrics_server
+from gateway.tokenizer import load_tokenizer
+
+GRACE_SECONDS = 5.0
+log = logging.getLogger("pagoda.gateway")
+
+
+async def run(args) -> None:
+    tokenizer = load_tokenizer(args.model)
+    gateway = Gateway(tokenizer, args.scheduler_gateway_address, host=args.host, port=args.port,
+                      max_message_bytes=args.max_message_bytes)
+    await gateway.start()
+    metrics_server = start_metrics_server(args.gateway_metrics_port, args.gateway_metrics_host)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        log.info("shutting down (grace %.0f s)", GRACE_SECONDS)
+    finally:
+        await gateway.stop(GRACE_SECONDS)
+        if metrics_server is not None:
+            metrics_server.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_gateway_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s gateway: %(message)s")
+    uvloop.run(run(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""A fake scheduler and an in-process gateway, for tests and for trying clients without workers.
+
+The fake binds a real ZeroMQ ROUTER and speaks the real internal protocol, answering each
+AddRequest with TokenDeltas cut from real tokenizer encodings. That isolates the gateway's own
+logic (streaming, status codes, aborts, health) from the scheduler's.
+
+    python -m gateway.testing [--address tcp://127.0.0.1:5555]   # then start gateway.main
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+from typing import Callable
+
+import grpc
+import zmq
+import zmq.asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.app import Gateway
+from gateway.scheduler_client import SchedulerClient
+from gateway.tokenizer import TextTokenizer, load_tokenizer
+from proto import internal_pb2 as ipb, pagoda_pb2 as pb, pagoda_pb2_grpc
+
+DEFAULT_REPLY = "Héllo 😀 wörld, 日本語 and 🇯🇵 done."
+
+# A plan turns an AddRequest into steps: a TokenDelta to send, a float to sleep for, or None to
+# wait until the request is aborted.
+Plan = Callable[[ipb.AddRequest], list]
+
+
+def cluster_info(tok: TextTokenizer, num_workers: int = 1, max_model_len: int = 2048) -> ipb.ClusterInfo:
+    return ipb.ClusterInfo(model=tok.name, num_workers=num_workers, max_model_len=max_model_len,
+                           block_size=16, vocab_size=tok.vocab_size, total_blocks=1000)
+
+
+def reply_plan(tok: TextTokenizer, text: str = DEFAULT_REPLY, per_delta: int = 1,
+               finish: int = ipb.LENGTH, delay: float = 0.0) -> Plan:
+    """Every index streams `text`'s tokens, per_delta at a time, then finishes."""
+    def plan(add: ipb.AddRequest) -> list:
+        ids = tok.encode(text, add_special_tokens=False)
+        per_index = []
+        for index in range(max(1, add.n)):
+            deltas = [ipb.TokenDelta(request_id=add.request_id, index=index,
+                                     token_ids=ids[i:i + per_delta])
+                      for i in range(0, len(ids), per_delta)]
+            deltas[-1].finish, deltas[-1].prompt_tokens = finish, len(add.prompt_token_ids)
+            deltas[-1].cached_prompt_tokens = 16
+            per_index.append(deltas)
+        # Interleave the indices, as a real scheduler batches them.
+        steps = [d for step in zip(*per_index) for d in step]
+        return [s for d in steps for s in ((delay, d) if delay else (d,))]
+    return plan
+
+
+class FakeScheduler:
+    """Answers hello with ClusterInfo and runs `plan` for each AddRequest; records what it got."""
+
+    def __init__(self, tok: TextTokenizer, address: str = "tcp://127.0.0.1", num_workers: int = 1,
+                 answer_hello: bool = True, max_model_len: int = 2048):
+        self.tok = tok
+        self.num_workers = num_workers
+        self.max_model_len = max_model_len
+        self.answer_hello = answer_hello
+        self.plan: Plan = reply_plan(tok)
+        self.adds: list[ipb.AddRequest] = []
+        self.aborts: list[str] = []
+        self.peers: set[bytes] = set()
+        self._aborted = asyncio.Event()
+        self._ctx = zmq.asyncio.Context()
+        self.sock = self._ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if address.count(":") < 2:  # no port given: take a free one
+            address = f"{address}:{self.sock.bind_to_random_port(address)}"
+        else:
+            self.sock.bind(address)
+        self.address = address
+        self._tasks: list[asyncio.Task] = [asyncio.create_task(self._serve())]
+
+    def info(self) -> ipb.ClusterInfo:
+        return cluster_info(self.tok, self.num_workers, self.max_model_len)
+
+    async def send(self, peer: bytes, msg: ipb.SchedulerMessage) -> None:
+        await self.sock.send_multipart([peer, msg.SerializeToString()])
+
+    async def set_workers(self, n: int) -> None:
+        """Workers came or went: tell every gateway, as the real scheduler does."""
+        self.num_workers = n
+        for peer in self.peers:
+            await self.send(peer, ipb.SchedulerMessage(info=self.info()))
+
+    async def _serve(self) -> None:
+        while True:
+            peer, payload = await self.sock.recv_multipart()
+            self.peers.add(peer)
+            msg = ipb.GatewayMessage.FromString(payload)
+            kind = msg.WhichOneof("kind")
+            if kind == "hello" and self.answer_hello:
+                await self.send(peer, ipb.SchedulerMessage(info=self.info()))
+            elif kind == "add":
+                self.adds.append(msg.add)
+                self._tasks.append(asyncio.create_task(self._run(peer, msg.add)))
+            elif kind == "abort":
+                self.aborts.append(msg.abort.request_id)
+                self._aborted.set()
+
+    async def _run(self, peer: bytes, add: ipb.AddRequest) -> None:
+        for step in self.plan(add):
+            if add.request_id in self.aborts:
+                return
+            if step is None:
+                while add.request_id not in self.aborts:
+                    await self._aborted.wait()
+                    self._aborted.clear()
+                return
+            if isinstance(step, float):
+                await asyncio.sleep(step)
+            else:
+                await self.send(peer, ipb.SchedulerMessage(deltas=[step]))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.sock.close()
+        self._ctx.term()
+
+
+async def until(predicate: Callable[[], object], timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+class Harness:
+    """A running fake scheduler + gateway + client channel."""
+
+    def __init__(self, scheduler: FakeScheduler, gateway: Gateway, channel: grpc.aio.Channel):
+        self.scheduler, self.gateway, self.channel = scheduler, gateway, channel
+        self.stub = pagoda_pb2_grpc.GenerationStub(channel)
+        self.health = health_pb2_grpc.HealthStub(channel)
+
+    async def health_of(self, service: str = "") -> int:
+        return (await self.health.Check(health_pb2.HealthCheckRequest(service=service))).status
+
+    async def stream(self, **kw) -> list[pb.GenerateResponse]:
+        return [r async for r in self.stub.GenerateStream(pb.GenerateRequest(**kw))]
+
+
+@contextlib.asynccontextmanager
+async def local_gateway(tok: TextTokenizer, wait_ready: bool = True,
+                        client: SchedulerClient | None = None, **fake_kw):
+    """A gateway on an ephemeral loopback port, wired to a fresh FakeScheduler."""
+    scheduler = FakeScheduler(tok, **fake_kw)
+    if client is not None:
+        client.address = scheduler.address
+    gateway = Gateway(tok, scheduler.address, port=0, client=client)
+    port = await gateway.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        if wait_ready:
+            await until(lambda: gateway.client.num_workers >= 1)
+        yield Harness(scheduler, gateway, channel)
+    finally:
+        await channel.close()
+        await gateway.stop(0.5)
+        await scheduler.close()
+
+
+async def _serve_forever(address: str, model: str) -> None:
+    scheduler = FakeScheduler(load_tokenizer(model), address=address)
+    scheduler.plan = reply_plan(scheduler.tok, delay=0.05)
+    print(f"fake scheduler on {scheduler.address}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await scheduler.close()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="a fake pagoda scheduler (no workers needed)")
+    parser.add_argument("--address", default="tcp://127.0.0.1:5555")
+    parser.add_argument("--model", default="")
+    args = parser.parse_args()
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve_forever(args.address, args.model))

@@ -1,0 +1,146 @@
+"""The gateway's tokenizer: encode, decode, chat template, special tokens.
+
+Runtime work goes through the Rust `tokenizers.Tokenizer` loaded from a tokenizer.json, and chat
+templates are rendered with jinja2 the way transformers does it, so the gateway starts in well
+under a second and never imports transformers on the hot path. transformers is needed only once
+per GGUF file, to convert its embedded vocabulary into tokenizer.json (cached under
+cache_dir(model, "tokenizer")).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Sequence
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from launch.models import cache_dir, model_display_name, resolve_model
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _tokenizer_folder(model: str) -> tuple[Path, Path]:
+    """(the resolved model path, a folder holding tokenizer.json and its config)."""
+    path = resolve_model(model)
+    if path.is_dir():
+        if not (path / "tokenizer.json").exists():
+            raise FileNotFoundError(f"--model {model!r}: {path} has no tokenizer.json")
+        return path, path
+    if path.suffix != ".gguf":
+        raise ValueError(f"--model {model!r}: expected a .gguf file or a HF directory, got {path}")
+    out = cache_dir(path, "tokenizer")
+    if not (out / "tokenizer.json").exists():
+        _convert_gguf(path, out)
+    return path, out
+
+
+def _convert_gguf(path: Path, out: Path) -> None:
+    # Several processes (tests, replicas) may convert at once: each writes a private folder and
+    # moves finished files in, tokenizer.json last, because its presence marks the cache complete.
+    from transformers import AutoTokenizer  # slow import, needed only here
+
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tmp = Path(tempfile.mkdtemp(dir=out, prefix=".convert-"))
+    try:
+        tok.save_pretrained(str(tmp))
+        names = sorted(os.listdir(tmp), key=lambda n: n == "tokenizer.json")
+        for name in names:
+            os.replace(tmp / name, out / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _special_token(config: dict, key: str) -> str | None:
+    value = config.get(key)
+    if isinstance(value, dict):  # older configs store an AddedToken dict
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _chat_template(folder: Path, config: dict) -> str | None:
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.exists():
+        return jinja_file.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    # The same environment settings as transformers' apply_chat_template, so templates written
+    # for it (whitespace control, raise_exception, tojson) render identically here.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, sort_keys=False: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)  # Llama 3 templates
+    return env.from_string(source)
+
+
+@dataclass
+class TextTokenizer:
+    """Everything the gateway needs to turn text into ids and back."""
+    tokenizer: Tokenizer
+    name: str
+    bos_token: str | None = None
+    eos_token: str | None = None
+    chat_template: str | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    _template: jinja2.Template | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.chat_template:
+            self._template = _compile_template(self.chat_template)
+
+    @property
+    def vocab_size(self) -> int:
+        # Added tokens count: their ids are valid input and output.
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str:
+        return self.tokenizer.id_to_token(token_id) or ""
+
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise ValueError(f"model {self.name} has no chat template; send a prompt instead")
+        return self._template.render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
+        # The template already writes every special token it wants (as transformers does with
+        # tokenize=True), so the post-processor must not add a BOS of its own.
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+
+def load_tokenizer(model: str = "") -> TextTokenizer:
+    path, folder = _tokenizer_folder(model)
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    eos = _special_token(config, "eos_token")
+    eos_ids = [i for i in [tok.token_to_id(eos)] if i is not None] if eos else []
+    return TextTokenizer(
+        tokenizer=tok, name=model_display_name(path),
+        bos_token=_special_token(config, "bos_token"), eos_token=eos,
+        chat_template=_chat_template(folder, config), eos_token_ids=eos_ids)

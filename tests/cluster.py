@@ -1,0 +1,93 @@
+"""Starts the real processes (through the launcher, as `make run` does) on free loopback ports."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    def __init__(self, *flags: str, num_workers: int = 1, log_path: Path | None = None) -> None:
+        self.grpc_port = free_port()
+        self.metrics_port = free_port()
+        self.gateway_metrics_port = free_port()
+        self.flags = [
+            "--num-workers", str(num_workers),
+            "--port", str(self.grpc_port),
+            "--scheduler-gateway-address", f"tcp://127.0.0.1:{free_port()}",
+            "--scheduler-worker-address", f"tcp://127.0.0.1:{free_port()}",
+            "--scheduler-metrics-port", str(self.metrics_port),
+            "--gateway-metrics-port", str(self.gateway_metrics_port),
+            *flags,
+        ]
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def start(self, timeout: float = 300) -> "Cluster":
+        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen([sys.executable, "-m", "launch", *self.flags], cwd=ROOT,
+                                     stdout=log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                     start_new_session=True)
+        self.wait_serving(timeout)
+        return self
+
+    def wait_serving(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.target) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"launcher exited with {self.proc.returncode}; see {self.log_path}")
+                try:
+                    r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.5)
+        raise TimeoutError(f"not SERVING after {timeout}s; see {self.log_path}")
+
+    def scheduler_metrics(self) -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def metric(self, name: str) -> float:
+        """Summed over workers."""
+        return sum(v for k, v in self.scheduler_metrics().items() if k.split("{")[0] == name)
+
+    def stop(self) -> int:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                return self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+                return -9
+        return self.proc.returncode if self.proc else 0
