@@ -28,28 +28,43 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+                    query_start_loc: torch.Tensor, scale: float, *,
+                    max_seq_len: int | None = None, max_query_len: int | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context.
 
     The batch is padded to [num_seqs, max_query_len] queries and [num_seqs, max_context] keys so
-    that one SDPA call serves every sequence; the mask hides padding and future tokens.
+    that one SDPA call serves every sequence; the mask hides padding and future tokens. The
+    hints, when given, spare a device-to-host read (the Triton twin takes the same ones).
+    Rows of q past query_start_loc[-1] (padding) are left as they are in `out`.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.zeros_like(q)
     if num_tokens == 0 or num_seqs == 0:
-        return torch.empty_like(q)
+        return out
     starts = query_start_loc[:-1].long()
     query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
     seq_lens = seq_lens.long()
-    max_q = int(query_lens.max())
-    max_blocks_used = int((seq_lens.max() + block_size - 1) // block_size)
-    tables = block_tables[:, :max_blocks_used].long()
+    max_q = int(max_query_len if max_query_len is not None else query_lens.max())
+    max_len = int(max_seq_len if max_seq_len is not None else seq_lens.max())
+    max_blocks_used = (max_len + block_size - 1) // block_size
     max_ctx = max_blocks_used * block_size
+    k_pos = torch.arange(max_ctx, device=q.device)
+    key_valid = k_pos[None, :] < seq_lens[:, None]                      # [S, max_ctx]
+    # Table entries past a sequence's last block are padding: never index through them.
+    block_valid = key_valid[:, ::block_size]
+    tables = torch.where(block_valid, block_tables[:, :max_blocks_used].long(), 0)
 
-    # Gather every sequence's context: [num_seqs, max_ctx, num_kv_heads, head_dim].
+    # Gather every sequence's context: [num_seqs, max_ctx, num_kv_heads, head_dim]. Slots past
+    # seq_len are zeroed, so that stale NaN or Inf there cannot leak through 0 * NaN.
+    keep = key_valid[:, :, None, None]
     keys = k_cache[tables].reshape(num_seqs, max_ctx, num_kv_heads, head_dim)
     values = v_cache[tables].reshape(num_seqs, max_ctx, num_kv_heads, head_dim)
+    keys = torch.where(keep, keys, torch.zeros((), dtype=keys.dtype, device=keys.device))
+    values = torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
     # Scatter the flat queries into a padded [num_seqs, max_q] layout.
     q_idx = torch.arange(max_q, device=q.device)
@@ -59,8 +74,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     # Query i of a sequence sits at absolute position seq_len - query_len + i.
     q_pos = seq_lens[:, None] - query_lens[:, None] + q_idx[None, :]
-    k_pos = torch.arange(max_ctx, device=q.device)
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < seq_lens[:, None, None])
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & key_valid[:, None, :]
     mask = mask & q_valid[:, :, None]
     # Padded query rows see key 0 only, to keep softmax finite; their output is dropped.
     mask[:, :, 0] |= ~q_valid
@@ -70,9 +84,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     qh = queries.transpose(1, 2)                                     # [S, Hq, max_q, D]
     kh = keys.to(compute_dtype).repeat_interleave(group, dim=2).transpose(1, 2)
     vh = values.to(compute_dtype).repeat_interleave(group, dim=2).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None], scale=scale)
-    out = out.transpose(1, 2)                                        # [S, max_q, Hq, D]
-    return out[q_valid]
+    attn = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None], scale=scale)
+    rows = attn.transpose(1, 2)[q_valid]                             # [sum(query_lens), Hq, D]
+    out[:rows.shape[0]] = rows.to(out.dtype)
+    return out
 
 
 def paged_attention_float64(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,

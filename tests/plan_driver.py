@@ -1,0 +1,83 @@
+"""A tiny offline scheduler for worker tests: allocates blocks, builds StepPlans (chunked prefill,
+then one decode token per step) and feeds them to a ModelRunner, the way scheduler/ would."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from proto import internal_pb2
+
+
+@dataclass
+class _Seq:
+    seq_id: str
+    token_ids: list[int]
+    sampling: internal_pb2.SamplingConfig
+    max_new_tokens: int
+    num_computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    sent: bool = False
+    output: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+
+class PlanDriver:
+    def __init__(self, runner, block_order: list[int] | None = None, token_budget: int | None = None,
+                 chunk_size: int | None = None) -> None:
+        """block_order: the order blocks are handed out (a permutation tests non-contiguous
+        tables); token_budget: tokens per step over all sequences; chunk_size: per sequence."""
+        self.runner = runner
+        self.block_size = runner.block_size
+        self.free = list(block_order if block_order is not None else range(runner.cache.num_blocks))
+        self.token_budget = token_budget
+        self.chunk_size = chunk_size
+        self.step_id = 0
+        self.plans: list[internal_pb2.StepPlan] = []
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int,
+                 sampling: internal_pb2.SamplingConfig | None = None) -> list[_Seq]:
+        sampling = sampling or internal_pb2.SamplingConfig()  # temperature 0: greedy
+        seqs = [_Seq(f"s{i}", list(p), sampling, max_new_tokens) for i, p in enumerate(prompts)]
+        dropped: list[str] = []
+        while any(not s.done for s in seqs):
+            plan = internal_pb2.StepPlan(step_id=self.step_id, dropped_seq_ids=dropped)
+            dropped = []
+            budget = self.token_budget or 1 << 30
+            scheduled = []
+            for s in seqs:
+                if s.done or budget == 0:
+                    continue
+                n = min(len(s.token_ids) - s.num_computed, budget, self.chunk_size or 1 << 30)
+                budget -= n
+                need = -(-(s.num_computed + n) // self.block_size) - len(s.blocks)
+                new_blocks = [self.free.pop(0) for _ in range(max(0, need))]
+                s.blocks += new_blocks
+                if not s.sent:
+                    plan.new_seqs.add(seq_id=s.seq_id, token_ids=s.token_ids, sampling=s.sampling,
+                                      num_computed_tokens=s.num_computed, block_ids=s.blocks,
+                                      num_new_tokens=n)
+                    s.sent = True
+                else:
+                    plan.running_seqs.add(seq_id=s.seq_id, new_block_ids=new_blocks, num_new_tokens=n)
+                scheduled.append((s, n))
+            self.plans.append(plan)
+            result = self.runner.execute(plan)
+            assert not result.error, result.error
+            by_id = {s.seq_id: s for s in seqs}
+            for row, (seq_id, token) in enumerate(zip(result.seq_ids, result.token_ids)):
+                s = by_id[seq_id]
+                s.token_ids.append(token)
+                s.output.append(token)
+                s.logits.append(self.runner.last_logits[row].clone())
+            for s, n in scheduled:
+                s.num_computed += n
+                if s.done:
+                    dropped.append(s.seq_id)
+                    self.free += s.blocks
+            self.step_id += 1
+        return seqs

@@ -1,0 +1,51 @@
+"""worker.args: the flag contract with the launcher, sizes, and what auto means."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from worker.args import add_worker_args, parse_bytes, worker_args
+from worker.platform import resolve_device, resolve_dtype
+
+
+@pytest.mark.parametrize("text,expected", [("2GiB", 2 << 30), ("512MiB", 512 << 20), ("1.5G", 1_500_000_000),
+                                           ("1000", 1000), ("4 kib", 4096)])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "2 parsecs", "-1GiB"])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_bytes(text)
+
+
+def test_defaults():
+    a = worker_args()
+    assert (a.model, a.dtype, a.device, a.block_size, a.max_model_len) == ("", "auto", "auto", 16, None)
+    assert (a.num_gpu_blocks_override, a.kv_cache_memory, a.gpu_memory_utilization) == (None, None, 0.9)
+    assert (a.swap_space, a.seed, a.attention_backend, a.max_num_batched_tokens) == (0.0, 0, "auto", 2048)
+    assert a.scheduler_worker_address == "tcp://127.0.0.1:5556" and a.worker_id is None
+    assert worker_args(["--kv-cache-memory", "2GiB"]).kv_cache_memory == 2 << 30
+
+
+def test_flag_names_are_the_contract():
+    parser = add_worker_args(argparse.ArgumentParser())
+    flags = {f for f in parser._option_string_actions if f.startswith("--")} - {"--help"}
+    assert flags == {"--model", "--dtype", "--device", "--block-size", "--max-model-len",
+                     "--num-gpu-blocks-override", "--kv-cache-memory", "--gpu-memory-utilization",
+                     "--swap-space", "--seed", "--attention-backend", "--max-num-batched-tokens",
+                     "--scheduler-worker-address", "--worker-id"}
+
+
+def test_auto_device_and_dtype():
+    cpu = torch.device("cpu")
+    assert resolve_device("cpu") == cpu
+    assert resolve_dtype("float32", cpu) == torch.float32 and resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    assert resolve_dtype("auto", cpu) in (torch.float32, torch.bfloat16)
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == cpu
+        with pytest.raises(RuntimeError):
+            resolve_device("cuda")

