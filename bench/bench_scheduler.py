@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import multiprocessing as mp
 import pstats
 import statistics
@@ -25,7 +26,7 @@ def null_worker(address: str) -> None:
     """Answers every plan at once: one token for each sequence that reaches its end."""
     sock = zmq.Context().socket(zmq.DEALER)
     sock.connect(address)
-    seqs: dict[str, list[int]] = {}  # seq id -> [num_tokens, num_computed]
+    seqs: dict[int, list[int]] = {}  # slot -> [num_tokens, num_computed]
     sock.send(pb.WorkerMessage(hello=pb.WorkerHello(
         worker_id="null", model="null", num_blocks=65536, block_size=16, max_model_len=8192,
         vocab_size=50000, eos_token_ids=[0])).SerializeToString())
@@ -34,20 +35,22 @@ def null_worker(address: str) -> None:
         if msg.WhichOneof("kind") == "shutdown":
             return
         plan = msg.plan
-        for sid in plan.dropped_seq_ids:
-            seqs.pop(sid, None)
+        for slot in plan.dropped_slots:
+            seqs.pop(slot, None)
         result = pb.StepResult(step_id=plan.step_id)
         for s in plan.new_seqs:
-            seqs[s.seq_id] = [len(s.token_ids), s.num_computed_tokens]
-        work = [(s.seq_id, s.num_new_tokens) for s in plan.new_seqs]
-        work += [(s.seq_id, s.num_new_tokens) for s in plan.running_seqs]
-        for sid, n in work:
-            st = seqs[sid]
+            seqs[s.slot] = [len(s.token_ids), s.num_computed_tokens]
+        work = [(s.slot, s.num_new_tokens) for s in plan.new_seqs]
+        work += zip(plan.running_slots, plan.running_num_tokens)
+        slots = []
+        for slot, n in work:
+            st = seqs[slot]
             st[1] += n
             if st[1] == st[0]:
                 st[0] += 1
-                result.seq_ids.append(sid)
-                result.token_ids.append(7)
+                slots.append(slot)
+        result.slots.extend(slots)
+        result.token_ids.extend([7] * len(slots))
         sock.send(pb.WorkerMessage(result=result).SerializeToString())
 
 
@@ -57,6 +60,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-gc", action="store_true")
     opts = ap.parse_args()
 
     ctx = zmq.Context()
@@ -72,19 +76,36 @@ def main() -> None:
                                         prompt_token_ids=[(i * 31 + j) % 50000 + 1 for j in range(opts.prompt_len)],
                                         sampling=pb.SamplingConfig()))
 
+    phases = {"schedule": [], "encode + round trip + decode": [], "update + stream": []}
+
     def iteration() -> int:
+        t0 = time.perf_counter()
         plans = router.plans()
+        t1 = time.perf_counter()
         for wid, plan in plans:
             sock.send_multipart([wid, pb.SchedulerToWorker(plan=plan).SerializeToString()])
             _, reply = sock.recv_multipart()
-            router.on_result(wid, pb.WorkerMessage.FromString(reply).result)
-        outbox = router.take_outbox()
-        for deltas in outbox.values():
-            pb.SchedulerMessage(deltas=deltas).SerializeToString()
+            result = pb.WorkerMessage.FromString(reply).result
+            t2 = time.perf_counter()
+            router.on_result(wid, result)
+        for msg in router.take_outbox().values():
+            msg.SerializeToString()
+        t3 = time.perf_counter()
+        if plans:
+            for key, a, b in zip(phases, (t0, t1, t2), (t1, t2, t3)):
+                phases[key].append(b - a)
         return len(plans)
 
     while any(r.num_computed_tokens < opts.prompt_len for r in router.workers[ident].scheduler.requests.values()):
         iteration()  # prefill until every sequence decodes
+    for v in phases.values():
+        v.clear()
+    if opts.no_gc:
+        # The loop allocates little that lives: a frozen, disabled collector takes its pauses
+        # out of the tail (the server does the same, see scheduler/main.py).
+        gc.collect()
+        gc.freeze()
+        gc.disable()
     running = len(router.workers[ident].scheduler.running)
     profiler = cProfile.Profile() if opts.profile else None
     times = []
@@ -102,7 +123,10 @@ def main() -> None:
     times.sort()
     print(f"running sequences: {running}, steps: {opts.steps}")
     print(f"per iteration: median {statistics.median(times) * 1e3:.3f} ms, "
-          f"p90 {times[int(0.9 * len(times))] * 1e3:.3f} ms, min {times[0] * 1e3:.3f} ms")
+          f"p90 {times[int(0.9 * len(times))] * 1e3:.3f} ms, min {times[0] * 1e3:.3f} ms"
+          f"{' (gc frozen)' if opts.no_gc else ''}")
+    for key, v in phases.items():
+        print(f"  {key}: median {statistics.median(v) * 1e3:.3f} ms")
 
 
 if __name__ == "__main__":

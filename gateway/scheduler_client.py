@@ -19,6 +19,7 @@ import zmq
 import zmq.asyncio
 
 from proto import internal_pb2
+from proto.codec import expand_deltas
 
 log = logging.getLogger("pagoda.gateway")
 
@@ -139,7 +140,7 @@ class SchedulerClient:
             except Exception:  # noqa: BLE001 - one bad frame must not stop the gateway
                 log.exception("dropped a malformed SchedulerMessage (%d frames)", len(frames))
                 continue
-            for delta in msg.deltas:
+            for delta in expand_deltas(msg):
                 queue = self._queues.get(delta.request_id)
                 if queue is not None:  # else: a request already answered or cancelled
                     queue.put_nowait(delta)

@@ -56,6 +56,7 @@ class Request:
     fork_parent: "Request | None" = None
     # What the worker already knows, so that a plan carries only the difference.
     on_worker: bool = False
+    slot: int = -1                  # its name in plans and results while on the worker
     num_blocks_sent: int = 0
     num_preemptions: int = 0
     # Tokens produced but not yet streamed to the gateway.

@@ -55,7 +55,7 @@ class Router:
         self.pending: list[Request] = []          # no worker can take them yet
         self.seqs: dict[str, list[Request]] = {}  # request id -> its n sequences
         self.arrivals = itertools.count()
-        self.outbox: dict[bytes, list[pb.TokenDelta]] = {}
+        self.outbox: dict[bytes, Outbox] = {}
 
     # -- workers ------------------------------------------------------------------------------
     def register(self, worker_id: bytes, hello: pb.WorkerHello) -> None:
@@ -218,26 +218,62 @@ class Router:
                     self._emit(req, error=pb.Error(code="INTERNAL", message=result.error))
             sched.in_flight = []
             return
+        # The common case, one new token of a running sequence, is inlined: it runs for every
+        # sequence every step. Anything else (first tokens, finishes) goes through _emit.
+        outbox, FINISHED = self.outbox, Status.FINISHED
         for req in sched.update(result):
-            self._emit(req)
+            out = req.output_token_ids
+            if req.num_streamed == 0 or req.status is FINISHED or len(out) - req.num_streamed != 1:
+                self._emit(req)
+                continue
+            box = outbox.get(req.gateway)
+            if box is None:
+                box = outbox[req.gateway] = Outbox()
+            box.request_ids.append(req.request_id)
+            box.indices.append(req.index)
+            box.num_tokens.append(1)
+            box.token_ids.append(out[-1])
+            req.num_streamed += 1
 
     def _emit(self, req: Request, error: pb.Error | None = None) -> None:
-        delta = pb.TokenDelta(request_id=req.request_id, index=req.index,
-                              token_ids=req.output_token_ids[req.num_streamed:])
-        if req.num_streamed == 0 or req.is_finished:
-            # Usage rides on the first delta too, for a stream the gateway ends on a stop string.
-            delta.prompt_tokens = req.num_prompt_tokens
-            delta.cached_prompt_tokens = max(0, req.num_cached_tokens)
-        req.num_streamed = len(req.output_token_ids)
-        if req.is_finished:
-            delta.finish = int(req.finish_reason)
-            if error is not None:
-                delta.error.CopyFrom(error)
-            seqs = self.seqs.get(req.request_id)
-            if seqs is not None and all(s.is_finished for s in seqs):
-                del self.seqs[req.request_id]
-        self.outbox.setdefault(req.gateway, []).append(delta)
+        box = self.outbox.get(req.gateway)
+        if box is None:
+            box = self.outbox[req.gateway] = Outbox()
+        first = req.num_streamed == 0
+        new = req.output_token_ids[req.num_streamed:]
+        if new:
+            box.request_ids.append(req.request_id)
+            box.indices.append(req.index)
+            box.num_tokens.append(len(new))
+            box.token_ids += new
+            req.num_streamed += len(new)
+        if first or req.is_finished:
+            delta = pb.TokenDelta(request_id=req.request_id, index=req.index,
+                                  prompt_tokens=req.num_prompt_tokens,
+                                  cached_prompt_tokens=max(0, req.num_cached_tokens))
+            if req.is_finished:
+                delta.finish = int(req.finish_reason)
+                if error is not None:
+                    delta.error.CopyFrom(error)
+                seqs = self.seqs.get(req.request_id)
+                if seqs is not None and all(s.is_finished for s in seqs):
+                    del self.seqs[req.request_id]
+            box.deltas.append(delta)
 
-    def take_outbox(self) -> dict[bytes, list[pb.TokenDelta]]:
-        out, self.outbox = self.outbox, {}
+    def take_outbox(self) -> dict[bytes, pb.SchedulerMessage]:
+        """One message per gateway with everything since the last call."""
+        out = {gw: pb.SchedulerMessage(deltas=b.deltas, request_ids=b.request_ids, indices=b.indices,
+                                       num_tokens=b.num_tokens, token_ids=b.token_ids)
+               for gw, b in self.outbox.items()}
+        self.outbox = {}
         return out
+
+
+@dataclass
+class Outbox:
+    request_ids: list[str] = field(default_factory=list)
+    indices: list[int] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    deltas: list[pb.TokenDelta] = field(default_factory=list)
+

@@ -45,7 +45,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}              # every unfinished sequence here
-        self.dropped: list[str] = []                         # to tell the worker to forget
+        self.dropped: list[int] = []                         # slots the worker must forget
+        self.slots: list[Request | None] = []                # slot -> sequence on the worker
+        self.free_slots: list[int] = []
+        self.running_sorted = True
+        self.running_dirty = False  # finished or preempted sequences still in self.running
         self.in_flight: list[tuple[Request, int]] = []       # (sequence, tokens) of the sent plan
         self.step_id = 0
         self._swap_out: list[pb.BlockCopy] = []
@@ -90,34 +94,59 @@ class Scheduler:
         return self._build_plan()
 
     def _schedule_running(self) -> bool:
-        """One decode token, or the next prefill chunk, for every running sequence."""
+        """One decode token, or the next prefill chunk, for every running sequence. This loop
+        runs for every sequence every step, so the plain decode case is kept lean."""
         preempted, forked = False, []
-        self.running = sorted((r for r in self.running if r.status is Status.RUNNING),
-                              key=Request.sort_key)
-        for req in list(self.running):
-            if self.budget == 0:
+        RUNNING = Status.RUNNING
+        if self.running_dirty:
+            self.running = [r for r in self.running if r.status is RUNNING]
+            self.running_dirty = False
+        if not self.running_sorted:
+            self.running.sort(key=Request.sort_key)
+            self.running_sorted = True
+        running = self.running
+        bs, pool, scheduled, budget = self.block_size, self.pool, self.scheduled, self.budget
+        for req in running:
+            if budget == 0:
                 break
-            if req.status is not Status.RUNNING:
+            if req.status is not RUNNING:
                 continue  # a victim earlier in this loop
-            forking = bool(req.fork_children) and req.num_tokens - req.num_computed_tokens == 1
-            n = 1 if forking else self._chunk(req)
-            need = self._blocks_needed(req, n) + (len(req.fork_children) if forking else 0)
-            if forking and n + len(req.fork_children) > self.budget:
-                continue  # the fork needs one token per child; wait for a roomier step
-            while not self.pool.can_allocate(need):
+            n = len(req.all_token_ids) - req.num_computed_tokens
+            forking = bool(req.fork_children)
+            if forking:
+                if n > 1:
+                    n, forking = n - 1, False  # the children fork at the prompt's last token
+                elif 1 + len(req.fork_children) > budget:
+                    continue  # the fork needs one token per child; wait for a roomier step
+            if n > budget:
+                n = budget
+            need = (req.num_computed_tokens + n + bs - 1) // bs - len(req.block_ids)
+            if forking:
+                need += len(req.fork_children)
+            while need > 0 and not pool.can_allocate(need):
                 # The lowest-priority, latest-arrived sequence not yet given work this step: the
                 # list is in that order, so the scan from the end stops at `req` at the latest.
-                victim = next(r for r in reversed(self.running) if r.status is Status.RUNNING)
+                victim = next(r for r in reversed(running) if r.status is RUNNING)
                 self.preempt(victim)
                 preempted = True
                 if victim is req:
                     break
-            if req.status is not Status.RUNNING:
+            if req.status is not RUNNING:
                 continue
             if forking:
-                forked += self._fork(req)
-            self._take(req, n)
-        self.running += forked
+                self.budget = budget
+                children = self._fork(req)
+                budget = self.budget
+                forked += children
+                need -= len(children)  # _fork took the children's blocks itself
+            if need > 0:
+                req.block_ids += pool.allocate(need)
+            scheduled.append((req, n))
+            budget -= n
+        self.budget = budget
+        if forked:
+            self.running += forked
+            self.running_sorted = False
         return preempted
 
     def _schedule_swapped(self) -> None:
@@ -136,6 +165,7 @@ class Scheduler:
             req.block_ids = gpu
             req.status = Status.RUNNING
             self.running.append(req)
+            self.running_sorted = False
             if n > 0:
                 self._take(req, n)
             else:
@@ -162,6 +192,7 @@ class Scheduler:
         need = self._blocks_needed(req, 1) + len(req.fork_children)
         if 1 + len(req.fork_children) <= self.budget and self.pool.can_allocate(need):
             self.running += self._fork(req)
+            self.running_sorted = False
             self._take(req, 1)
 
     def _room_for_one(self) -> bool:
@@ -207,6 +238,7 @@ class Scheduler:
             self.pool.hits += req.num_computed_tokens
         req.status = Status.RUNNING
         self.running.append(req)
+        self.running_sorted = False
         return n
 
     def _fork(self, parent: Request) -> list[Request]:
@@ -241,62 +273,78 @@ class Scheduler:
 
     def _build_plan(self) -> pb.StepPlan:
         self.step_id += 1
-        plan = pb.StepPlan(step_id=self.step_id, dropped_seq_ids=self.dropped,
+        plan = pb.StepPlan(step_id=self.step_id, dropped_slots=self.dropped,
                            swap_out=self._swap_out, swap_in=self._swap_in, copy=self._copy)
         self.dropped, self._swap_out, self._swap_in, self._copy = [], [], [], []
+        run_slots, run_tokens, block_slots, block_ids = [], [], [], []
         for req, n in self.scheduled:
+            blocks = req.block_ids
             if req.on_worker:
-                plan.running_seqs.append(pb.RunningSeq(
-                    seq_id=req.seq_id, new_block_ids=req.block_ids[req.num_blocks_sent:],
-                    num_new_tokens=n))
+                run_slots.append(req.slot)
+                run_tokens.append(n)
+                if req.num_blocks_sent < len(blocks):
+                    for b in blocks[req.num_blocks_sent:]:
+                        block_slots.append(req.slot)
+                        block_ids.append(b)
             else:
+                self._assign_slot(req)
                 plan.new_seqs.append(pb.NewSeq(
-                    seq_id=req.seq_id, token_ids=req.all_token_ids, sampling=req.sampling,
-                    num_computed_tokens=req.num_computed_tokens, block_ids=req.block_ids,
-                    num_new_tokens=n))
-                req.on_worker = True
-            req.num_blocks_sent = len(req.block_ids)
+                    seq_id=req.seq_id, slot=req.slot, token_ids=req.all_token_ids,
+                    sampling=req.sampling, num_computed_tokens=req.num_computed_tokens,
+                    block_ids=blocks, num_new_tokens=n))
+            req.num_blocks_sent = len(blocks)
+        plan.running_slots.extend(run_slots)
+        plan.running_num_tokens.extend(run_tokens)
+        plan.new_block_slots.extend(block_slots)
+        plan.new_block_ids.extend(block_ids)
         self.in_flight, self.scheduled = self.scheduled, []
         return plan
+
+    def _assign_slot(self, req: Request) -> None:
+        if self.free_slots:
+            req.slot = self.free_slots.pop()
+            self.slots[req.slot] = req
+        else:
+            req.slot = len(self.slots)
+            self.slots.append(req)
+        req.on_worker = True
 
     # -- results ------------------------------------------------------------------------------
     def update(self, result: pb.StepResult) -> list[Request]:
         """Advance the sent plan's sequences, append sampled tokens, check stops.
         Returns the sequences with something new for their gateway."""
-        bs = self.block_size
+        bs, caching, RUNNING = self.block_size, self.pool.enable_prefix_caching, Status.RUNNING
         for req, n in self.in_flight:
-            if req.status is not Status.RUNNING:
+            if req.status is not RUNNING:
                 continue  # aborted while the plan ran
-            req.num_computed_tokens += n
-            full = req.num_computed_tokens // bs
-            if self.pool.enable_prefix_caching and full > len(req.block_hashes):
-                parent = req.block_hashes[-1] if req.block_hashes else None
-                for i in range(len(req.block_hashes), full):
-                    parent = hash_block(parent, req.all_token_ids[i * bs:(i + 1) * bs])
-                    req.block_hashes.append(parent)
-                    self.pool.cache_block(req.block_ids[i], parent)
+            computed = req.num_computed_tokens = req.num_computed_tokens + n
+            if caching and computed // bs > len(req.block_hashes):
+                self._cache_full_blocks(req)
         self.in_flight = []
 
-        touched = []
-        for seq_id, token in zip(result.seq_ids, result.token_ids):
-            req = self.requests.get(seq_id)
-            if req is None or req.status is not Status.RUNNING:
-                continue
-            req.append_token(token)
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self.finish(req, reason)
+        touched, slots = [], self.slots
+        eos, max_len = self.config.eos_token_ids, self.config.max_model_len
+        for slot, token in zip(result.slots, result.token_ids):
+            req = slots[slot] if slot < len(slots) else None
+            if req is None or req.status is not RUNNING:
+                continue  # dropped while the plan ran
+            req.output_token_ids.append(token)
+            req.all_token_ids.append(token)
+            if (token in eos and not req.ignore_eos) or token in req.stop_token_ids:
+                self.finish(req, FinishReason.STOP)
+            elif len(req.output_token_ids) >= req.max_tokens or len(req.all_token_ids) >= max_len:
+                self.finish(req, FinishReason.LENGTH)
             touched.append(req)
         return touched
 
-    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
-        if not req.ignore_eos and token in self.config.eos_token_ids:
-            return FinishReason.STOP
-        if token in req.stop_token_ids:
-            return FinishReason.STOP
-        if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
-            return FinishReason.LENGTH
-        return None
+    def _cache_full_blocks(self, req: Request) -> None:
+        """Make the blocks this step filled findable by later requests with the same prefix."""
+        bs = self.block_size
+        parent = req.block_hashes[-1] if req.block_hashes else None
+        for i in range(len(req.block_hashes), req.num_computed_tokens // bs):
+            parent = hash_block(parent, req.all_token_ids[i * bs:(i + 1) * bs])
+            req.block_hashes.append(parent)
+            self.pool.cache_block(req.block_ids[i], parent)
 
     # -- endings and preemption ---------------------------------------------------------------
     def finish(self, req: Request, reason: FinishReason) -> None:
@@ -309,6 +357,8 @@ class Scheduler:
             req.cpu_block_ids = []
         if req in self.swapped:
             self.swapped.remove(req)
+        if req.status is Status.RUNNING:
+            self.running_dirty = True
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.requests.pop(req.seq_id, None)
@@ -319,6 +369,7 @@ class Scheduler:
         hashes, so a recompute often finds most of its prefix still cached."""
         mode = self.preemption.choose(req)
         req.num_preemptions += 1
+        self.running_dirty = True
         if mode == "swap":
             cpu = self.preemption.cpu_pool.allocate(len(req.block_ids))
             self._swap_out += [pb.BlockCopy(src=g, dst=c) for g, c in zip(req.block_ids, cpu)]
@@ -339,7 +390,10 @@ class Scheduler:
             req.block_ids = []
         req.num_blocks_sent = 0
         if req.on_worker:
-            self.dropped.append(req.seq_id)
+            self.dropped.append(req.slot)
+            self.slots[req.slot] = None
+            self.free_slots.append(req.slot)
+            req.slot = -1
             req.on_worker = False
 
     def drain(self) -> list[Request]:
@@ -360,6 +414,7 @@ class Scheduler:
         self.swapped.clear()
         self.in_flight = []
         self.dropped = []
+        self.slots, self.free_slots = [], []
         return out
 
     def tables(self) -> list[list[int]]:

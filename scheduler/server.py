@@ -105,8 +105,8 @@ class SchedulerServer:
             self._send(self.gateways, ident, pb.SchedulerMessage(info=info))
 
     def _flush_deltas(self) -> None:
-        for ident, deltas in self.router.take_outbox().items():
-            self._send(self.gateways, ident, pb.SchedulerMessage(deltas=deltas))
+        for ident, msg in self.router.take_outbox().items():
+            self._send(self.gateways, ident, msg)
 
     # -- workers ------------------------------------------------------------------------------
     def _on_worker(self, ident: bytes, data: bytes) -> None:

@@ -57,8 +57,8 @@ class FakeWorker:
     def execute(self, plan: pb.StepPlan) -> pb.StepResult:
         self.steps += 1
         bs = self.block_size
-        for sid in plan.dropped_seq_ids:
-            self.seqs.pop(sid, None)
+        for slot in plan.dropped_slots:
+            self.seqs.pop(slot, None)
         for c in plan.swap_out:
             self.cpu_cache[c.dst * bs:(c.dst + 1) * bs] = self.cache[c.src * bs:(c.src + 1) * bs]
         for c in plan.swap_in:
@@ -68,15 +68,15 @@ class FakeWorker:
             self.cache[c.dst * bs:(c.dst + 1) * bs] = self.cache[c.src * bs:(c.src + 1) * bs]
         work = []
         for s in plan.new_seqs:
-            assert s.seq_id not in self.seqs, f"{s.seq_id} sent as new twice"
+            assert s.slot not in self.seqs, f"slot {s.slot} ({s.seq_id}) is still live"
             seq = Seq(list(s.token_ids), list(s.block_ids), s.num_computed_tokens,
                       s.sampling.seed if s.sampling.has_seed else 0)
-            self.seqs[s.seq_id] = seq
-            work.append((s.seq_id, seq, s.num_new_tokens))
-        for r in plan.running_seqs:
-            seq = self.seqs[r.seq_id]
-            seq.blocks += list(r.new_block_ids)
-            work.append((r.seq_id, seq, r.num_new_tokens))
+            self.seqs[s.slot] = seq
+            work.append((s.slot, seq, s.num_new_tokens))
+        for slot, block in zip(plan.new_block_slots, plan.new_block_ids):
+            self.seqs[slot].blocks.append(block)
+        for slot, n in zip(plan.running_slots, plan.running_num_tokens):
+            work.append((slot, self.seqs[slot], n))
         result = pb.StepResult(step_id=plan.step_id)
         for sid, seq, n in work:
             assert n >= 1 and seq.num_computed + n <= len(seq.tokens), (sid, n, seq.num_computed)
@@ -88,6 +88,6 @@ class FakeWorker:
                 context = [self.cache[seq.blocks[p // bs] * bs + p % bs] for p in range(len(seq.tokens))]
                 tok = next_token(context, seq.seed)
                 seq.tokens.append(tok)
-                result.seq_ids.append(sid)
+                result.slots.append(sid)
                 result.token_ids.append(tok)
         return result

@@ -11,7 +11,7 @@ from proto import internal_pb2
 
 @dataclass
 class _Seq:
-    seq_id: str
+    slot: int
     token_ids: list[int]
     sampling: internal_pb2.SamplingConfig
     max_new_tokens: int
@@ -24,6 +24,14 @@ class _Seq:
     @property
     def done(self) -> bool:
         return len(self.output) >= self.max_new_tokens
+
+
+def add_running(plan: internal_pb2.StepPlan, slot: int, n: int, new_blocks=()) -> None:
+    """Append a sequence the worker already holds to the plan's running columns."""
+    plan.running_slots.append(slot)
+    plan.running_num_tokens.append(n)
+    plan.new_block_slots.extend([slot] * len(new_blocks))
+    plan.new_block_ids.extend(new_blocks)
 
 
 class PlanDriver:
@@ -42,10 +50,10 @@ class PlanDriver:
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  sampling: internal_pb2.SamplingConfig | None = None) -> list[_Seq]:
         sampling = sampling or internal_pb2.SamplingConfig()  # temperature 0: greedy
-        seqs = [_Seq(f"s{i}", list(p), sampling, max_new_tokens) for i, p in enumerate(prompts)]
-        dropped: list[str] = []
+        seqs = [_Seq(i, list(p), sampling, max_new_tokens) for i, p in enumerate(prompts)]
+        dropped: list[int] = []
         while any(not s.done for s in seqs):
-            plan = internal_pb2.StepPlan(step_id=self.step_id, dropped_seq_ids=dropped)
+            plan = internal_pb2.StepPlan(step_id=self.step_id, dropped_slots=dropped)
             dropped = []
             budget = self.token_budget or 1 << 30
             scheduled = []
@@ -58,26 +66,25 @@ class PlanDriver:
                 new_blocks = [self.free.pop(0) for _ in range(max(0, need))]
                 s.blocks += new_blocks
                 if not s.sent:
-                    plan.new_seqs.add(seq_id=s.seq_id, token_ids=s.token_ids, sampling=s.sampling,
+                    plan.new_seqs.add(seq_id=f"s{s.slot}", slot=s.slot, token_ids=s.token_ids, sampling=s.sampling,
                                       num_computed_tokens=s.num_computed, block_ids=s.blocks,
                                       num_new_tokens=n)
                     s.sent = True
                 else:
-                    plan.running_seqs.add(seq_id=s.seq_id, new_block_ids=new_blocks, num_new_tokens=n)
+                    add_running(plan, s.slot, n, new_blocks)
                 scheduled.append((s, n))
             self.plans.append(plan)
             result = self.runner.execute(plan)
             assert not result.error, result.error
-            by_id = {s.seq_id: s for s in seqs}
-            for row, (seq_id, token) in enumerate(zip(result.seq_ids, result.token_ids)):
-                s = by_id[seq_id]
+            for row, (slot, token) in enumerate(zip(result.slots, result.token_ids)):
+                s = seqs[slot]
                 s.token_ids.append(token)
                 s.output.append(token)
                 s.logits.append(self.runner.last_logits[row].clone())
             for s, n in scheduled:
                 s.num_computed += n
                 if s.done:
-                    dropped.append(s.seq_id)
+                    dropped.append(s.slot)
                     self.free += s.blocks
             self.step_id += 1
         return seqs

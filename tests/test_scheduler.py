@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from proto import internal_pb2 as pb
 from scheduler.request import Status
+from proto.codec import expand_deltas
 from scheduler.router import Rejected, Router, RouterConfig
 from tests.fake_worker import FakeWorker, reference_output
 
@@ -40,7 +41,8 @@ def step(router, workers, outputs, plans_seen=None):
             plans_seen.append(plan)
         router.on_result(wid, workers[wid].execute(plan))
         check(router)
-    for delta in router.take_outbox().get(GW, []):
+    msg = router.take_outbox().get(GW)
+    for delta in expand_deltas(msg) if msg is not None else []:
         entry = outputs.setdefault((delta.request_id, delta.index), {"tokens": [], "finish": 0})
         entry["tokens"] += list(delta.token_ids)
         if delta.finish:
@@ -89,14 +91,16 @@ def test_chunked_prefill_respects_budget_and_decodes_keep_running():
     add(router, "long", list(range(1, 200)), 4)
     run(router, workers, out, plans_seen=plans)
     for plan in plans:
-        total = sum(s.num_new_tokens for s in plan.new_seqs) + sum(s.num_new_tokens for s in plan.running_seqs)
-        assert total <= 32
+        assert sum(s.num_new_tokens for s in plan.new_seqs) + sum(plan.running_num_tokens) <= 32
     # While the long prompt is prefilled in chunks, every decoding stream still gets its token.
-    long_steps = [p for p in plans if any(s.seq_id == "long#0" for s in p.new_seqs)
-                  or any(s.seq_id == "long#0" and s.num_new_tokens > 1 for s in p.running_seqs)]
+    long_slot = next(s.slot for p in plans for s in p.new_seqs if s.seq_id == "long#0")
+    first = next(i for i, p in enumerate(plans) if any(s.seq_id == "long#0" for s in p.new_seqs))
+    long_steps = [plans[first]] + [p for p in plans[first + 1:] if any(
+        slot == long_slot and n > 1 for slot, n in zip(p.running_slots, p.running_num_tokens))]
     assert len(long_steps) >= 199 // 32
     for p in long_steps:
-        assert sum(1 for s in p.running_seqs if s.seq_id.startswith("d")) == 4
+        decodes = [slot for slot, n in zip(p.running_slots, p.running_num_tokens) if n == 1]
+        assert len(decodes) == 4
     assert out[("long", 0)]["tokens"] == reference_output(list(range(1, 200)), 4)
     for i in range(4):
         assert out[(f"d{i}", 0)]["tokens"] == reference_output([i + 1] * 3, 40)
@@ -245,7 +249,8 @@ def test_parallel_sampling_shares_the_prompt_and_copies_on_write():
     assert len({s.block_ids[2] for s in seqs}) == 3  # the partial block was copied, not shared
     run(router, workers, out, plans_seen=plans)
     assert worker.copies == 2
-    computed = sum(s.num_new_tokens for p in plans for s in list(p.new_seqs) + list(p.running_seqs))
+    computed = sum(s.num_new_tokens for p in plans for s in p.new_seqs)
+    computed += sum(sum(p.running_num_tokens) for p in plans)
     assert computed == len(prompt) + 2 + 3 * 5  # prompt once, the last token per child, decodes
     for i in range(3):
         assert out[("p", i)]["tokens"] == reference_output(prompt, 6, seed=42 + i)

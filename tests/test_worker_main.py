@@ -65,10 +65,10 @@ def test_hello_plan_heartbeat_reregister_shutdown(tiny_model, scheduler_socket):
         assert msg.hello.worker_id == "test-worker" and msg.hello.num_blocks == 16
 
         plan = internal_pb2.StepPlan(step_id=3, new_seqs=[internal_pb2.NewSeq(
-            seq_id="r1", token_ids=[1, 2, 3, 4, 5], block_ids=[7], num_new_tokens=5)])
+            seq_id="r1", slot=4, token_ids=[1, 2, 3, 4, 5], block_ids=[7], num_new_tokens=5)])
         send(sock, ident, plan=plan)
         _, msg = receive(sock)
-        assert msg.result.step_id == 3 and list(msg.result.seq_ids) == ["r1"] and not msg.result.error
+        assert msg.result.step_id == 3 and list(msg.result.slots) == [4] and not msg.result.error
 
         _, msg = receive(sock, timeout_s=5, skip_heartbeats=False)  # idle: a heartbeat within ~1 s
         assert msg.heartbeat

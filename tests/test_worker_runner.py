@@ -60,6 +60,9 @@ def test_chunked_prefill_batch_and_permuted_blocks_match_transformers(checkpoint
         assert_matches_reference(hf_model, prompt, seq)
 
 
+A, B = 3, 8  # slots: any small integers the scheduler picks
+
+
 def test_hand_built_plans_with_prefix_hit(checkpoint, runner):
     """Sequence b reuses a's first full block (a prefix hit: num_computed_tokens=16)."""
     _, hf_model, _ = checkpoint
@@ -68,26 +71,24 @@ def test_hand_built_plans_with_prefix_hit(checkpoint, runner):
     greedy = internal_pb2.SamplingConfig()
     plans = [
         internal_pb2.StepPlan(step_id=0, new_seqs=[internal_pb2.NewSeq(
-            seq_id="a", token_ids=a, sampling=greedy, block_ids=[40], num_new_tokens=10)]),
-        internal_pb2.StepPlan(step_id=1, running_seqs=[internal_pb2.RunningSeq(
-            seq_id="a", new_block_ids=[3], num_new_tokens=11)]),
+            seq_id="a", slot=A, token_ids=a, sampling=greedy, block_ids=[40], num_new_tokens=10)]),
+        internal_pb2.StepPlan(step_id=1, running_slots=[A], running_num_tokens=[11],
+                              new_block_slots=[A], new_block_ids=[3]),
         internal_pb2.StepPlan(step_id=2, new_seqs=[internal_pb2.NewSeq(
-            seq_id="b", token_ids=b, sampling=greedy, num_computed_tokens=16, block_ids=[40, 17],
-            num_new_tokens=3)], running_seqs=[internal_pb2.RunningSeq(seq_id="a", num_new_tokens=1)]),
-        internal_pb2.StepPlan(step_id=3, running_seqs=[
-            internal_pb2.RunningSeq(seq_id="a", num_new_tokens=1),
-            internal_pb2.RunningSeq(seq_id="b", num_new_tokens=1)]),
+            seq_id="b", slot=B, token_ids=b, sampling=greedy, num_computed_tokens=16,
+            block_ids=[40, 17], num_new_tokens=3)], running_slots=[A], running_num_tokens=[1]),
+        internal_pb2.StepPlan(step_id=3, running_slots=[A, B], running_num_tokens=[1, 1]),
     ]
     results = [runner.execute(p) for p in plans]
     assert [r.error for r in results] == [""] * 4
-    assert list(results[0].seq_ids) == []                 # a's prefill is not finished: no sample
-    assert list(results[2].seq_ids) == ["b", "a"]         # plan order: new_seqs, then running
+    assert list(results[0].slots) == []                   # a's prefill is not finished: no sample
+    assert list(results[2].slots) == [B, A]               # plan order: new_seqs, then running
     a_out = [results[1].token_ids[0], results[2].token_ids[1], results[3].token_ids[0]]
     b_out = [results[2].token_ids[0], results[3].token_ids[1]]
     assert a_out == reference_logits(hf_model, a, a_out).argmax(-1).tolist()
     assert b_out == reference_logits(hf_model, b, b_out).argmax(-1).tolist()
-    assert runner.seqs["a"].token_ids == a + a_out        # the worker appends sampled tokens itself
-    assert runner.seqs["a"].num_computed_tokens == 23
+    assert runner.seqs[A].token_ids == a + a_out          # the worker appends sampled tokens itself
+    assert runner.seqs[A].num_computed_tokens == 23
 
 
 def run_with_recompute(runner, prompt, sampling, first, total):
@@ -95,8 +96,8 @@ def run_with_recompute(runner, prompt, sampling, first, total):
     with prompt + output, and generate up to `total`."""
     driver = PlanDriver(runner)
     out = driver.generate([prompt], first, sampling)[0].output
-    runner.execute(internal_pb2.StepPlan(step_id=99, dropped_seq_ids=["s0"]))
-    assert "s0" not in runner.seqs
+    runner.execute(internal_pb2.StepPlan(step_id=99, dropped_slots=[0]))
+    assert 0 not in runner.seqs
     driver = PlanDriver(runner, block_order=list(range(63, -1, -1)))
     rest = driver.generate([prompt + out], total - first, sampling)
     return out + rest[0].output
@@ -108,7 +109,7 @@ SEEDED = internal_pb2.SamplingConfig(temperature=1.0, top_p=0.9, has_seed=True, 
 @pytest.mark.parametrize("sampling", [internal_pb2.SamplingConfig(), SEEDED], ids=["greedy", "seeded"])
 def test_recompute_after_preemption_gives_the_same_tokens(checkpoint, runner, sampling):
     straight = PlanDriver(runner).generate([PROMPTS[1]], 10, sampling)[0].output
-    runner.execute(internal_pb2.StepPlan(dropped_seq_ids=["s0"]))
+    runner.execute(internal_pb2.StepPlan(dropped_slots=[0]))
     assert run_with_recompute(runner, PROMPTS[1], sampling, 4, 10) == straight
 
 
@@ -138,32 +139,30 @@ def test_preemption_by_swap_continues_the_same_tokens(checkpoint):
     runner = ModelRunner(runner_args(checkpoint[2], "--swap-space", "0.001"))
     prompt = PROMPTS[0]
     straight = PlanDriver(runner).generate([prompt], 6)[0].output
-    runner.execute(internal_pb2.StepPlan(dropped_seq_ids=["s0"]))
+    runner.execute(internal_pb2.StepPlan(dropped_slots=[0]))
 
     driver = PlanDriver(runner, block_order=[4, 7, 60])
     first = driver.generate([prompt], 3)[0].output           # 24 tokens, 23 computed, blocks 4, 7
     swap = [internal_pb2.BlockCopy(src=4, dst=0), internal_pb2.BlockCopy(src=7, dst=1)]
-    assert not runner.execute(internal_pb2.StepPlan(swap_out=swap, dropped_seq_ids=["s0"])).error
+    assert not runner.execute(internal_pb2.StepPlan(swap_out=swap, dropped_slots=[0])).error
     runner.cache.device_cache[:, :, [4, 7]] = float("nan")   # the blocks get reused by others
     tokens = prompt + first
     plan = internal_pb2.StepPlan(
         swap_in=[internal_pb2.BlockCopy(src=0, dst=30), internal_pb2.BlockCopy(src=1, dst=31)],
-        new_seqs=[internal_pb2.NewSeq(seq_id="s0", token_ids=tokens, block_ids=[30, 31],
+        new_seqs=[internal_pb2.NewSeq(seq_id="s0", slot=0, token_ids=tokens, block_ids=[30, 31],
                                       num_computed_tokens=len(tokens) - 1, num_new_tokens=1)])
     res = runner.execute(plan)
-    assert not res.error and list(res.seq_ids) == ["s0"]
+    assert not res.error and list(res.slots) == [0]
     out = first + list(res.token_ids)
     for _ in range(2):
-        step = internal_pb2.RunningSeq(seq_id="s0", num_new_tokens=1)
-        res = runner.execute(internal_pb2.StepPlan(running_seqs=[step]))
+        res = runner.execute(internal_pb2.StepPlan(running_slots=[0], running_num_tokens=[1]))
         out += list(res.token_ids)
     assert out == straight
 
 
 def test_bad_plans_return_an_error_and_the_runner_survives(checkpoint, runner):
-    res = runner.execute(internal_pb2.StepPlan(step_id=7, running_seqs=[internal_pb2.RunningSeq(
-        seq_id="ghost", num_new_tokens=1)]))
-    assert res.step_id == 7 and "ghost" in res.error and not res.seq_ids
+    res = runner.execute(internal_pb2.StepPlan(step_id=7, running_slots=[77], running_num_tokens=[1]))
+    assert res.step_id == 7 and "77" in res.error and not res.slots
     res = runner.execute(internal_pb2.StepPlan(new_seqs=[internal_pb2.NewSeq(
         seq_id="x", token_ids=list(range(40)), block_ids=[1], num_new_tokens=40)]))
     assert "blocks" in res.error

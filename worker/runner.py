@@ -82,7 +82,7 @@ class ModelRunner:
         self.prefill_tokens_per_s = self._measure_prefill()
 
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(args.seed))
-        self.seqs: dict[str, SeqState] = {}
+        self.seqs: dict[int, SeqState] = {}  # by slot
         self.last_logits: torch.Tensor | None = None  # the latest step's sampled rows, for tests
         logger.info("worker %s ready: %s %s on %s, %d blocks of %d (+%d cpu), load %.1fs, prefill %.0f tok/s",
                     self.worker_id, self.config.architecture, self.dtype, self.device, num_blocks,
@@ -116,7 +116,7 @@ class ModelRunner:
                 self._execute(plan, result)
         except Exception as e:  # the process must outlive a bad plan; the scheduler aborts the step
             logger.exception("step %d failed", plan.step_id)
-            del result.seq_ids[:]
+            del result.slots[:]
             del result.token_ids[:]
             result.error = f"{type(e).__name__}: {e}"
         result.forward_seconds = time.perf_counter() - start
@@ -125,34 +125,33 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
 
     def _execute(self, plan: internal_pb2.StepPlan, result: internal_pb2.StepResult) -> None:
-        for seq_id in plan.dropped_seq_ids:
-            self.seqs.pop(seq_id, None)
+        for slot in plan.dropped_slots:
+            self.seqs.pop(slot, None)
         self.cache.swap_out(plan.swap_out)
         self.cache.swap_in(plan.swap_in)
         self.cache.copy(plan.copy)
 
-        scheduled: list[tuple[str, SeqState, int]] = []
+        scheduled: list[tuple[int, SeqState, int]] = []
         for new in plan.new_seqs:
             sampling = internal_pb2.SamplingConfig()
             sampling.CopyFrom(new.sampling)
             state = SeqState(list(new.token_ids), list(new.block_ids), new.num_computed_tokens, sampling)
-            self.seqs[new.seq_id] = state
+            self.seqs[new.slot] = state
             if new.num_new_tokens:
-                scheduled.append((new.seq_id, state, new.num_new_tokens))
-        for running in plan.running_seqs:
-            state = self.seqs.get(running.seq_id)
-            if state is None:
-                raise KeyError(f"running seq {running.seq_id!r} is unknown to this worker")
-            state.block_ids.extend(running.new_block_ids)
-            if running.num_new_tokens:
-                scheduled.append((running.seq_id, state, running.num_new_tokens))
+                scheduled.append((new.slot, state, new.num_new_tokens))
+        seqs = self.seqs
+        for slot, block in zip(plan.new_block_slots, plan.new_block_ids):
+            self._held(slot).block_ids.append(block)
+        for slot, n in zip(plan.running_slots, plan.running_num_tokens):
+            if n:
+                scheduled.append((slot, seqs.get(slot) or self._held(slot), n))
         if not scheduled:
             return
 
         seqs = [(state, n) for _, state, n in scheduled]
         inputs = self.prepare_inputs(seqs)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.cache.kv_caches)
-        sampling_rows = [(seq_id, state) for seq_id, state, n in scheduled
+        sampling_rows = [(slot, state) for slot, state, n in scheduled
                          if state.num_computed_tokens + n == len(state.token_ids)]
         tokens: list[int] = []
         if sampling_rows:
@@ -162,10 +161,16 @@ class ModelRunner:
             tokens = self.sampler(logits, params, inputs.sample_positions).tolist()
         for _, state, n in scheduled:
             state.num_computed_tokens += n
-        for (seq_id, state), token in zip(sampling_rows, tokens):
+        for (slot, state), token in zip(sampling_rows, tokens):
             state.token_ids.append(token)  # the scheduler appends the same token on its side
-            result.seq_ids.append(seq_id)
-            result.token_ids.append(token)
+        result.slots.extend(slot for slot, _ in sampling_rows)
+        result.token_ids.extend(tokens)
+
+    def _held(self, slot: int) -> SeqState:
+        state = self.seqs.get(slot)
+        if state is None:
+            raise KeyError(f"running slot {slot} is unknown to this worker")
+        return state
 
     def prepare_inputs(self, seqs: list[tuple[SeqState, int]]) -> ModelInputs:
         """Flatten the step: each sequence contributes tokens [num_computed, num_computed + n)."""
