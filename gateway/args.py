@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the same default as the scheduler's and workers'.
 
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -29,6 +29,7 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="Prometheus /metrics port, 0 = off (default: %(default)s)")
     g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
                    help="largest gRPC or ZeroMQ message sent or received (default: %(default)s)")
+    g.add_argument("--log-level", default="INFO")
     return parser
 
 

@@ -43,7 +43,7 @@ async def run(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_gateway_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s gateway: %(message)s")
     uvloop.run(run(args))
     return 0

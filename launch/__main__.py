@@ -83,10 +83,16 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    code = 0
+    code, lost = 0, set()
     while not stopping:
         for name, p in procs:
-            if p.poll() is not None:
+            if p.poll() is None or name in lost:
+                continue
+            if name.startswith("worker"):
+                # The scheduler recomputes a lost worker's sequences on the others; serve on.
+                print(f"pagoda: {name} exited with {p.returncode}; serving with the rest", flush=True)
+                lost.add(name)
+            else:
                 print(f"pagoda: {name} exited with {p.returncode}; stopping the rest", flush=True)
                 code = p.returncode or 1
                 stopping = True

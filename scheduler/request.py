@@ -49,6 +49,11 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
 
+    # Set by the worker's scheduler on arrival: the token ids that stop it (EOS unless
+    # ignore_eos, plus stop_token_ids) and the length at which it stops, so that the per-token
+    # check is two comparisons.
+    stop_set: frozenset[int] = frozenset()
+    length_limit: int = 0
     worker: bytes | None = None     # the worker whose pool holds its blocks
     cpu_block_ids: list[int] = field(default_factory=list)  # while swapped out
     # n > 1: sequence 0 computes the prompt, then the others fork its blocks (copy-on-write).

@@ -58,6 +58,9 @@ class Scheduler:
 
     # -- intake -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        eos = frozenset() if req.ignore_eos else self.config.eos_token_ids
+        req.stop_set = eos | req.stop_token_ids
+        req.length_limit = min(req.num_prompt_tokens + req.max_tokens, self.config.max_model_len)
         req.status = Status.WAITING
         self.requests[req.seq_id] = req
         if req.fork_parent is None:
@@ -322,17 +325,17 @@ class Scheduler:
                 self._cache_full_blocks(req)
         self.in_flight = []
 
-        touched, slots = [], self.slots
-        eos, max_len = self.config.eos_token_ids, self.config.max_model_len
+        touched, slots, num_slots = [], self.slots, len(self.slots)
         for slot, token in zip(result.slots, result.token_ids):
-            req = slots[slot] if slot < len(slots) else None
+            req = slots[slot] if slot < num_slots else None
             if req is None or req.status is not RUNNING:
                 continue  # dropped while the plan ran
             req.output_token_ids.append(token)
-            req.all_token_ids.append(token)
-            if (token in eos and not req.ignore_eos) or token in req.stop_token_ids:
+            tokens = req.all_token_ids
+            tokens.append(token)
+            if token in req.stop_set:
                 self.finish(req, FinishReason.STOP)
-            elif len(req.output_token_ids) >= req.max_tokens or len(req.all_token_ids) >= max_len:
+            elif len(tokens) >= req.length_limit:
                 self.finish(req, FinishReason.LENGTH)
             touched.append(req)
         return touched

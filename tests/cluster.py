@@ -68,6 +68,15 @@ class Cluster:
                 time.sleep(0.5)
         raise TimeoutError(f"not SERVING after {timeout}s; see {self.log_path}")
 
+    def wait_for_workers(self, n: int, timeout: float = 300) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.metric("pagoda_kv_blocks_total") and sum(
+                    1 for k in self.scheduler_metrics() if k.startswith("pagoda_kv_blocks_total{")) >= n:
+                return True
+            time.sleep(0.5)
+        return False
+
     def scheduler_metrics(self) -> dict[str, float]:
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
         out = {}

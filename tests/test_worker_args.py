@@ -37,7 +37,8 @@ def test_flag_names_are_the_contract():
     assert flags == {"--model", "--dtype", "--device", "--block-size", "--max-model-len",
                      "--num-gpu-blocks-override", "--kv-cache-memory", "--gpu-memory-utilization",
                      "--swap-space", "--seed", "--attention-backend", "--max-num-batched-tokens",
-                     "--scheduler-worker-address", "--worker-id"}
+                     "--scheduler-worker-address", "--worker-id", "--max-message-bytes",
+                     "--log-level"}
 
 
 def test_auto_device_and_dtype():

@@ -46,6 +46,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="the largest batch, used to profile activation memory")
     g.add_argument("--scheduler-worker-address", default="tcp://127.0.0.1:5556")
     g.add_argument("--worker-id", default=None, help="default: hostname-pid")
+    g.add_argument("--max-message-bytes", type=int, default=64 << 20,
+                   help="largest ZeroMQ message accepted from the scheduler")
+    g.add_argument("--log-level", default="INFO")
     return parser
 
 

@@ -21,7 +21,6 @@ logger = logging.getLogger("pagoda.worker")
 
 HEARTBEAT_S = 1.0
 # Above the scheduler's default --max-message-bytes (64 MiB); a larger frame closes the connection.
-MAX_MESSAGE_BYTES = 1 << 30
 
 
 def serve(runner, sock: zmq.Socket) -> int:
@@ -67,7 +66,8 @@ def _exit_on_signal(signum, _frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = add_worker_args(argparse.ArgumentParser("pagoda worker", description=__doc__)).parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.MAXMSGSIZE, args.max_message_bytes)
     try:
         sock.connect(args.scheduler_worker_address)
         logger.info("worker %s connected to %s", runner.worker_id, args.scheduler_worker_address)

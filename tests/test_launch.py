@@ -1,0 +1,41 @@
+"""The launcher hands each flag to every process whose parser knows it."""
+from __future__ import annotations
+
+import pytest
+
+from launch.__main__ import process_parsers, route_flags
+
+
+def test_flags_reach_their_owners_and_parse():
+    parsers = process_parsers()
+    argv = ["--num-gpu-blocks-override", "64", "--max-num-seqs", "8", "--max-num-batched-tokens=512",
+            "--scheduler-worker-address", "tcp://127.0.0.1:7000", "--model", "m.gguf", "--port", "6000",
+            "--no-enable-prefix-caching", "--dtype", "float32"]
+    routed = route_flags(argv, parsers)
+    sched = parsers["scheduler"].parse_args(routed["scheduler"])
+    worker = parsers["worker"].parse_args(routed["worker"])
+    gateway = parsers["gateway"].parse_args(routed["gateway"])
+    assert (sched.max_num_seqs, sched.max_num_batched_tokens, sched.enable_prefix_caching) == (8, 512, False)
+    assert sched.scheduler_worker_address == worker.scheduler_worker_address == "tcp://127.0.0.1:7000"
+    assert (worker.num_gpu_blocks_override, worker.max_num_batched_tokens, worker.dtype) == (64, 512, "float32")
+    assert worker.model == gateway.model == "m.gguf" and gateway.port == 6000
+    assert "--max-num-seqs" not in routed["worker"] and "--port" not in routed["scheduler"]
+
+
+def test_unknown_or_incomplete_flags_are_errors():
+    parsers = process_parsers()
+    with pytest.raises(SystemExit, match="unknown flag --max-num-seq"):
+        route_flags(["--max-num-seq", "8"], parsers)
+    with pytest.raises(SystemExit, match="needs a value"):
+        route_flags(["--max-num-seqs"], parsers)
+
+
+def test_a_flag_shared_by_processes_means_the_same_in_each():
+    parsers = process_parsers()
+    seen = {}
+    for name, parser in parsers.items():
+        for flag, action in parser._option_string_actions.items():
+            if flag.startswith("--") and flag != "--help":
+                seen.setdefault(flag, []).append((name, action.default, action.type, action.nargs))
+    for flag, owners in seen.items():
+        assert len({o[1:] for o in owners}) == 1, (flag, owners)
