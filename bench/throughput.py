@@ -37,10 +37,39 @@ def stream(stub, prompt: str, max_tokens: int) -> tuple[int, float, float]:
     return n, first or 0.0, time.perf_counter() - t0
 
 
+def transformers_figures(prompts: list[str], max_tokens: int, dtype: str) -> tuple[float, float]:
+    """The peer in the same run: transformers `generate` on the same model, greedy, one prompt
+    alone and then all prompts as one padded static batch."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from launch.models import resolve_model
+    path = resolve_model("")
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=getattr(torch, dtype)).eval()
+    tok.padding_side = "left"
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                     add_generation_prompt=True) for p in prompts]
+
+    def run(batch: list[str]) -> float:
+        enc = tok(batch, return_tensors="pt", padding=True)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(**enc, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                 do_sample=False, pad_token_id=tok.pad_token_id)
+        return (out.shape[1] - enc["input_ids"].shape[1]) * len(batch) / (time.perf_counter() - t0)
+
+    run(texts[:1])  # warm-up
+    return run(texts[:1]), run(texts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--compare-dtype", default=None,
+                    help="also run transformers generate in this dtype (float32 or bfloat16)")
     opts, extra = ap.parse_known_args()
     t_start = time.perf_counter()
     cluster = Cluster(*extra, log_path=Path("/tmp/pagoda-bench.log")).start(timeout=600)
@@ -59,6 +88,7 @@ def main() -> None:
     finally:
         cluster.stop()
     total = sum(r[0] for r in results)
+    prompts = [PROMPTS[0]] + [PROMPTS[i % len(PROMPTS)] + f" ({i})" for i in range(1, opts.concurrency)]
     print(f"machine: {platform.machine()} {os.cpu_count()} cpus, {platform.processor() or platform.platform()}")
     print(f"flags: {' '.join(extra) or '(defaults)'}")
     print(f"launch to first token (cold processes, warm file cache): {startup:.1f} s")
@@ -66,6 +96,12 @@ def main() -> None:
     print(f"{opts.concurrency} streams: {total / dtn:.1f} tok/s aggregate, "
           f"{total / dtn / opts.concurrency:.1f} tok/s per stream, "
           f"mean TTFT {sum(r[1] for r in results) / len(results) * 1000:.0f} ms")
+    if opts.compare_dtype:
+        hf1, hfn = transformers_figures(prompts, opts.max_tokens, opts.compare_dtype)
+        print(f"transformers generate ({opts.compare_dtype}): 1 stream {hf1:.1f} tok/s, "
+              f"static batch of {opts.concurrency}: {hfn:.1f} tok/s")
+        print(f"ratio pagoda/transformers: 1 stream {n1 / dt1 / hf1:.2f}x, "
+              f"{opts.concurrency} streams {total / dtn / hfn:.2f}x")
 
 
 if __name__ == "__main__":

@@ -58,13 +58,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_valid = key_valid[:, ::block_size]
     tables = torch.where(block_valid, block_tables[:, :max_blocks_used].long(), 0)
 
-    # Gather every sequence's context: [num_seqs, max_ctx, num_kv_heads, head_dim]. Slots past
-    # seq_len are zeroed, so that stale NaN or Inf there cannot leak through 0 * NaN.
-    keep = key_valid[:, :, None, None]
+    # Gather every sequence's context: [num_seqs, max_ctx, num_kv_heads, head_dim]. Masked
+    # scores become -inf whatever the key holds, but 0 * NaN is NaN: values past seq_len are
+    # zeroed, so that stale NaN or Inf there cannot leak into the output.
     keys = k_cache[tables].reshape(num_seqs, max_ctx, num_kv_heads, head_dim)
     values = v_cache[tables].reshape(num_seqs, max_ctx, num_kv_heads, head_dim)
-    keys = torch.where(keep, keys, torch.zeros((), dtype=keys.dtype, device=keys.device))
-    values = torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    values.masked_fill_(~key_valid[:, :, None, None], 0)
 
     # Scatter the flat queries into a padded [num_seqs, max_q] layout.
     q_idx = torch.arange(max_q, device=q.device)
@@ -79,13 +78,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # Padded query rows see key 0 only, to keep softmax finite; their output is dropped.
     mask[:, :, 0] |= ~q_valid
 
+    # GQA without copying K/V per query head: the `group` query heads that share a KV head are
+    # stacked as extra query rows, (query, head-in-group) pairs, as the Triton kernel does.
     group = num_q_heads // num_kv_heads
-    compute_dtype = q.dtype
-    qh = queries.transpose(1, 2)                                     # [S, Hq, max_q, D]
-    kh = keys.to(compute_dtype).repeat_interleave(group, dim=2).transpose(1, 2)
-    vh = values.to(compute_dtype).repeat_interleave(group, dim=2).transpose(1, 2)
-    attn = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None], scale=scale)
-    rows = attn.transpose(1, 2)[q_valid]                             # [sum(query_lens), Hq, D]
+    qh = queries.reshape(num_seqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
+    qh = qh.reshape(num_seqs, num_kv_heads, max_q * group, head_dim)
+    kh = keys.to(q.dtype).transpose(1, 2)                            # [S, Hkv, max_ctx, D]
+    vh = values.to(q.dtype).transpose(1, 2)
+    row_mask = mask[:, :, None, :].expand(num_seqs, max_q, group, max_ctx)
+    row_mask = row_mask.reshape(num_seqs, 1, max_q * group, max_ctx)
+    attn = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=row_mask, scale=scale)
+    attn = attn.reshape(num_seqs, num_kv_heads, max_q, group, head_dim).permute(0, 2, 1, 3, 4)
+    rows = attn.reshape(num_seqs, max_q, num_q_heads, head_dim)[q_valid]  # [sum(q lens), Hq, D]
     out[:rows.shape[0]] = rows.to(out.dtype)
     return out
 
