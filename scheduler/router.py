@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from proto import internal_pb2 as pb
+from scheduler.outbox import Outbox
 from scheduler.request import FinishReason, Request, Status
 from scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -212,28 +213,23 @@ class Router:
             # request that may be what breaks the worker.
             log.error("worker %s step %d failed: %s", state.hello.worker_id, result.step_id,
                       result.error)
-            for req, _ in sched.in_flight:
+            for req, _, _ in sched.in_flight:
                 if req.status is Status.RUNNING:
                     sched.finish(req, FinishReason.ERROR)
                     self._emit(req, error=pb.Error(code="INTERNAL", message=result.error))
             sched.in_flight = []
             return
-        # The common case, one new token of a running sequence, is inlined: it runs for every
-        # sequence every step. Anything else (first tokens, finishes) goes through _emit.
-        outbox, FINISHED = self.outbox, Status.FINISHED
-        for req in sched.update(result):
-            out = req.output_token_ids
-            if req.num_streamed == 0 or req.status is FINISHED or len(out) - req.num_streamed != 1:
-                self._emit(req)
-                continue
-            box = outbox.get(req.gateway)
-            if box is None:
-                box = outbox[req.gateway] = Outbox()
-            box.request_ids.append(req.request_id)
-            box.indices.append(req.index)
-            box.num_tokens.append(1)
-            box.token_ids.append(out[-1])
-            req.num_streamed += 1
+        # The scheduler streams plain one-token steps into the outboxes itself; what is left
+        # (first tokens with usage, finishes) comes back for _emit.
+        try:
+            others = sched.update(result, self.outbox)
+        except ValueError as e:
+            # The worker and its scheduler disagree about the batch: start that worker afresh
+            # and recompute its sequences (elsewhere, or on it once it registers again).
+            self.remove(worker_id, str(e))
+            return
+        for req in others:
+            self._emit(req)
 
     def _emit(self, req: Request, error: pb.Error | None = None) -> None:
         box = self.outbox.get(req.gateway)
@@ -262,18 +258,8 @@ class Router:
 
     def take_outbox(self) -> dict[bytes, pb.SchedulerMessage]:
         """One message per gateway with everything since the last call."""
-        out = {gw: pb.SchedulerMessage(deltas=b.deltas, request_ids=b.request_ids, indices=b.indices,
-                                       num_tokens=b.num_tokens, token_ids=b.token_ids)
-               for gw, b in self.outbox.items()}
+        out = {gw: box.to_message() for gw, box in self.outbox.items()}
         self.outbox = {}
         return out
 
-
-@dataclass
-class Outbox:
-    request_ids: list[str] = field(default_factory=list)
-    indices: list[int] = field(default_factory=list)
-    num_tokens: list[int] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    deltas: list[pb.TokenDelta] = field(default_factory=list)
 

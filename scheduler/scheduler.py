@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from proto import internal_pb2 as pb
 from scheduler.block_pool import BlockPool, hash_block
+from scheduler.outbox import Outbox
 from scheduler.preemption import PreemptionPolicy
 from scheduler.request import FinishReason, Request, Status
 
@@ -50,7 +51,7 @@ class Scheduler:
         self.free_slots: list[int] = []
         self.running_sorted = True
         self.running_dirty = False  # finished or preempted sequences still in self.running
-        self.in_flight: list[tuple[Request, int]] = []       # (sequence, tokens) of the sent plan
+        self.in_flight: list[tuple[Request, int, int]] = []  # (sequence, tokens, slot), plan order
         self.step_id = 0
         self._swap_out: list[pb.BlockCopy] = []
         self._swap_in: list[pb.BlockCopy] = []
@@ -85,14 +86,17 @@ class Scheduler:
     def schedule(self) -> pb.StepPlan | None:
         assert not self.in_flight, "one plan at a time per worker"
         self.budget = self.config.max_num_batched_tokens
-        self.scheduled: list[tuple[Request, int]] = []
+        self.scheduled: list[tuple[Request, int]] = []  # sequences new to the worker
+        # The running sequences' columns of the plan, filled by _schedule_running.
+        self.run_entries: list[tuple[Request, int, int]] = []
+        self.run_slots, self.run_tokens, self.block_slots, self.block_ids = [], [], [], []
         preempted = self._schedule_running()
         # A step that had to preempt admits nothing: the victims would come straight back.
         if not preempted:
             self._schedule_swapped()
             if not self.swapped:  # swapped sequences resume before any new one is admitted
                 self._schedule_waiting()
-        if not self.scheduled and not self.dropped:
+        if not self.scheduled and not self.run_entries and not self.dropped:
             return None
         return self._build_plan()
 
@@ -108,7 +112,9 @@ class Scheduler:
             self.running.sort(key=Request.sort_key)
             self.running_sorted = True
         running = self.running
-        bs, pool, scheduled, budget = self.block_size, self.pool, self.scheduled, self.budget
+        bs, pool, budget = self.block_size, self.pool, self.budget
+        run_entries, run_slots, run_tokens = self.run_entries, self.run_slots, self.run_tokens
+        block_slots, block_ids = self.block_slots, self.block_ids
         for req in running:
             if budget == 0:
                 break
@@ -142,9 +148,24 @@ class Scheduler:
                 budget = self.budget
                 forked += children
                 need -= len(children)  # _fork took the children's blocks itself
+            if not req.on_worker:
+                # Admitted with nothing to compute (a fork was pending): new to the worker.
+                if need > 0:
+                    req.block_ids += pool.allocate(need)
+                self.scheduled.append((req, n))
+                budget -= n
+                continue
+            # A sequence the worker holds goes straight into the plan's columns, which spares
+            # this hot loop a second pass in _build_plan.
+            slot = req.slot
             if need > 0:
-                req.block_ids += pool.allocate(need)
-            scheduled.append((req, n))
+                blocks = pool.allocate(need)
+                req.block_ids += blocks
+                block_slots += [slot] * need
+                block_ids += blocks
+            run_entries.append((req, n, slot))
+            run_slots.append(slot)
+            run_tokens.append(n)
             budget -= n
         self.budget = budget
         if forked:
@@ -279,28 +300,19 @@ class Scheduler:
         plan = pb.StepPlan(step_id=self.step_id, dropped_slots=self.dropped,
                            swap_out=self._swap_out, swap_in=self._swap_in, copy=self._copy)
         self.dropped, self._swap_out, self._swap_in, self._copy = [], [], [], []
-        run_slots, run_tokens, block_slots, block_ids = [], [], [], []
+        new_entries = []  # (sequence, tokens, slot), in the plan's order like run_entries
         for req, n in self.scheduled:
-            blocks = req.block_ids
-            if req.on_worker:
-                run_slots.append(req.slot)
-                run_tokens.append(n)
-                if req.num_blocks_sent < len(blocks):
-                    for b in blocks[req.num_blocks_sent:]:
-                        block_slots.append(req.slot)
-                        block_ids.append(b)
-            else:
-                self._assign_slot(req)
-                plan.new_seqs.append(pb.NewSeq(
-                    seq_id=req.seq_id, slot=req.slot, token_ids=req.all_token_ids,
-                    sampling=req.sampling, num_computed_tokens=req.num_computed_tokens,
-                    block_ids=blocks, num_new_tokens=n))
-            req.num_blocks_sent = len(blocks)
-        plan.running_slots.extend(run_slots)
-        plan.running_num_tokens.extend(run_tokens)
-        plan.new_block_slots.extend(block_slots)
-        plan.new_block_ids.extend(block_ids)
-        self.in_flight, self.scheduled = self.scheduled, []
+            self._assign_slot(req)
+            new_entries.append((req, n, req.slot))
+            plan.new_seqs.append(pb.NewSeq(
+                seq_id=req.seq_id, slot=req.slot, token_ids=req.all_token_ids,
+                sampling=req.sampling, num_computed_tokens=req.num_computed_tokens,
+                block_ids=req.block_ids, num_new_tokens=n))
+        plan.running_slots.extend(self.run_slots)
+        plan.running_num_tokens.extend(self.run_tokens)
+        plan.new_block_slots.extend(self.block_slots)
+        plan.new_block_ids.extend(self.block_ids)
+        self.in_flight, self.scheduled = new_entries + self.run_entries, []
         return plan
 
     def _assign_slot(self, req: Request) -> None:
@@ -313,32 +325,50 @@ class Scheduler:
         req.on_worker = True
 
     # -- results ------------------------------------------------------------------------------
-    def update(self, result: pb.StepResult) -> list[Request]:
-        """Advance the sent plan's sequences, append sampled tokens, check stops.
-        Returns the sequences with something new for their gateway."""
-        bs, caching, RUNNING = self.block_size, self.pool.enable_prefix_caching, Status.RUNNING
-        for req, n in self.in_flight:
-            if req.status is not RUNNING:
-                continue  # aborted while the plan ran
-            computed = req.num_computed_tokens = req.num_computed_tokens + n
-            if caching and computed // bs > len(req.block_hashes):
-                self._cache_full_blocks(req)
-        self.in_flight = []
+    def update(self, result: pb.StepResult, outboxes: dict[bytes, Outbox]) -> list[Request]:
+        """Advance the sent plan's sequences, append sampled tokens, check stops, and stream
+        each plain one-token step into its gateway's outbox. Returns the sequences with other
+        news (first tokens, which carry usage, and finishes) for the caller to emit.
 
-        touched, slots, num_slots = [], self.slots, len(self.slots)
-        for slot, token in zip(result.slots, result.token_ids):
-            req = slots[slot] if slot < num_slots else None
-            if req is None or req.status is not RUNNING:
-                continue  # dropped while the plan ran
-            req.output_token_ids.append(token)
-            tokens = req.all_token_ids
+        One pass in plan order: the result lists the sampled slots in that order too."""
+        bs, caching, RUNNING = self.block_size, self.pool.enable_prefix_caching, Status.RUNNING
+        res_slots, res_tokens = list(result.slots), list(result.token_ids)
+        j, num_results, others = 0, len(res_slots), []
+        for req, n, slot in self.in_flight:
+            alive = req.status is RUNNING  # else aborted while the plan ran
+            if alive:
+                computed = req.num_computed_tokens = req.num_computed_tokens + n
+                if caching and computed // bs > len(req.block_hashes):
+                    self._cache_full_blocks(req)
+            if j == num_results or res_slots[j] != slot:
+                continue  # a prefill chunk that did not reach the end: nothing sampled
+            token = res_tokens[j]
+            j += 1
+            if not alive:
+                continue
+            out, tokens = req.output_token_ids, req.all_token_ids
+            out.append(token)
             tokens.append(token)
             if token in req.stop_set:
                 self.finish(req, FinishReason.STOP)
             elif len(tokens) >= req.length_limit:
                 self.finish(req, FinishReason.LENGTH)
-            touched.append(req)
-        return touched
+            elif req.num_streamed and len(out) - req.num_streamed == 1:
+                box = outboxes.get(req.gateway)
+                if box is None:
+                    box = outboxes[req.gateway] = Outbox()
+                box.request_ids.append(req.request_id)
+                box.indices.append(req.index)
+                box.num_tokens.append(1)
+                box.token_ids.append(token)
+                req.num_streamed += 1
+                continue
+            others.append(req)
+        if j != num_results:
+            raise ValueError(f"step {result.step_id}: {num_results - j} sampled slots match no "
+                             "sequence of the plan")
+        self.in_flight = []
+        return others
 
     def _cache_full_blocks(self, req: Request) -> None:
         """Make the blocks this step filled findable by later requests with the same prefix."""
@@ -391,7 +421,6 @@ class Scheduler:
         if req.block_ids:
             self.pool.free(req.block_ids)
             req.block_ids = []
-        req.num_blocks_sent = 0
         if req.on_worker:
             self.dropped.append(req.slot)
             self.slots[req.slot] = None
