@@ -15,6 +15,15 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra: int = 0
     return hash((parent_hash, tuple(token_ids), extra))
 
 
+def full_block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int) -> list[int]:
+    """The chained hashes of the first num_blocks full blocks of a token sequence."""
+    out, parent = [], None
+    for i in range(num_blocks):
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
         self.num_blocks = num_blocks

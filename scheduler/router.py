@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from proto import internal_pb2 as pb
+from scheduler.block_pool import full_block_hashes
 from scheduler.outbox import Outbox
 from scheduler.request import FinishReason, Request, Status
 from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -173,7 +174,7 @@ class Router:
         if self.config.enable_prefix_caching and len(states) > 1:
             for w in states:
                 bs = w.scheduler.block_size
-                hashes = w.scheduler._full_block_hashes(req, (req.num_tokens - 1) // bs)
+                hashes = full_block_hashes(req.all_token_ids, bs, (req.num_tokens - 1) // bs)
                 hits = len(w.scheduler.pool.find_cached(hashes))
                 if hits > best_hits:
                     best, best_hits = w, hits

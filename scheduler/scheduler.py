@@ -13,10 +13,11 @@ import logging
 from dataclasses import dataclass
 
 from proto import internal_pb2 as pb
-from scheduler.block_pool import BlockPool, hash_block
+from scheduler.block_pool import BlockPool, full_block_hashes
 from scheduler.outbox import Outbox
 from scheduler.preemption import PreemptionPolicy
 from scheduler.request import FinishReason, Request, Status
+from scheduler.results import apply_result
 
 log = logging.getLogger("pagoda.scheduler")
 
@@ -53,9 +54,8 @@ class Scheduler:
         self.running_dirty = False  # finished or preempted sequences still in self.running
         self.in_flight: list[tuple[Request, int, int]] = []  # (sequence, tokens, slot), plan order
         self.step_id = 0
-        self._swap_out: list[pb.BlockCopy] = []
-        self._swap_in: list[pb.BlockCopy] = []
-        self._copy: list[pb.BlockCopy] = []
+        # Cache operations for the next plan: device -> cpu, cpu -> device, copy-on-write.
+        self._swap_out, self._swap_in, self._copy = [], [], []
 
     # -- intake -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -244,7 +244,7 @@ class Scheduler:
         to compute this step (0 when only a fork is pending), or -1 when it does not fit."""
         bs = self.block_size
         # A hit never covers the whole sequence: at least one token is computed, so logits exist.
-        hashes = self._full_block_hashes(req, (req.num_tokens - 1) // bs)
+        hashes = full_block_hashes(req.all_token_ids, bs, (req.num_tokens - 1) // bs)
         hits = self.pool.find_cached(hashes)
         req.num_computed_tokens = len(hits) * bs
         n = self._chunk(req)  # 0 when only the fork is left: the next step does it
@@ -287,14 +287,6 @@ class Scheduler:
         children, parent.fork_children = parent.fork_children, []
         return children
 
-    def _full_block_hashes(self, req: Request, num_blocks: int) -> list[int]:
-        bs, out, parent = self.block_size, [], None
-        tokens = req.all_token_ids
-        for i in range(num_blocks):
-            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs])
-            out.append(parent)
-        return out
-
     def _build_plan(self) -> pb.StepPlan:
         self.step_id += 1
         plan = pb.StepPlan(step_id=self.step_id, dropped_slots=self.dropped,
@@ -326,58 +318,9 @@ class Scheduler:
 
     # -- results ------------------------------------------------------------------------------
     def update(self, result: pb.StepResult, outboxes: dict[bytes, Outbox]) -> list[Request]:
-        """Advance the sent plan's sequences, append sampled tokens, check stops, and stream
-        each plain one-token step into its gateway's outbox. Returns the sequences with other
-        news (first tokens, which carry usage, and finishes) for the caller to emit.
-
-        One pass in plan order: the result lists the sampled slots in that order too."""
-        bs, caching, RUNNING = self.block_size, self.pool.enable_prefix_caching, Status.RUNNING
-        res_slots, res_tokens = list(result.slots), list(result.token_ids)
-        j, num_results, others = 0, len(res_slots), []
-        for req, n, slot in self.in_flight:
-            alive = req.status is RUNNING  # else aborted while the plan ran
-            if alive:
-                computed = req.num_computed_tokens = req.num_computed_tokens + n
-                if caching and computed // bs > len(req.block_hashes):
-                    self._cache_full_blocks(req)
-            if j == num_results or res_slots[j] != slot:
-                continue  # a prefill chunk that did not reach the end: nothing sampled
-            token = res_tokens[j]
-            j += 1
-            if not alive:
-                continue
-            out, tokens = req.output_token_ids, req.all_token_ids
-            out.append(token)
-            tokens.append(token)
-            if token in req.stop_set:
-                self.finish(req, FinishReason.STOP)
-            elif len(tokens) >= req.length_limit:
-                self.finish(req, FinishReason.LENGTH)
-            elif req.num_streamed and len(out) - req.num_streamed == 1:
-                box = outboxes.get(req.gateway)
-                if box is None:
-                    box = outboxes[req.gateway] = Outbox()
-                box.request_ids.append(req.request_id)
-                box.indices.append(req.index)
-                box.num_tokens.append(1)
-                box.token_ids.append(token)
-                req.num_streamed += 1
-                continue
-            others.append(req)
-        if j != num_results:
-            raise ValueError(f"step {result.step_id}: {num_results - j} sampled slots match no "
-                             "sequence of the plan")
-        self.in_flight = []
-        return others
-
-    def _cache_full_blocks(self, req: Request) -> None:
-        """Make the blocks this step filled findable by later requests with the same prefix."""
-        bs = self.block_size
-        parent = req.block_hashes[-1] if req.block_hashes else None
-        for i in range(len(req.block_hashes), req.num_computed_tokens // bs):
-            parent = hash_block(parent, req.all_token_ids[i * bs:(i + 1) * bs])
-            req.block_hashes.append(parent)
-            self.pool.cache_block(req.block_ids[i], parent)
+        """See scheduler/results.py: advance, append, stop and stream. Returns the sequences
+        with news other than a plain token (first tokens, finishes)."""
+        return apply_result(self, result, outboxes)
 
     # -- endings and preemption ---------------------------------------------------------------
     def finish(self, req: Request, reason: FinishReason) -> None:

@@ -106,18 +106,22 @@ def test_chunked_prefill_respects_budget_and_decodes_keep_running():
         assert out[(f"d{i}", 0)]["tokens"] == reference_output([i + 1] * 3, 40)
 
 
-def test_preemption_by_recompute_gives_the_undisturbed_output():
+@pytest.mark.parametrize("mode,cpu_blocks", [("recompute", 0), ("swap", 40)])
+def test_preemption_gives_the_undisturbed_output(mode, cpu_blocks):
     router = make_router()
-    workers = with_workers(router, FakeWorker(12, block_size=4))  # 48 slots for 6 x 20 tokens
+    # 48 slots for 6 x ~20 tokens: preemption is certain.
+    workers = with_workers(router, FakeWorker(12, block_size=4, num_cpu_blocks=cpu_blocks))
     rng = random.Random(0)
     prompts = {f"r{i}": [rng.randrange(1, 1000) for _ in range(rng.randrange(3, 9))] for i in range(6)}
     for rid, p in prompts.items():
         add(router, rid, p, 12)
     out = {}
     run(router, workers, out)
-    assert router.workers[b"w0"].scheduler.stats.num_preemptions["recompute"] > 0
+    sched = router.workers[b"w0"].scheduler
+    assert sched.stats.num_preemptions[mode] > 0
     for rid, p in prompts.items():
         assert out[(rid, 0)]["tokens"] == reference_output(p, 12), rid
+    assert sched.preemption.cpu_pool.num_free == cpu_blocks
 
 
 def test_prefix_cache_hit_is_reported_and_correct():
@@ -255,18 +259,3 @@ def test_parallel_sampling_shares_the_prompt_and_copies_on_write():
     for i in range(3):
         assert out[("p", i)]["tokens"] == reference_output(prompt, 6, seed=42 + i)
     assert len({tuple(out[("p", i)]["tokens"]) for i in range(3)}) == 3
-
-
-def test_preemption_by_swap_gives_the_undisturbed_output():
-    router = make_router()
-    workers = with_workers(router, FakeWorker(12, block_size=4, num_cpu_blocks=40))
-    rng = random.Random(1)
-    prompts = {f"s{i}": [rng.randrange(1, 1000) for _ in range(rng.randrange(3, 9))] for i in range(6)}
-    for rid, p in prompts.items():
-        add(router, rid, p, 12)
-    out = {}
-    run(router, workers, out)
-    assert router.workers[b"w0"].scheduler.stats.num_preemptions["swap"] > 0
-    for rid, p in prompts.items():
-        assert out[(rid, 0)]["tokens"] == reference_output(p, 12), rid
-    assert router.workers[b"w0"].scheduler.preemption.cpu_pool.num_free == 40

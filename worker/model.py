@@ -167,4 +167,4 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], backend: 
         model = LlamaForCausalLM(config, backend, max_positions, device)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.load_weights(weights)
-    return model.eval().requires_grad_(False)
+    return model.train(False).requires_grad_(False)  # inference mode, no dropout
