@@ -11,6 +11,8 @@ Shapes, shared with the Triton versions in kernels/triton_attention.py:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -26,25 +28,25 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     v_flat.index_copy_(0, slots, value[keep].to(v_cache.dtype))
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    query_start_loc: torch.Tensor, scale: float, *,
-                    max_seq_len: int | None = None, max_query_len: int | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole cached context.
+@dataclass
+class Layout:
+    """Where each sequence's queries and keys sit in the padded batch. It depends only on the
+    step's metadata, so a model builds it once per step and every layer reuses it."""
+    num_seqs: int
+    max_q: int
+    max_ctx: int
+    tables: torch.Tensor     # int64 [S, max_blocks]: padding entries point at block 0
+    key_valid: torch.Tensor  # bool [S, max_ctx]
+    q_valid: torch.Tensor    # bool [S, max_q]
+    flat_idx: torch.Tensor   # int64 [S, max_q]: row of q for each padded query
+    mask: torch.Tensor       # bool [S, max_q, max_ctx]: causal and in range
 
-    The batch is padded to [num_seqs, max_query_len] queries and [num_seqs, max_context] keys so
-    that one SDPA call serves every sequence; the mask hides padding and future tokens. The
-    hints, when given, spare a device-to-host read (the Triton twin takes the same ones).
-    Rows of q past query_start_loc[-1] (padding) are left as they are in `out`.
-    """
-    num_tokens, num_q_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+
+def prepare_layout(num_tokens: int, block_size: int, block_tables: torch.Tensor,
+                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                   max_seq_len: int | None = None, max_query_len: int | None = None) -> Layout:
+    device = block_tables.device
     num_seqs = seq_lens.shape[0]
-    if out is None:
-        out = torch.zeros_like(q)
-    if num_tokens == 0 or num_seqs == 0:
-        return out
     starts = query_start_loc[:-1].long()
     query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
     seq_lens = seq_lens.long()
@@ -52,31 +54,52 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     max_len = int(max_seq_len if max_seq_len is not None else seq_lens.max())
     max_blocks_used = (max_len + block_size - 1) // block_size
     max_ctx = max_blocks_used * block_size
-    k_pos = torch.arange(max_ctx, device=q.device)
-    key_valid = k_pos[None, :] < seq_lens[:, None]                      # [S, max_ctx]
+    k_pos = torch.arange(max_ctx, device=device)
+    key_valid = k_pos[None, :] < seq_lens[:, None]
     # Table entries past a sequence's last block are padding: never index through them.
-    block_valid = key_valid[:, ::block_size]
-    tables = torch.where(block_valid, block_tables[:, :max_blocks_used].long(), 0)
+    tables = torch.where(key_valid[:, ::block_size], block_tables[:, :max_blocks_used].long(), 0)
+    q_idx = torch.arange(max_q, device=device)
+    q_valid = q_idx[None, :] < query_lens[:, None]
+    flat_idx = (starts[:, None] + q_idx[None, :]).clamp(max=max(num_tokens - 1, 0))
+    # Query i of a sequence sits at absolute position seq_len - query_len + i.
+    q_pos = seq_lens[:, None] - query_lens[:, None] + q_idx[None, :]
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & key_valid[:, None, :] & q_valid[:, :, None]
+    # Padded query rows see key 0 only, to keep softmax finite; their output is dropped.
+    mask[:, :, 0] |= ~q_valid
+    return Layout(num_seqs, max_q, max_ctx, tables, key_valid, q_valid, flat_idx, mask)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float, *,
+                    max_seq_len: int | None = None, max_query_len: int | None = None,
+                    out: torch.Tensor | None = None, layout: Layout | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole cached context.
+
+    The batch is padded to [num_seqs, max_query_len] queries and [num_seqs, max_context] keys so
+    that one SDPA call serves every sequence; the mask hides padding and future tokens. The
+    hints, when given, spare a device-to-host read (the Triton twin takes the same ones); a
+    `layout` from prepare_layout spares rebuilding the indices in every layer.
+    Rows of q past query_start_loc[-1] (padding) are left as they are in `out`.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if out is None:
+        out = torch.zeros_like(q)
+    if num_tokens == 0 or seq_lens.shape[0] == 0:
+        return out
+    if layout is None:
+        layout = prepare_layout(num_tokens, block_size, block_tables, seq_lens, query_start_loc,
+                                max_seq_len, max_query_len)
+    num_seqs, max_q, max_ctx = layout.num_seqs, layout.max_q, layout.max_ctx
 
     # Gather every sequence's context: [num_seqs, max_ctx, num_kv_heads, head_dim]. Masked
     # scores become -inf whatever the key holds, but 0 * NaN is NaN: values past seq_len are
     # zeroed, so that stale NaN or Inf there cannot leak into the output.
-    keys = k_cache[tables].reshape(num_seqs, max_ctx, num_kv_heads, head_dim)
-    values = v_cache[tables].reshape(num_seqs, max_ctx, num_kv_heads, head_dim)
-    values.masked_fill_(~key_valid[:, :, None, None], 0)
-
-    # Scatter the flat queries into a padded [num_seqs, max_q] layout.
-    q_idx = torch.arange(max_q, device=q.device)
-    q_valid = q_idx[None, :] < query_lens[:, None]
-    flat_idx = (starts[:, None] + q_idx[None, :]).clamp(max=num_tokens - 1)
-    queries = q[flat_idx]  # [num_seqs, max_q, Hq, D]
-
-    # Query i of a sequence sits at absolute position seq_len - query_len + i.
-    q_pos = seq_lens[:, None] - query_lens[:, None] + q_idx[None, :]
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & key_valid[:, None, :]
-    mask = mask & q_valid[:, :, None]
-    # Padded query rows see key 0 only, to keep softmax finite; their output is dropped.
-    mask[:, :, 0] |= ~q_valid
+    keys = k_cache[layout.tables].reshape(num_seqs, max_ctx, num_kv_heads, head_dim)
+    values = v_cache[layout.tables].reshape(num_seqs, max_ctx, num_kv_heads, head_dim)
+    values.masked_fill_(~layout.key_valid[:, :, None, None], 0)
+    queries = q[layout.flat_idx]  # [num_seqs, max_q, Hq, D]
 
     # GQA without copying K/V per query head: the `group` query heads that share a KV head are
     # stacked as extra query rows, (query, head-in-group) pairs, as the Triton kernel does.
@@ -85,11 +108,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     qh = qh.reshape(num_seqs, num_kv_heads, max_q * group, head_dim)
     kh = keys.to(q.dtype).transpose(1, 2)                            # [S, Hkv, max_ctx, D]
     vh = values.to(q.dtype).transpose(1, 2)
-    row_mask = mask[:, :, None, :].expand(num_seqs, max_q, group, max_ctx)
+    row_mask = layout.mask[:, :, None, :].expand(num_seqs, max_q, group, max_ctx)
     row_mask = row_mask.reshape(num_seqs, 1, max_q * group, max_ctx)
     attn = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=row_mask, scale=scale)
     attn = attn.reshape(num_seqs, num_kv_heads, max_q, group, head_dim).permute(0, 2, 1, 3, 4)
-    rows = attn.reshape(num_seqs, max_q, num_q_heads, head_dim)[q_valid]  # [sum(q lens), Hq, D]
+    rows = attn.reshape(num_seqs, max_q, num_q_heads, head_dim)[layout.q_valid]
     out[:rows.shape[0]] = rows.to(out.dtype)
     return out
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels.reference import Layout, prepare_layout
 from kernels.select import AttentionBackend
 
 
@@ -18,6 +19,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor   # int32 [num_seqs + 1]
     max_seq_len: int                # host-side bounds, so that attention need not read the device
     max_query_len: int              # tensors back (a sync in every layer)
+    layout: Layout | None = None    # the torch backend's padded-batch indices, built by layer 0
 
 
 class PagedAttention(nn.Module):
@@ -30,6 +32,15 @@ class PagedAttention(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        extra = {}
+        if self.backend.name == "torch":
+            # The same for every layer of the step: build once, not 30 times.
+            if meta.layout is None:
+                meta.layout = prepare_layout(q.shape[0], k_cache.shape[1], meta.block_tables,
+                                             meta.seq_lens, meta.query_start_loc,
+                                             meta.max_seq_len, meta.max_query_len)
+            extra["layout"] = meta.layout
         return self.backend.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                             meta.query_start_loc, self.scale,
-                                            max_seq_len=meta.max_seq_len, max_query_len=meta.max_query_len)
+                                            max_seq_len=meta.max_seq_len,
+                                            max_query_len=meta.max_query_len, **extra)
