@@ -113,10 +113,11 @@ class SchedulerClient:
         if not self._send(internal_pb2.GatewayMessage(add=add)):
             raise SchedulerUnavailable(f"the scheduler at {self.address} is not connected")
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, indices: tuple[int, ...] = ()) -> None:
+        """Aborts the request, or only some sequences of an n > 1 request."""
         # Best effort: if the scheduler is gone, so are the blocks this abort would free.
         if not self._send(internal_pb2.GatewayMessage(abort=internal_pb2.AbortRequest(
-                request_id=request_id))):
+                request_id=request_id, indices=indices))):
             log.warning("abort of %s not delivered: scheduler not connected", request_id)
 
     def _send(self, msg: internal_pb2.GatewayMessage) -> bool:

@@ -152,7 +152,13 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
                                     delta.error.message or "the scheduler failed the request")
                 if delta.index >= len(indices) or indices[delta.index].done:
                     continue  # e.g. tokens of an index already ended by a stop string
-                response = self._on_delta(indices[delta.index], delta, request_id, len(v.prompt_token_ids))
+                ix = indices[delta.index]
+                response = self._on_delta(ix, delta, request_id, len(v.prompt_token_ids))
+                if ix.detok.stopped and not ix.finished_by_scheduler and len(indices) > 1:
+                    # A stop string ended this sequence while its siblings go on: free its
+                    # blocks now rather than when the whole request ends.
+                    self.client.abort(internal_id, (delta.index,))
+                    ix.finished_by_scheduler = True
                 if response is not None:
                     metrics.TOKENS_STREAMED.inc(len(response.token_ids))
                     yield response

@@ -66,6 +66,7 @@ class FakeScheduler:
         self.plan: Plan = reply_plan(tok)
         self.adds: list[ipb.AddRequest] = []
         self.aborts: list[str] = []
+        self.abort_indices: list[list[int]] = []  # per abort; [] = the whole request
         self.peers: set[bytes] = set()
         self._aborted = asyncio.Event()
         self._ctx = zmq.asyncio.Context()
@@ -103,6 +104,7 @@ class FakeScheduler:
                 self._tasks.append(asyncio.create_task(self._run(peer, msg.add)))
             elif kind == "abort":
                 self.aborts.append(msg.abort.request_id)
+                self.abort_indices.append(sorted(msg.abort.indices))
                 self._aborted.set()
 
     async def _run(self, peer: bytes, add: ipb.AddRequest) -> None:

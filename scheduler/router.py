@@ -154,8 +154,13 @@ class Router:
             for req in reqs[1:]:
                 self._route(req)
 
-    def abort(self, request_id: str) -> None:
-        for req in self.seqs.pop(request_id, []):
+    def abort(self, request_id: str, indices=()) -> None:
+        """End a request's sequences (the given indices, or all) and free their blocks now."""
+        seqs = self.seqs.get(request_id, [])
+        chosen = [r for r in seqs if not indices or r.index in indices]
+        if all(r.is_finished or r in chosen for r in seqs):
+            self.seqs.pop(request_id, None)
+        for req in chosen:
             state = self._worker_of(req)
             if state is not None:
                 state.scheduler.abort(req.seq_id)

@@ -95,7 +95,7 @@ class SchedulerServer:
                     request_id=msg.add.request_id, finish=pb.ERROR,
                     error=pb.Error(code=e.code, message=e.message))]))
         elif kind == "abort":
-            self.router.abort(msg.abort.request_id)
+            self.router.abort(msg.abort.request_id, set(msg.abort.indices))
         elif kind == "hello":
             self._send(self.gateways, ident, pb.SchedulerMessage(info=self.router.cluster_info()))
 

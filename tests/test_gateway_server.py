@@ -100,6 +100,16 @@ def test_stop_string_finishes_with_stop_and_aborts(run):
     run(body())
 
 
+def test_stop_string_on_each_of_n_aborts_that_sequence_alone(run):
+    async def body():
+        async with harness() as h:
+            responses = await h.stream(prompt="x", sampling=pb.SamplingParams(n=2),
+                                       stopping=pb.StoppingCriteria(stop=["wörld"]))
+            assert {r.index for r in responses if r.finish_reason == pb.FINISH_REASON_STOP} == {0, 1}
+            await until(lambda: sorted(h.scheduler.abort_indices) == [[0], [1]])
+    run(body())
+
+
 # ---------------------------------------------------------------------------- cancellation
 
 

@@ -259,3 +259,24 @@ def test_parallel_sampling_shares_the_prompt_and_copies_on_write():
     for i in range(3):
         assert out[("p", i)]["tokens"] == reference_output(prompt, 6, seed=42 + i)
     assert len({tuple(out[("p", i)]["tokens"]) for i in range(3)}) == 3
+
+
+def test_aborting_one_index_frees_its_blocks_and_the_others_go_on():
+    router = make_router()
+    workers = with_workers(router, FakeWorker(64, block_size=4))
+    prompt = list(range(1, 11))
+    router.add(GW, pb.AddRequest(request_id="p", prompt_token_ids=prompt, max_tokens=8, n=3,
+                                 sampling=pb.SamplingConfig(has_seed=True, seed=3)))
+    out = {}
+    for _ in range(4):
+        step(router, workers, out)
+    sched = router.workers[b"w0"].scheduler
+    used = sched.pool.num_used
+    router.abort("p", {1})
+    check(router)
+    assert sched.pool.num_used < used and "p#1" not in sched.requests
+    run(router, workers, out)
+    for i in (0, 2):
+        assert out[("p", i)]["tokens"] == reference_output(prompt, 8, seed=3 + i)
+    assert out[("p", 1)]["finish"] == 0  # aborted: no finish delta, the gateway already ended it
+    assert "p" not in router.seqs and sched.pool.num_free == sched.pool.num_blocks
