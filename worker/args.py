@@ -49,6 +49,8 @@ def add_worker_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-message-bytes", type=int, default=64 << 20,
                    help="largest ZeroMQ message accepted from the scheduler")
     g.add_argument("--log-level", default="INFO")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs one model is split across; only 1 is supported so far")
     return parser
 
 
