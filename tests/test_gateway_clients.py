@@ -16,7 +16,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-import uvloop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.metrics import start_metrics_server
@@ -29,13 +28,6 @@ TOK = load_tokenizer("")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 GRPCURL = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which("grpcurl")
 harness = functools.partial(local_gateway, TOK)
-
-
-@pytest.fixture(scope="module")
-def run():
-    loop = uvloop.new_event_loop()
-    yield lambda coro: loop.run_until_complete(asyncio.wait_for(coro, 30))
-    loop.close()
 
 
 def test_metrics_endpoint(run):

@@ -13,7 +13,6 @@ import socket
 
 import grpc
 import pytest
-import uvloop
 from grpc_health.v1 import health_pb2
 from prometheus_client import REGISTRY
 
@@ -27,13 +26,6 @@ TOK = load_tokenizer("")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 harness = functools.partial(local_gateway, TOK)
-
-
-@pytest.fixture(scope="module")
-def run():
-    loop = uvloop.new_event_loop()
-    yield lambda coro: loop.run_until_complete(asyncio.wait_for(coro, 30))
-    loop.close()
 
 
 def texts_by_index(responses) -> dict[int, str]:

@@ -8,7 +8,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from proto import internal_pb2 as pb
-from scheduler.request import Status
 from proto.codec import expand_deltas
 from scheduler.router import Rejected, Router, RouterConfig
 from tests.fake_worker import FakeWorker, reference_output
@@ -149,7 +148,7 @@ def test_priority_runs_lower_first_and_fcfs_within():
     add(router, "low", [1, 2], 2, priority=5)
     add(router, "high", [3, 4], 2, priority=-1)
     add(router, "high2", [5, 6], 2, priority=-1)
-    order, out = [], {}
+    order = []
     while True:
         plans = router.plans()
         if not plans:
