@@ -54,6 +54,13 @@ class _Index:
     cached_prompt_tokens: int = 0  # the scheduler reports it on the first delta and the last
 
 
+def _record_end(method: str, code: grpc.StatusCode, started: float) -> None:
+    metrics.IN_FLIGHT.dec()
+    metrics.REQUESTS.labels(method, code.name).inc()
+    if code == grpc.StatusCode.OK:
+        metrics.E2E_LATENCY.labels(method).observe(time.monotonic() - started)
+
+
 class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: TextTokenizer, client: SchedulerClient):
         self.tokenizer = tokenizer
@@ -91,10 +98,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
             code = _cancel_code(context)
             raise
         finally:
-            metrics.IN_FLIGHT.dec()
-            metrics.REQUESTS.labels("GenerateStream", code.name).inc()
-            if code == grpc.StatusCode.OK:
-                metrics.E2E_LATENCY.labels("GenerateStream").observe(time.monotonic() - started)
+            _record_end("GenerateStream", code, started)
 
     async def Generate(self, request, context) -> pagoda_pb2.GenerateResponse:
         started = time.monotonic()
@@ -120,10 +124,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
             code = _cancel_code(context)
             raise
         finally:
-            metrics.IN_FLIGHT.dec()
-            metrics.REQUESTS.labels("Generate", code.name).inc()
-            if code == grpc.StatusCode.OK:
-                metrics.E2E_LATENCY.labels("Generate").observe(time.monotonic() - started)
+            _record_end("Generate", code, started)
 
     async def _generate(self, request: pagoda_pb2.GenerateRequest, unary: bool
                         ) -> AsyncIterator[pagoda_pb2.GenerateResponse]:
