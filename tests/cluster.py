@@ -49,8 +49,16 @@ class Cluster:
                                      stdout=log, stderr=subprocess.STDOUT,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"),
                                      start_new_session=True)
-        self.wait_serving(timeout)
+        try:
+            self.wait_serving(timeout)
+        except Exception:
+            print(self.log_tail())  # pytest shows it with the failure
+            self.stop()
+            raise
         return self
+
+    def log_tail(self, chars: int = 5000) -> str:
+        return self.log_path.read_text()[-chars:] if self.log_path else ""
 
     def wait_serving(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

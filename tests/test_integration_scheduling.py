@@ -24,13 +24,7 @@ def greedy(content: str, max_tokens: int = 40) -> pb.GenerateRequest:
 
 def run_cluster(tmp_path_factory, name, *flags):
     log = tmp_path_factory.mktemp(name) / "cluster.log"
-    c = Cluster("--dtype", "float32", *flags, log_path=log)
-    try:
-        c.start()
-    except Exception:
-        print(log.read_text()[-5000:])
-        raise
-    return c
+    return Cluster("--dtype", "float32", *flags, log_path=log).start()
 
 
 @pytest.fixture(scope="module", params=["recompute", "swap"])
