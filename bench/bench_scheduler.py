@@ -20,12 +20,15 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from proto import internal_pb2 as pb  # noqa: E402
+from proto.columns import pack, unpack  # noqa: E402
+from proto.polling import poll  # noqa: E402
 from scheduler.router import Router, RouterConfig  # noqa: E402
 
 
-def null_worker(address: str) -> None:
+def null_worker(address: str, busy_poll_us: float) -> None:
     """Answers every plan at once: one token for each sequence that reaches its end. State lives
-    in arrays indexed by slot, so that its own time stays small next to the scheduler's."""
+    in arrays indexed by slot, so that its own time stays small next to the scheduler's. It waits
+    for plans as worker/main.py does."""
     sock = zmq.Context().socket(zmq.DEALER)
     sock.connect(address)
     num_tokens = np.zeros(1 << 16, dtype=np.int64)
@@ -33,7 +36,11 @@ def null_worker(address: str) -> None:
     sock.send(pb.WorkerMessage(hello=pb.WorkerHello(
         worker_id="null", model="null", num_blocks=65536, block_size=16, max_model_len=8192,
         vocab_size=50000, eos_token_ids=[0])).SerializeToString())
+    busy_us = 0.0
     while True:
+        if not poll(sock, 1000, busy_us):
+            continue
+        busy_us = busy_poll_us
         msg = pb.SchedulerToWorker.FromString(sock.recv())
         if msg.WhichOneof("kind") == "shutdown":
             return
@@ -41,14 +48,14 @@ def null_worker(address: str) -> None:
         for s in plan.new_seqs:
             num_tokens[s.slot] = len(s.token_ids)
             num_computed[s.slot] = s.num_computed_tokens
-        slots = np.array([s.slot for s in plan.new_seqs] + list(plan.running_slots), dtype=np.int64)
-        counts = np.array([s.num_new_tokens for s in plan.new_seqs] + list(plan.running_num_tokens),
-                          dtype=np.int64)
+        slots = np.concatenate([[s.slot for s in plan.new_seqs], unpack(plan.running_slots)]).astype(np.int64)
+        counts = np.concatenate([[s.num_new_tokens for s in plan.new_seqs],
+                                 unpack(plan.running_num_tokens)]).astype(np.int64)
         num_computed[slots] += counts
         sampled = slots[num_computed[slots] == num_tokens[slots]]
         num_tokens[sampled] += 1
-        result = pb.StepResult(step_id=plan.step_id, slots=sampled.tolist(),
-                               token_ids=[7] * len(sampled))
+        result = pb.StepResult(step_id=plan.step_id, slots=pack(sampled),
+                               token_ids=pack(np.full(len(sampled), 7)))
         sock.send(pb.WorkerMessage(result=result).SerializeToString())
 
 
@@ -59,12 +66,14 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-gc", action="store_true")
+    ap.add_argument("--busy-poll-us", type=float, default=500.0,
+                    help="as the scheduler's and the worker's flag (their default)")
     opts = ap.parse_args()
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
-    proc = mp.get_context("spawn").Process(target=null_worker, args=(f"tcp://127.0.0.1:{port}",))
+    proc = mp.get_context("spawn").Process(target=null_worker, args=(f"tcp://127.0.0.1:{port}", opts.busy_poll_us))
     proc.start()
     ident, data = sock.recv_multipart()
     router = Router(RouterConfig(max_num_seqs=opts.seqs, max_num_batched_tokens=8192))
@@ -82,6 +91,7 @@ def main() -> None:
         t1 = time.perf_counter()
         for wid, plan in plans:
             sock.send_multipart([wid, pb.SchedulerToWorker(plan=plan).SerializeToString()])
+            poll(sock, 1000, opts.busy_poll_us)  # as scheduler/server.py waits for a result
             _, reply = sock.recv_multipart()
             result = pb.WorkerMessage.FromString(reply).result
             t2 = time.perf_counter()

@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from launch.models import resolve_model  # noqa: E402
 from proto import internal_pb2 as pb  # noqa: E402
+from proto.columns import unpack  # noqa: E402
 from scheduler.router import Router, RouterConfig  # noqa: E402
 from worker.args import add_worker_args  # noqa: E402
 from worker.runner import ModelRunner  # noqa: E402
@@ -67,7 +68,7 @@ def run_pagoda(prompts, max_tokens, device, dtype) -> float:
         for wid, plan in router.plans():
             router.on_result(wid, runner.execute(plan))
         for msg in router.take_outbox().values():
-            tokens += len(msg.token_ids)
+            tokens += len(unpack(msg.token_ids))
     return tokens / (time.perf_counter() - t0)
 
 

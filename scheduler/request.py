@@ -40,7 +40,6 @@ class Request:
     priority: int = 0
     arrival: int = 0                # a global counter: FCFS order within a priority
 
-    output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
@@ -63,8 +62,11 @@ class Request:
     on_worker: bool = False
     slot: int = -1                  # its name in plans and results while on the worker
     num_preemptions: int = 0
-    # Tokens produced but not yet streamed to the gateway.
-    num_streamed: int = 0
+    # Streaming to the gateway: whether the first delta (with usage) went out, and how many
+    # tokens at the end are not sent yet. A plain decode leaves both alone, so a quiet step
+    # writes nothing here.
+    stream_started: bool = False
+    num_unstreamed: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -73,6 +75,15 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """A copy: the output is the tail of all_token_ids, which is the one list appended to."""
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -85,7 +96,3 @@ class Request:
     def sort_key(self) -> tuple[int, int]:
         """Lower runs first: priority, then arrival."""
         return (self.priority, self.arrival)
-
-    def append_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from proto import internal_pb2 as pb
+from proto.columns import unpack
 from scheduler.block_pool import hash_block
 from scheduler.outbox import Outbox
 from scheduler.request import FinishReason, Request, Status
@@ -22,9 +23,19 @@ def apply_result(sched: "Scheduler", result: pb.StepResult,
 
     One pass in plan order: the result lists the sampled slots in that order too."""
     bs, caching, RUNNING = sched.block_size, sched.pool.enable_prefix_caching, Status.RUNNING
-    res_slots, res_tokens = list(result.slots), list(result.token_ids)
+    slots_column, tokens_column = unpack(result.slots), unpack(result.token_ids)
+    if len(slots_column) != len(tokens_column):
+        raise ValueError(f"step {result.step_id}: {len(slots_column)} slots but "
+                         f"{len(tokens_column)} tokens")
+    entries, cols = sched.in_flight, sched.flight_cols
+    sched.in_flight, sched.flight_cols = [], None
+    if cols is not None and sched.num_running_ended != sched.flight_ended:
+        # Some were aborted while the plan ran: the per-sequence path skips them.
+        entries = entries + list(zip(cols.reqs, cols.n.tolist(), cols.slots.tolist()))
+        cols = sched.cols = None
+    res_slots, res_tokens = slots_column.tolist(), tokens_column.tolist()
     j, num_results, others = 0, len(res_slots), []
-    for req, n, slot in sched.in_flight:
+    for req, n, slot in entries:
         alive = req.status is RUNNING  # else aborted while the plan ran
         if alive:
             computed = req.num_computed_tokens = req.num_computed_tokens + n
@@ -36,36 +47,34 @@ def apply_result(sched: "Scheduler", result: pb.StepResult,
         j += 1
         if not alive:
             continue
-        out, tokens = req.output_token_ids, req.all_token_ids
-        out.append(token)
+        tokens = req.all_token_ids
         tokens.append(token)
         if token in req.stop_set:
             sched.finish(req, FinishReason.STOP)
         elif len(tokens) >= req.length_limit:
             sched.finish(req, FinishReason.LENGTH)
-        elif req.num_streamed and len(out) - req.num_streamed == 1:
+        elif req.stream_started and not req.num_unstreamed:
             box = outboxes.get(req.gateway)
             if box is None:
                 box = outboxes[req.gateway] = Outbox()
-            box.request_ids.append(req.request_id)
-            box.indices.append(req.index)
-            box.num_tokens.append(1)
-            box.token_ids.append(token)
-            req.num_streamed += 1
+            box.add(req.request_id, req.index, [token])
             continue
+        req.num_unstreamed += 1
         others.append(req)
-    if j != num_results:
+    if cols is not None:
+        cols.apply(sched, slots_column[j:], tokens_column[j:], outboxes, others)
+    elif j != num_results:
         raise ValueError(f"step {result.step_id}: {num_results - j} sampled slots match no "
                          "sequence of the plan")
-    sched.in_flight = []
     return others
 
 
 def cache_full_blocks(sched: "Scheduler", req: Request) -> None:
     """Make the blocks this step filled findable by later requests with the same prefix."""
-    bs = sched.block_size
-    parent = req.block_hashes[-1] if req.block_hashes else None
-    for i in range(len(req.block_hashes), req.num_computed_tokens // bs):
-        parent = hash_block(parent, req.all_token_ids[i * bs:(i + 1) * bs])
-        req.block_hashes.append(parent)
-        sched.pool.cache_block(req.block_ids[i], parent)
+    bs, hashes, cache_block = sched.block_size, req.block_hashes, sched.pool.cache_block
+    parent = hashes[-1] if hashes else None
+    tokens, blocks = req.all_token_ids, req.block_ids
+    for i in range(len(hashes), req.num_computed_tokens // bs):
+        parent = hash_block(parent, tokens[i * bs:(i + 1) * bs])
+        hashes.append(parent)
+        cache_block(blocks[i], parent)

@@ -141,7 +141,7 @@ class Router:
                 stop_token_ids=frozenset(add.stop_token_ids), priority=add.priority,
                 arrival=arrival))
         self.seqs[add.request_id] = reqs
-        self._route(reqs[0])
+        self._route(reqs[0], copies=n)
         if n > 1 and reqs[0].worker is not None:
             # The n sequences share the prompt's blocks: the others fork sequence 0 once it has
             # computed the prompt, on the same worker.
@@ -169,11 +169,18 @@ class Router:
             req.status = Status.FINISHED
             req.finish_reason = FinishReason.ABORT
 
-    def _route(self, req: Request) -> None:
+    def _route(self, req: Request, copies: int = 1) -> None:
         if not self.workers:
             self.pending.append(req)
             return
-        states = list(self.workers.values())
+        # Only a worker whose whole pool can hold the sequence at its longest, or it would wait
+        # (or be preempted) forever on a small worker while a big one could run it.
+        states = [w for w in self.workers.values() if self._fits(w, req, copies)]
+        if not states:
+            req.status, req.finish_reason = Status.FINISHED, FinishReason.ERROR
+            self._emit(req, error=pb.Error(code="RESOURCE_EXHAUSTED", message=(
+                "no remaining worker's KV cache can hold prompt plus max_tokens")))
+            return
         least = min(states, key=lambda w: w.load)
         best, best_hits = least, 0
         if self.config.enable_prefix_caching and len(states) > 1:
@@ -187,6 +194,12 @@ class Router:
                 best = least
         req.worker = best.worker_id
         best.scheduler.add(req)
+
+    @staticmethod
+    def _fits(state: WorkerState, req: Request, copies: int) -> bool:
+        sched = state.scheduler
+        longest = min(req.num_prompt_tokens + req.max_tokens, sched.config.max_model_len)
+        return -(-longest // sched.block_size) * copies <= sched.pool.num_blocks
 
     def _worker_of(self, req: Request) -> WorkerState | None:
         state = self.workers.get(req.worker) if req.worker is not None else None
@@ -219,11 +232,10 @@ class Router:
             # request that may be what breaks the worker.
             log.error("worker %s step %d failed: %s", state.hello.worker_id, result.step_id,
                       result.error)
-            for req, _, _ in sched.in_flight:
+            for req in sched.take_in_flight():
                 if req.status is Status.RUNNING:
                     sched.finish(req, FinishReason.ERROR)
                     self._emit(req, error=pb.Error(code="INTERNAL", message=result.error))
-            sched.in_flight = []
             return
         # The scheduler streams plain one-token steps into the outboxes itself; what is left
         # (first tokens with usage, finishes) comes back for _emit.
@@ -241,14 +253,11 @@ class Router:
         box = self.outbox.get(req.gateway)
         if box is None:
             box = self.outbox[req.gateway] = Outbox()
-        first = req.num_streamed == 0
-        new = req.output_token_ids[req.num_streamed:]
-        if new:
-            box.request_ids.append(req.request_id)
-            box.indices.append(req.index)
-            box.num_tokens.append(len(new))
-            box.token_ids += new
-            req.num_streamed += len(new)
+        first = not req.stream_started
+        if req.num_unstreamed:
+            box.add(req.request_id, req.index, req.all_token_ids[-req.num_unstreamed:])
+            req.num_unstreamed = 0
+        req.stream_started = True
         if first or req.is_finished:
             delta = pb.TokenDelta(request_id=req.request_id, index=req.index,
                                   prompt_tokens=req.num_prompt_tokens,

@@ -13,7 +13,9 @@ import logging
 from dataclasses import dataclass
 
 from proto import internal_pb2 as pb
+from proto.columns import pack
 from scheduler.block_pool import BlockPool, full_block_hashes
+from scheduler.columns import RunningColumns
 from scheduler.outbox import Outbox
 from scheduler.preemption import PreemptionPolicy
 from scheduler.request import FinishReason, Request, Status
@@ -53,6 +55,13 @@ class Scheduler:
         self.running_sorted = True
         self.running_dirty = False  # finished or preempted sequences still in self.running
         self.in_flight: list[tuple[Request, int, int]] = []  # (sequence, tokens, slot), plan order
+        # Quiet steps run on numpy columns (scheduler/columns.py): those for the next step, and
+        # those of the plan now running, whose sequences follow `in_flight` in the plan.
+        self.cols: RunningColumns | None = None
+        self.flight_cols: RunningColumns | None = None
+        self._cols_retry = 0  # steps to wait before building columns again after a fallback
+        self.num_running_ended = 0  # finishes of running sequences: did one hit the plan in flight?
+        self.flight_ended = 0
         self.step_id = 0
         # Cache operations for the next plan: device -> cpu, cpu -> device, copy-on-write.
         self._swap_out, self._swap_in, self._copy = [], [], []
@@ -84,19 +93,20 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> pb.StepPlan | None:
-        assert not self.in_flight, "one plan at a time per worker"
+        assert not self.in_flight and not self.flight_cols, "one plan at a time per worker"
         self.budget = self.config.max_num_batched_tokens
         self.scheduled: list[tuple[Request, int]] = []  # sequences new to the worker
         # The running sequences' columns of the plan, filled by _schedule_running.
         self.run_entries: list[tuple[Request, int, int]] = []
         self.run_slots, self.run_tokens, self.block_slots, self.block_ids = [], [], [], []
+        self.fast = False
         preempted = self._schedule_running()
         # A step that had to preempt admits nothing: the victims would come straight back.
         if not preempted:
             self._schedule_swapped()
             if not self.swapped:  # swapped sequences resume before any new one is admitted
                 self._schedule_waiting()
-        if not self.scheduled and not self.run_entries and not self.dropped:
+        if not self.scheduled and not self.run_entries and not self.fast and not self.dropped:
             return None
         return self._build_plan()
 
@@ -105,12 +115,24 @@ class Scheduler:
         runs for every sequence every step, so the plain decode case is kept lean."""
         preempted, forked = False, []
         RUNNING = Status.RUNNING
+        changed = self.running_dirty or not self.running_sorted
         if self.running_dirty:
             self.running = [r for r in self.running if r.status is RUNNING]
             self.running_dirty = False
         if not self.running_sorted:
             self.running.sort(key=Request.sort_key)
             self.running_sorted = True
+        if changed:
+            self.cols = None
+        elif self.cols is None:  # a quiet step: the next ones may be quiet too
+            self._cols_retry -= 1
+            if self._cols_retry < 0:
+                self.cols = RunningColumns.build(self.running, self.block_size)
+        if self.cols is not None:
+            if self.cols.schedule(self):
+                self.fast = True
+                return False
+            self.cols, self._cols_retry = None, 8
         running = self.running
         bs, pool, budget = self.block_size, self.pool, self.budget
         run_entries, run_slots, run_tokens = self.run_entries, self.run_slots, self.run_tokens
@@ -300,11 +322,17 @@ class Scheduler:
                 seq_id=req.seq_id, slot=req.slot, token_ids=req.all_token_ids,
                 sampling=req.sampling, num_computed_tokens=req.num_computed_tokens,
                 block_ids=req.block_ids, num_new_tokens=n))
-        plan.running_slots.extend(self.run_slots)
-        plan.running_num_tokens.extend(self.run_tokens)
-        plan.new_block_slots.extend(self.block_slots)
-        plan.new_block_ids.extend(self.block_ids)
+        if self.fast:
+            plan.running_slots = self.cols.slots_column
+            plan.running_num_tokens = pack(self.cols.n)
+        else:
+            plan.running_slots = pack(self.run_slots)
+            plan.running_num_tokens = pack(self.run_tokens)
+        plan.new_block_slots = pack(self.block_slots)
+        plan.new_block_ids = pack(self.block_ids)
         self.in_flight, self.scheduled = new_entries + self.run_entries, []
+        self.flight_cols = self.cols if self.fast else None
+        self.flight_ended = self.num_running_ended
         return plan
 
     def _assign_slot(self, req: Request) -> None:
@@ -335,6 +363,7 @@ class Scheduler:
             self.swapped.remove(req)
         if req.status is Status.RUNNING:
             self.running_dirty = True
+            self.num_running_ended += 1
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.requests.pop(req.seq_id, None)
@@ -387,9 +416,17 @@ class Scheduler:
         self.waiting.clear()
         self.running.clear()
         self.swapped.clear()
-        self.in_flight = []
+        self.in_flight, self.flight_cols, self.cols = [], None, None
         self.dropped = []
         self.slots, self.free_slots = [], []
+        return out
+
+    def take_in_flight(self) -> list[Request]:
+        """The sequences of the plan now running, which is given up (its worker failed it)."""
+        out = [req for req, _, _ in self.in_flight]
+        if self.flight_cols is not None:
+            out += self.flight_cols.reqs
+        self.in_flight, self.flight_cols = [], None
         return out
 
     def tables(self) -> list[list[int]]:

@@ -13,6 +13,7 @@ import time
 import zmq
 
 from proto import internal_pb2 as pb
+from proto.polling import poll
 from scheduler.router import Rejected, Router, RouterConfig
 
 log = logging.getLogger("pagoda.scheduler")
@@ -49,7 +50,9 @@ class SchedulerServer:
                  self.args.scheduler_worker_address)
         last_check = time.monotonic()
         while self.running:
-            events = dict(poller.poll(200))
+            # A result is due when a worker is busy: spin for it rather than sleep.
+            busy = any(w.busy for w in self.router.workers.values())
+            events = dict(poll(poller, 200, self.args.busy_poll_us if busy else 0))
             if self.gateways in events:
                 self._drain(self.gateways, self._on_gateway)
             if self.workers in events:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from proto import internal_pb2 as pb
+from proto.columns import pack, unpack_list
 
 VOCAB = 1000
 EOS = 0
@@ -73,11 +74,11 @@ class FakeWorker:
                       s.sampling.seed if s.sampling.has_seed else 0)
             self.seqs[s.slot] = seq
             work.append((s.slot, seq, s.num_new_tokens))
-        for slot, block in zip(plan.new_block_slots, plan.new_block_ids):
+        for slot, block in zip(unpack_list(plan.new_block_slots), unpack_list(plan.new_block_ids)):
             self.seqs[slot].blocks.append(block)
-        for slot, n in zip(plan.running_slots, plan.running_num_tokens):
+        for slot, n in zip(unpack_list(plan.running_slots), unpack_list(plan.running_num_tokens)):
             work.append((slot, self.seqs[slot], n))
-        result = pb.StepResult(step_id=plan.step_id)
+        slots, tokens = [], []
         for sid, seq, n in work:
             assert n >= 1 and seq.num_computed + n <= len(seq.tokens), (sid, n, seq.num_computed)
             assert len(seq.blocks) * bs >= seq.num_computed + n, f"{sid}: too few blocks"
@@ -88,6 +89,6 @@ class FakeWorker:
                 context = [self.cache[seq.blocks[p // bs] * bs + p % bs] for p in range(len(seq.tokens))]
                 tok = next_token(context, seq.seed)
                 seq.tokens.append(tok)
-                result.slots.append(sid)
-                result.token_ids.append(tok)
-        return result
+                slots.append(sid)
+                tokens.append(tok)
+        return pb.StepResult(step_id=plan.step_id, slots=pack(slots), token_ids=pack(tokens))

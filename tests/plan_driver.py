@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from proto import internal_pb2
+from proto.columns import pack, unpack_list
 
 
 @dataclass
@@ -28,10 +29,10 @@ class _Seq:
 
 def add_running(plan: internal_pb2.StepPlan, slot: int, n: int, new_blocks=()) -> None:
     """Append a sequence the worker already holds to the plan's running columns."""
-    plan.running_slots.append(slot)
-    plan.running_num_tokens.append(n)
-    plan.new_block_slots.extend([slot] * len(new_blocks))
-    plan.new_block_ids.extend(new_blocks)
+    plan.running_slots += pack([slot])
+    plan.running_num_tokens += pack([n])
+    plan.new_block_slots += pack([slot] * len(new_blocks))
+    plan.new_block_ids += pack(new_blocks)
 
 
 class PlanDriver:
@@ -76,7 +77,7 @@ class PlanDriver:
             self.plans.append(plan)
             result = self.runner.execute(plan)
             assert not result.error, result.error
-            for row, (slot, token) in enumerate(zip(result.slots, result.token_ids)):
+            for row, (slot, token) in enumerate(zip(unpack_list(result.slots), unpack_list(result.token_ids))):
                 s = seqs[slot]
                 s.token_ids.append(token)
                 s.output.append(token)

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from proto import internal_pb2 as pb
+from proto.columns import unpack_list
 from proto.codec import expand_deltas
 from scheduler.router import Rejected, Router, RouterConfig
 from tests.fake_worker import FakeWorker, reference_output
@@ -40,8 +41,8 @@ def step(router, workers, outputs, plans_seen=None):
             plans_seen.append(plan)
         router.on_result(wid, workers[wid].execute(plan))
         check(router)
-    msg = router.take_outbox().get(GW)
-    for delta in expand_deltas(msg) if msg is not None else []:
+    deltas = [d for msg in router.take_outbox().values() for d in expand_deltas(msg)]
+    for delta in deltas:
         entry = outputs.setdefault((delta.request_id, delta.index), {"tokens": [], "finish": 0})
         entry["tokens"] += list(delta.token_ids)
         if delta.finish:
@@ -90,15 +91,15 @@ def test_chunked_prefill_respects_budget_and_decodes_keep_running():
     add(router, "long", list(range(1, 200)), 4)
     run(router, workers, out, plans_seen=plans)
     for plan in plans:
-        assert sum(s.num_new_tokens for s in plan.new_seqs) + sum(plan.running_num_tokens) <= 32
+        assert sum(s.num_new_tokens for s in plan.new_seqs) + sum(unpack_list(plan.running_num_tokens)) <= 32
     # While the long prompt is prefilled in chunks, every decoding stream still gets its token.
     long_slot = next(s.slot for p in plans for s in p.new_seqs if s.seq_id == "long#0")
     first = next(i for i, p in enumerate(plans) if any(s.seq_id == "long#0" for s in p.new_seqs))
     long_steps = [plans[first]] + [p for p in plans[first + 1:] if any(
-        slot == long_slot and n > 1 for slot, n in zip(p.running_slots, p.running_num_tokens))]
+        slot == long_slot and n > 1 for slot, n in zip(unpack_list(p.running_slots), unpack_list(p.running_num_tokens)))]
     assert len(long_steps) >= 199 // 32
     for p in long_steps:
-        decodes = [slot for slot, n in zip(p.running_slots, p.running_num_tokens) if n == 1]
+        decodes = [slot for slot, n in zip(unpack_list(p.running_slots), unpack_list(p.running_num_tokens)) if n == 1]
         assert len(decodes) == 4
     assert out[("long", 0)]["tokens"] == reference_output(list(range(1, 200)), 4)
     for i in range(4):
@@ -188,8 +189,10 @@ def test_worker_loss_requeues_and_output_continues():
     assert out[("x", 0)]["tokens"] == reference_output([7, 8, 9], 20)
 
 
-ops = st.lists(st.tuples(st.sampled_from(["add", "add_n", "step", "step", "step", "abort", "lose"]),
+ops = st.lists(st.tuples(st.sampled_from(["add", "add_n", "step", "step", "steps", "abort", "lose"]),
                          st.integers(0, 10 ** 6)), min_size=1, max_size=60)
+# A tenth of the fake model's tokens: some sequences end on a stop token, most run to length.
+STOPS = random.Random(0).sample(range(1, 1000), 100)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -206,16 +209,23 @@ def test_block_invariant_under_random_operations(operations):
             shared = [1, 2, 3, 4, 5, 6, 7, 8] if rng.random() < 0.5 else []
             prompt = shared + [rng.randrange(1, 1000) for _ in range(rng.randrange(1, 12))]
             n = rng.randrange(2, 4) if op == "add_n" else 1
+            stops = STOPS if rng.random() < 0.3 else []
+            # Two gateways, so that streamed tokens must reach the right one.
+            gateway = GW if rng.random() < 0.7 else b"gw2"
             try:
-                router.add(GW, pb.AddRequest(request_id=rid, prompt_token_ids=prompt, n=n,
-                                             max_tokens=rng.randrange(1, 12),
-                                             sampling=pb.SamplingConfig(has_seed=True, seed=x)))
+                router.add(gateway, pb.AddRequest(
+                    request_id=rid, prompt_token_ids=prompt, n=n, stop_token_ids=stops,
+                    max_tokens=rng.randrange(1, 12 if rng.random() < 0.7 else 40),
+                    sampling=pb.SamplingConfig(has_seed=True, seed=x)))
                 ids.append(rid)
-                prompts[rid] = (prompt, x)
+                prompts[rid] = (prompt, x, set(stops))
             except Rejected:
                 pass
         elif op == "step":
             step(router, workers, out)
+        elif op == "steps":  # quiet stretches run on the scheduler's numpy columns
+            for _ in range(rng.randrange(2, 20)):
+                step(router, workers, out)
         elif op == "abort" and ids:
             router.abort(rng.choice(ids))
         elif op == "lose" and len(router.workers) > 1:
@@ -228,9 +238,12 @@ def test_block_invariant_under_random_operations(operations):
         assert not state.scheduler.requests
         assert state.scheduler.pool.num_free == state.scheduler.pool.num_blocks
     for (rid, index), entry in out.items():
-        if entry["finish"] == pb.LENGTH:
-            prompt, seed = prompts[rid]
-            assert entry["tokens"] == reference_output(prompt, len(entry["tokens"]), seed + index)
+        prompt, seed, stops = prompts[rid]
+        tokens = entry["tokens"]
+        if entry["finish"] in (pb.LENGTH, pb.STOP):
+            assert tokens == reference_output(prompt, len(tokens), seed + index)
+            assert not stops.intersection(tokens[:-1])
+            assert (tokens[-1] in stops) == (entry["finish"] == pb.STOP)
     for state in router.workers.values():
         assert state.scheduler.preemption.cpu_pool.num_free == state.scheduler.preemption.cpu_pool.num_blocks
 
@@ -253,7 +266,7 @@ def test_parallel_sampling_shares_the_prompt_and_copies_on_write():
     run(router, workers, out, plans_seen=plans)
     assert worker.copies == 2
     computed = sum(s.num_new_tokens for p in plans for s in p.new_seqs)
-    computed += sum(sum(p.running_num_tokens) for p in plans)
+    computed += sum(sum(unpack_list(p.running_num_tokens)) for p in plans)
     assert computed == len(prompt) + 2 + 3 * 5  # prompt once, the last token per child, decodes
     for i in range(3):
         assert out[("p", i)]["tokens"] == reference_output(prompt, 6, seed=42 + i)

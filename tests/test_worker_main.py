@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from proto import internal_pb2
+from proto.columns import unpack_list
 from tests.worker_tiny_models import make_hf_model, save_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,7 +69,7 @@ def test_hello_plan_heartbeat_reregister_shutdown(tiny_model, scheduler_socket):
             seq_id="r1", slot=4, token_ids=[1, 2, 3, 4, 5], block_ids=[7], num_new_tokens=5)])
         send(sock, ident, plan=plan)
         _, msg = receive(sock)
-        assert msg.result.step_id == 3 and list(msg.result.slots) == [4] and not msg.result.error
+        assert msg.result.step_id == 3 and unpack_list(msg.result.slots) == [4] and not msg.result.error
 
         _, msg = receive(sock, timeout_s=5, skip_heartbeats=False)  # idle: a heartbeat within ~1 s
         assert msg.heartbeat

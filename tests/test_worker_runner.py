@@ -12,6 +12,7 @@ import torch
 
 from tests.plan_driver import PlanDriver
 from proto import internal_pb2
+from proto.columns import pack, unpack_list
 from worker.config import ModelConfig
 from worker.runner import ModelRunner
 from tests.worker_tiny_models import VARIANTS, make_hf_model, reference_logits, runner_args, save_model
@@ -72,19 +73,21 @@ def test_hand_built_plans_with_prefix_hit(checkpoint, runner):
     plans = [
         internal_pb2.StepPlan(step_id=0, new_seqs=[internal_pb2.NewSeq(
             seq_id="a", slot=A, token_ids=a, sampling=greedy, block_ids=[40], num_new_tokens=10)]),
-        internal_pb2.StepPlan(step_id=1, running_slots=[A], running_num_tokens=[11],
-                              new_block_slots=[A], new_block_ids=[3]),
+        internal_pb2.StepPlan(step_id=1, running_slots=pack([A]), running_num_tokens=pack([11]),
+                              new_block_slots=pack([A]), new_block_ids=pack([3])),
         internal_pb2.StepPlan(step_id=2, new_seqs=[internal_pb2.NewSeq(
             seq_id="b", slot=B, token_ids=b, sampling=greedy, num_computed_tokens=16,
-            block_ids=[40, 17], num_new_tokens=3)], running_slots=[A], running_num_tokens=[1]),
-        internal_pb2.StepPlan(step_id=3, running_slots=[A, B], running_num_tokens=[1, 1]),
+            block_ids=[40, 17], num_new_tokens=3)],
+            running_slots=pack([A]), running_num_tokens=pack([1])),
+        internal_pb2.StepPlan(step_id=3, running_slots=pack([A, B]), running_num_tokens=pack([1, 1])),
     ]
     results = [runner.execute(p) for p in plans]
     assert [r.error for r in results] == [""] * 4
-    assert list(results[0].slots) == []                   # a's prefill is not finished: no sample
-    assert list(results[2].slots) == [B, A]               # plan order: new_seqs, then running
-    a_out = [results[1].token_ids[0], results[2].token_ids[1], results[3].token_ids[0]]
-    b_out = [results[2].token_ids[0], results[3].token_ids[1]]
+    assert unpack_list(results[0].slots) == []     # a's prefill is not finished: no sample
+    assert unpack_list(results[2].slots) == [B, A]  # plan order: new_seqs, then running
+    tokens = [unpack_list(r.token_ids) for r in results]
+    a_out = [tokens[1][0], tokens[2][1], tokens[3][0]]
+    b_out = [tokens[2][0], tokens[3][1]]
     assert a_out == reference_logits(hf_model, a, a_out).argmax(-1).tolist()
     assert b_out == reference_logits(hf_model, b, b_out).argmax(-1).tolist()
     assert runner.seqs[A].token_ids == a + a_out          # the worker appends sampled tokens itself
@@ -152,16 +155,16 @@ def test_preemption_by_swap_continues_the_same_tokens(checkpoint):
         new_seqs=[internal_pb2.NewSeq(seq_id="s0", slot=0, token_ids=tokens, block_ids=[30, 31],
                                       num_computed_tokens=len(tokens) - 1, num_new_tokens=1)])
     res = runner.execute(plan)
-    assert not res.error and list(res.slots) == [0]
-    out = first + list(res.token_ids)
+    assert not res.error and unpack_list(res.slots) == [0]
+    out = first + unpack_list(res.token_ids)
     for _ in range(2):
-        res = runner.execute(internal_pb2.StepPlan(running_slots=[0], running_num_tokens=[1]))
-        out += list(res.token_ids)
+        res = runner.execute(internal_pb2.StepPlan(running_slots=pack([0]), running_num_tokens=pack([1])))
+        out += unpack_list(res.token_ids)
     assert out == straight
 
 
 def test_bad_plans_return_an_error_and_the_runner_survives(checkpoint, runner):
-    res = runner.execute(internal_pb2.StepPlan(step_id=7, running_slots=[77], running_num_tokens=[1]))
+    res = runner.execute(internal_pb2.StepPlan(step_id=7, running_slots=pack([77]), running_num_tokens=pack([1])))
     assert res.step_id == 7 and "77" in res.error and not res.slots
     res = runner.execute(internal_pb2.StepPlan(new_seqs=[internal_pb2.NewSeq(
         seq_id="x", token_ids=list(range(40)), block_ids=[1], num_new_tokens=40)]))

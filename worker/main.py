@@ -15,6 +15,7 @@ import time
 import zmq
 
 from proto import internal_pb2
+from proto.polling import poll
 from worker.args import add_worker_args
 
 logger = logging.getLogger("pagoda.worker")
@@ -23,14 +24,17 @@ HEARTBEAT_S = 1.0
 # Above the scheduler's default --max-message-bytes (64 MiB); a larger frame closes the connection.
 
 
-def serve(runner, sock: zmq.Socket) -> int:
+def serve(runner, sock: zmq.Socket, busy_poll_us: float = 0.0) -> int:
     """The worker loop over a connected socket; returns the exit code on shutdown."""
     send = lambda msg, flags=0: sock.send(msg.SerializeToString(), flags)  # noqa: E731
     send(internal_pb2.WorkerMessage(hello=runner.hello()))
     last_sent = time.monotonic()
+    busy_us = 0.0  # spin only while the next plan is due: right after a result
     while True:
         wait_ms = max(0, int((HEARTBEAT_S - (time.monotonic() - last_sent)) * 1000))
-        if sock.poll(wait_ms, zmq.POLLIN):
+        events = poll(sock, wait_ms, busy_us)
+        busy_us = 0.0
+        if events:
             frames = sock.recv_multipart()
             msg = internal_pb2.SchedulerToWorker()
             try:
@@ -42,6 +46,7 @@ def serve(runner, sock: zmq.Socket) -> int:
             if kind == "plan":
                 send(internal_pb2.WorkerMessage(result=runner.execute(msg.plan)))
                 last_sent = time.monotonic()
+                busy_us = busy_poll_us
             elif kind == "shutdown":
                 logger.info("shutdown requested by the scheduler")
                 return 0
@@ -85,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sock.connect(args.scheduler_worker_address)
         logger.info("worker %s connected to %s", runner.worker_id, args.scheduler_worker_address)
-        return serve(runner, sock)
+        return serve(runner, sock, args.busy_poll_us)
     finally:
         sock.close(0)
         ctx.term()

@@ -16,6 +16,7 @@ import torch
 from kernels.select import select_backend
 from launch.models import model_display_name, resolve_model
 from proto import internal_pb2
+from proto.columns import pack, unpack_list
 from worker.args import default_worker_id
 from worker.attention import AttentionMetadata
 from worker.cache import CacheEngine, bytes_per_block, num_device_blocks
@@ -116,8 +117,7 @@ class ModelRunner:
                 self._execute(plan, result)
         except Exception as e:  # the process must outlive a bad plan; the scheduler aborts the step
             logger.exception("step %d failed", plan.step_id)
-            del result.slots[:]
-            del result.token_ids[:]
+            result.slots = result.token_ids = b""
             result.error = f"{type(e).__name__}: {e}"
         result.forward_seconds = time.perf_counter() - start
         return result
@@ -140,9 +140,9 @@ class ModelRunner:
             if new.num_new_tokens:
                 scheduled.append((new.slot, state, new.num_new_tokens))
         seqs = self.seqs
-        for slot, block in zip(plan.new_block_slots, plan.new_block_ids):
+        for slot, block in zip(unpack_list(plan.new_block_slots), unpack_list(plan.new_block_ids)):
             self._held(slot).block_ids.append(block)
-        for slot, n in zip(plan.running_slots, plan.running_num_tokens):
+        for slot, n in zip(unpack_list(plan.running_slots), unpack_list(plan.running_num_tokens)):
             if n:
                 scheduled.append((slot, seqs.get(slot) or self._held(slot), n))
         if not scheduled:
@@ -163,8 +163,8 @@ class ModelRunner:
             state.num_computed_tokens += n
         for (slot, state), token in zip(sampling_rows, tokens):
             state.token_ids.append(token)  # the scheduler appends the same token on its side
-        result.slots.extend(slot for slot, _ in sampling_rows)
-        result.token_ids.extend(tokens)
+        result.slots = pack([slot for slot, _ in sampling_rows])
+        result.token_ids = pack(tokens)
 
     def _held(self, slot: int) -> SeqState:
         state = self.seqs.get(slot)
