@@ -1,7 +1,13 @@
 """Scheduler time per iteration at N running sequences: schedule, plan encoding, a ZeroMQ round
-trip to a null worker in another process, decoding the result and updating state.
+trip to a null worker in another process, decoding the result, updating state and encoding the
+gateway's tokens.
 
-    .venv/bin/python bench/bench_scheduler.py [--seqs 256] [--steps 2000] [--profile]
+    .venv/bin/python bench/bench_scheduler.py [--seqs 256] [--steps 3000] [--repeats 5] [--profile]
+
+Each repeat starts a fresh null worker and router. In the same repeat it also times a bare
+ZeroMQ ping-pong with messages of the same sizes and the same polling, so that the ratio of the
+two says what the scheduler adds over the transport on this machine at this moment (a shared
+VM's speed drifts by half between runs).
 """
 from __future__ import annotations
 
@@ -28,74 +34,79 @@ from scheduler.router import Router, RouterConfig  # noqa: E402
 def null_worker(address: str, busy_poll_us: float) -> None:
     """Answers every plan at once: one token for each sequence that reaches its end. State lives
     in arrays indexed by slot, so that its own time stays small next to the scheduler's. It waits
-    for plans as worker/main.py does."""
+    for plans as worker/main.py does. A plan whose step_id is 0 is a ping: it is answered with
+    the previous reply's bytes, unparsed."""
     sock = zmq.Context().socket(zmq.DEALER)
     sock.connect(address)
     num_tokens = np.zeros(1 << 16, dtype=np.int64)
     num_computed = np.zeros(1 << 16, dtype=np.int64)
+    sevens = np.full(1 << 16, 7, dtype=np.int32)
     sock.send(pb.WorkerMessage(hello=pb.WorkerHello(
         worker_id="null", model="null", num_blocks=65536, block_size=16, max_model_len=8192,
         vocab_size=50000, eos_token_ids=[0])).SerializeToString())
-    busy_us = 0.0
+    busy_us, reply = 0.0, b""
     while True:
         if not poll(sock, 1000, busy_us):
             continue
         busy_us = busy_poll_us
-        msg = pb.SchedulerToWorker.FromString(sock.recv())
+        data = sock.recv()
+        if data[:4] == b"ping":
+            sock.send(reply)
+            continue
+        msg = pb.SchedulerToWorker.FromString(data)
         if msg.WhichOneof("kind") == "shutdown":
             return
         plan = msg.plan
-        for s in plan.new_seqs:
-            num_tokens[s.slot] = len(s.token_ids)
-            num_computed[s.slot] = s.num_computed_tokens
-        slots = np.concatenate([[s.slot for s in plan.new_seqs], unpack(plan.running_slots)]).astype(np.int64)
-        counts = np.concatenate([[s.num_new_tokens for s in plan.new_seqs],
-                                 unpack(plan.running_num_tokens)]).astype(np.int64)
+        slots = unpack(plan.running_slots).astype(np.int64)
+        counts = unpack(plan.running_num_tokens)
+        if plan.new_seqs:
+            for s in plan.new_seqs:
+                num_tokens[s.slot] = len(s.token_ids)
+                num_computed[s.slot] = s.num_computed_tokens
+            slots = np.concatenate([[s.slot for s in plan.new_seqs], slots]).astype(np.int64)
+            counts = np.concatenate([[s.num_new_tokens for s in plan.new_seqs], counts])
         num_computed[slots] += counts
         sampled = slots[num_computed[slots] == num_tokens[slots]]
         num_tokens[sampled] += 1
         result = pb.StepResult(step_id=plan.step_id, slots=pack(sampled),
-                               token_ids=pack(np.full(len(sampled), 7)))
-        sock.send(pb.WorkerMessage(result=result).SerializeToString())
+                               token_ids=pack(sevens[:len(sampled)]))
+        reply = pb.WorkerMessage(result=result).SerializeToString()
+        sock.send(reply)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--seqs", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--no-gc", action="store_true")
-    ap.add_argument("--busy-poll-us", type=float, default=500.0,
-                    help="as the scheduler's and the worker's flag (their default)")
-    opts = ap.parse_args()
-
+def run_once(opts) -> dict:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
-    proc = mp.get_context("spawn").Process(target=null_worker, args=(f"tcp://127.0.0.1:{port}", opts.busy_poll_us))
+    proc = mp.get_context("spawn").Process(target=null_worker,
+                                           args=(f"tcp://127.0.0.1:{port}", opts.busy_poll_us))
     proc.start()
     ident, data = sock.recv_multipart()
     router = Router(RouterConfig(max_num_seqs=opts.seqs, max_num_batched_tokens=8192))
     router.register(ident, pb.WorkerMessage.FromString(data).hello)
     for i in range(opts.seqs):
+        # Staggered lengths, so that sequences cross block boundaries on different steps.
+        length = opts.prompt_len + i % 16
         router.add(b"gw", pb.AddRequest(request_id=f"r{i}", max_tokens=4096, ignore_eos=True,
-                                        prompt_token_ids=[(i * 31 + j) % 50000 + 1 for j in range(opts.prompt_len)],
+                                        prompt_token_ids=[(i * 31 + j) % 50000 + 1 for j in range(length)],
                                         sampling=pb.SamplingConfig()))
 
     phases = {"schedule": [], "encode + round trip + decode": [], "update + stream": []}
+    sizes = [0, 0]
 
     def iteration() -> int:
         t0 = time.perf_counter()
         plans = router.plans()
         t1 = time.perf_counter()
         for wid, plan in plans:
-            sock.send_multipart([wid, pb.SchedulerToWorker(plan=plan).SerializeToString()])
+            frame = pb.SchedulerToWorker(plan=plan).SerializeToString()
+            sock.send_multipart([wid, frame])
             poll(sock, 1000, opts.busy_poll_us)  # as scheduler/server.py waits for a result
             _, reply = sock.recv_multipart()
             result = pb.WorkerMessage.FromString(reply).result
             t2 = time.perf_counter()
             router.on_result(wid, result)
+            sizes[:] = len(frame), len(reply)
         for msg in router.take_outbox().values():
             msg.SerializeToString()
         t3 = time.perf_counter()
@@ -104,17 +115,16 @@ def main() -> None:
                 phases[key].append(b - a)
         return len(plans)
 
-    while any(r.num_computed_tokens < opts.prompt_len for r in router.workers[ident].scheduler.requests.values()):
+    sched = router.workers[ident].scheduler
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.requests.values()):
         iteration()  # prefill until every sequence decodes
     for v in phases.values():
         v.clear()
     if opts.no_gc:
-        # The loop allocates little that lives: a frozen, disabled collector takes its pauses
-        # out of the tail (the server does the same, see scheduler/main.py).
         gc.collect()
         gc.freeze()
         gc.disable()
-    running = len(router.workers[ident].scheduler.running)
+    running = len(sched.running)
     profiler = cProfile.Profile() if opts.profile else None
     times = []
     if profiler:
@@ -126,15 +136,55 @@ def main() -> None:
     if profiler:
         profiler.disable()
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
+    # The bare transport: a plan-sized frame out, the last result's bytes back, same polling.
+    ping = b"ping" + b"\0" * max(0, sizes[0] - 4)
+    pings = []
+    for _ in range(opts.steps):
+        t0 = time.perf_counter()
+        sock.send_multipart([ident, ping])
+        poll(sock, 1000, opts.busy_poll_us)
+        sock.recv_multipart()
+        pings.append(time.perf_counter() - t0)
     sock.send_multipart([ident, pb.SchedulerToWorker(shutdown=True).SerializeToString()])
     proc.join(5)
+    sock.close(0)
+    ctx.term()
+    if opts.no_gc:
+        gc.enable()
+        gc.unfreeze()
     times.sort()
-    print(f"running sequences: {running}, steps: {opts.steps}")
-    print(f"per iteration: median {statistics.median(times) * 1e3:.3f} ms, "
-          f"p90 {times[int(0.9 * len(times))] * 1e3:.3f} ms, min {times[0] * 1e3:.3f} ms"
-          f"{' (gc frozen)' if opts.no_gc else ''}")
-    for key, v in phases.items():
-        print(f"  {key}: median {statistics.median(v) * 1e3:.3f} ms")
+    return {"running": running, "median": statistics.median(times),
+            "p90": times[int(0.9 * len(times))], "ping": statistics.median(pings), "sizes": sizes,
+            **{k: statistics.median(v) for k, v in phases.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqs", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-gc", action="store_true")
+    ap.add_argument("--busy-poll-us", type=float, default=500.0,
+                    help="as the scheduler's and the worker's flag (their default)")
+    opts = ap.parse_args()
+    ms = lambda x: f"{x * 1e3:.3f}"  # noqa: E731
+    print("| repeat | median ms | p90 ms | schedule | round trip | update + stream | bare ping-pong | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    runs = []
+    for i in range(opts.repeats):
+        r = run_once(opts)
+        runs.append(r)
+        print(f"| {i + 1} | {ms(r['median'])} | {ms(r['p90'])} | {ms(r['schedule'])} | "
+              f"{ms(r['encode + round trip + decode'])} | {ms(r['update + stream'])} | "
+              f"{ms(r['ping'])} | {r['median'] / r['ping']:.2f} |", flush=True)
+    med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
+    print(f"\n{runs[0]['running']} running sequences, {opts.steps} steps per repeat, plan "
+          f"{runs[0]['sizes'][0]} B, result {runs[0]['sizes'][1]} B, "
+          f"busy poll {opts.busy_poll_us:.0f} us{', gc frozen' if opts.no_gc else ''}")
+    print(f"median over repeats: {ms(med('median'))} ms per iteration, bare ping-pong "
+          f"{ms(med('ping'))} ms, ratio {statistics.median(r['median'] / r['ping'] for r in runs):.2f}")
 
 
 if __name__ == "__main__":

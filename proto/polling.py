@@ -7,6 +7,7 @@ result and the next plan the scheduler needs well under a millisecond, so both e
 """
 from __future__ import annotations
 
+import os
 import time
 
 import zmq
@@ -22,5 +23,8 @@ def poll(target: zmq.Socket | zmq.Poller, timeout_ms: float, busy_us: float = 0.
                 return events
             if time.perf_counter() >= deadline:
                 break
+            # ZeroMQ moves bytes on its own I/O thread: on a machine with few cores a spinner
+            # that never yields can keep that thread, and so the very message, waiting.
+            os.sched_yield()
         timeout_ms -= busy_us / 1000
     return target.poll(max(0, int(timeout_ms)))

@@ -54,11 +54,12 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         if n > len(self.free_blocks):
             raise MemoryError(f"asked for {n} blocks, {len(self.free_blocks)} free")
-        out = []
+        out, popitem, ref_cnt, block_hash = [], self.free_blocks.popitem, self.ref_cnt, self.block_hash
         for _ in range(n):
-            block, _ = self.free_blocks.popitem(last=False)
-            self._forget_hash(block)
-            self.ref_cnt[block] = 1
+            block, _ = popitem(last=False)
+            if block_hash[block] is not None:
+                self._forget_hash(block)
+            ref_cnt[block] = 1
             out.append(block)
         return out
 
@@ -84,14 +85,16 @@ class BlockPool:
                     self.free_blocks[block] = None
 
     # -- prefix cache -----------------------------------------------------------------------
-    def cache_block(self, block: int, block_hash: int) -> None:
-        """Make a full, computed block findable by its hash."""
-        if not self.enable_prefix_caching or self.block_hash[block] is not None:
+    def cache_blocks(self, blocks: Sequence[int], block_hashes: Sequence[int]) -> None:
+        """Make full, computed blocks findable by their hashes."""
+        if not self.enable_prefix_caching:
             return
-        if block_hash in self.cached:
-            return  # an identical block is already cached; this copy stays anonymous
-        self.block_hash[block] = block_hash
-        self.cached[block_hash] = block
+        block_hash, cached = self.block_hash, self.cached
+        for block, h in zip(blocks, block_hashes):
+            # An identical block already cached leaves this copy anonymous.
+            if block_hash[block] is None and h not in cached:
+                block_hash[block] = h
+                cached[h] = block
 
     def find_cached(self, block_hashes: Sequence[int]) -> list[int]:
         """The longest run of leading blocks already in the cache (no references taken)."""

@@ -44,7 +44,7 @@ class RunningColumns:
                                      dtype=bool, count=len(reqs))
         self.stop_tokens = np.array(sorted(set().union(*(r.stop_set for r in reqs))), dtype=np.int64)
         self.request_ids = [r.request_id for r in reqs]
-        self.indices = ints(r.index for r in reqs)
+        self.indices = ints(r.index for r in reqs).astype(np.int32)  # as the column packs it
         self.gateways: dict[bytes, np.ndarray] = {}
         gws = [r.gateway for r in reqs]
         for gw in set(gws):
@@ -109,8 +109,8 @@ class RunningColumns:
         if sched.pool.enable_prefix_caching:
             full = computed // self.block_size
             filled = np.flatnonzero(full > self.num_hashed)
-            for i in filled.tolist():
-                cache_full_blocks(sched, reqs[i])
+            if len(filled):
+                cache_full_blocks(sched, [reqs[i] for i in filled.tolist()])
             self.num_hashed[filled] = full[filled]
 
         ended = self._stops(sched, pos, tokens, toks)

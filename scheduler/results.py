@@ -40,7 +40,7 @@ def apply_result(sched: "Scheduler", result: pb.StepResult,
         if alive:
             computed = req.num_computed_tokens = req.num_computed_tokens + n
             if caching and computed // bs > len(req.block_hashes):
-                cache_full_blocks(sched, req)
+                cache_full_blocks(sched, [req])
         if j == num_results or res_slots[j] != slot:
             continue  # a prefill chunk that did not reach the end: nothing sampled
         token = res_tokens[j]
@@ -69,12 +69,15 @@ def apply_result(sched: "Scheduler", result: pb.StepResult,
     return others
 
 
-def cache_full_blocks(sched: "Scheduler", req: Request) -> None:
+def cache_full_blocks(sched: "Scheduler", reqs: list[Request]) -> None:
     """Make the blocks this step filled findable by later requests with the same prefix."""
-    bs, hashes, cache_block = sched.block_size, req.block_hashes, sched.pool.cache_block
-    parent = hashes[-1] if hashes else None
-    tokens, blocks = req.all_token_ids, req.block_ids
-    for i in range(len(hashes), req.num_computed_tokens // bs):
-        parent = hash_block(parent, tokens[i * bs:(i + 1) * bs])
-        hashes.append(parent)
-        cache_block(blocks[i], parent)
+    bs, filled, filled_hashes = sched.block_size, [], []
+    for req in reqs:
+        hashes, tokens = req.block_hashes, req.all_token_ids
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), req.num_computed_tokens // bs):
+            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs])
+            hashes.append(parent)
+            filled.append(req.block_ids[i])
+            filled_hashes.append(parent)
+    sched.pool.cache_blocks(filled, filled_hashes)
