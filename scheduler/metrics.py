@@ -28,6 +28,10 @@ class RouterCollector(Collector):
                                       "prompt tokens looked up in the prefix cache", labels=["worker"])
         hits = CounterMetricFamily("pagoda_prefix_cache_hits",
                                    "prompt tokens found in the prefix cache", labels=["worker"])
+        steps = CounterMetricFamily("pagoda_worker_steps", "steps the worker executed",
+                                    labels=["worker"])
+        forward = CounterMetricFamily("pagoda_worker_forward_seconds",
+                                      "the worker's time executing steps", labels=["worker"])
         for state in list(self.router.workers.values()):
             wid = state.hello.worker_id
             sched, pool = state.scheduler, state.scheduler.pool
@@ -41,11 +45,13 @@ class RouterCollector(Collector):
             g["kv_blocks_total"].add_metric([wid], pool.num_blocks)
             g["kv_blocks_free"].add_metric([wid], pool.num_free)
             g["num_requests_running"].add_metric([wid], len(running))
-            g["num_requests_waiting"].add_metric([wid], sum(r.status is Status.WAITING for r in reqs))
+            g["num_requests_waiting"].add_metric([wid], sched.num_waiting)
             g["num_requests_swapped"].add_metric([wid], sum(r.status is Status.SWAPPED for r in reqs))
             for mode, count in sched.stats.num_preemptions.items():
                 preempt.add_metric([wid, mode], count)
             queries.add_metric([wid], pool.queries)
             hits.add_metric([wid], pool.hits)
+            steps.add_metric([wid], state.steps)
+            forward.add_metric([wid], state.forward_seconds)
         yield from g.values()
-        yield from (preempt, queries, hits)
+        yield from (preempt, queries, hits, steps, forward)

@@ -33,6 +33,8 @@ class WorkerState:
     scheduler: Scheduler
     last_seen: float = field(default_factory=time.monotonic)
     busy: bool = False  # a plan is out and its result not yet back
+    steps: int = 0
+    forward_seconds: float = 0.0  # the worker's own time in execute, summed over steps
 
     @property
     def load(self) -> int:
@@ -226,6 +228,8 @@ class Router:
             return
         state.busy = False
         state.last_seen = time.monotonic()
+        state.steps += 1
+        state.forward_seconds += result.forward_seconds
         sched = state.scheduler
         if result.error:
             # The forward failed: end the step's sequences with an error rather than retrying a

@@ -49,6 +49,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}              # every unfinished sequence here
+        self.num_waiting = 0  # of those, the ones in status WAITING (fork children included)
         self.dropped: list[int] = []                         # slots the worker must forget
         self.slots: list[Request | None] = []                # slot -> sequence on the worker
         self.free_slots: list[int] = []
@@ -72,6 +73,7 @@ class Scheduler:
         req.stop_set = eos | req.stop_token_ids
         req.length_limit = min(req.num_prompt_tokens + req.max_tokens, self.config.max_model_len)
         req.status = Status.WAITING
+        self.num_waiting += 1
         self.requests[req.seq_id] = req
         if req.fork_parent is None:
             heapq.heappush(self.waiting, (req.priority, req.arrival, next(self._tiebreak), req))
@@ -82,10 +84,6 @@ class Scheduler:
         if req is not None:
             self.finish(req, FinishReason.ABORT)
         return req
-
-    @property
-    def num_waiting(self) -> int:
-        return sum(1 for r in self.requests.values() if r.status is Status.WAITING)
 
     @property
     def has_work(self) -> bool:
@@ -283,6 +281,7 @@ class Scheduler:
             self.pool.queries += req.num_tokens
             self.pool.hits += req.num_computed_tokens
         req.status = Status.RUNNING
+        self.num_waiting -= 1
         self.running.append(req)
         self.running_sorted = False
         return n
@@ -304,6 +303,7 @@ class Scheduler:
             child.num_cached_tokens = parent.num_cached_tokens
             child.fork_parent = None
             child.status = Status.RUNNING
+            self.num_waiting -= 1
             self.scheduled.append((child, 1))
             self.budget -= 1
         children, parent.fork_children = parent.fork_children, []
@@ -364,6 +364,8 @@ class Scheduler:
         if req.status is Status.RUNNING:
             self.running_dirty = True
             self.num_running_ended += 1
+        if req.status is Status.WAITING:
+            self.num_waiting -= 1
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.requests.pop(req.seq_id, None)
@@ -387,6 +389,7 @@ class Scheduler:
             req.num_computed_tokens = 0
             req.block_hashes = []
             req.status = Status.WAITING
+            self.num_waiting += 1
             heapq.heappush(self.waiting, (req.priority, req.arrival, next(self._tiebreak), req))
 
     def _release(self, req: Request) -> None:
@@ -413,6 +416,7 @@ class Scheduler:
             req.fork_children, req.fork_parent = [], None
             req.status = Status.WAITING
         self.requests.clear()
+        self.num_waiting = 0
         self.waiting.clear()
         self.running.clear()
         self.swapped.clear()

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from proto import internal_pb2 as pb
 from proto.columns import unpack_list
 from proto.codec import expand_deltas
+from scheduler.request import Status
 from scheduler.router import Rejected, Router, RouterConfig
 from tests.fake_worker import FakeWorker, reference_output
 
@@ -32,6 +33,8 @@ def check(router):
             [r.cpu_block_ids for r in state.scheduler.requests.values()])
         for req in state.scheduler.requests.values():
             assert not req.is_finished
+        assert state.scheduler.num_waiting == sum(
+            r.status is Status.WAITING for r in state.scheduler.requests.values())
 
 
 def step(router, workers, outputs, plans_seen=None):
@@ -292,3 +295,41 @@ def test_aborting_one_index_frees_its_blocks_and_the_others_go_on():
         assert out[("p", i)]["tokens"] == reference_output(prompt, 8, seed=3 + i)
     assert out[("p", 1)]["finish"] == 0  # aborted: no finish delta, the gateway already ended it
     assert "p" not in router.seqs and sched.pool.num_free == sched.pool.num_blocks
+
+
+def test_metrics_report_steps_forward_time_and_queues():
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from scheduler.metrics import RouterCollector
+
+    router = make_router(max_num_seqs=2)
+    fake = FakeWorker(64)
+    workers = with_workers(router, fake)
+    for i in range(4):
+        add(router, f"m{i}", [i + 1] * 5, 6)
+    registry = CollectorRegistry()
+    registry.register(RouterCollector(router))
+
+    def read():
+        text = generate_latest(registry).decode()
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    assert read()["pagoda_num_requests_waiting"] == 4
+    plans, seconds = 0, 0.0
+    while router.workers[b"w0"].scheduler.has_work:
+        for wid, plan in router.plans():
+            result = fake.execute(plan)
+            result.forward_seconds = 0.25 * (plans % 3)  # any values: the sum must come back
+            seconds += result.forward_seconds
+            plans += 1
+            router.on_result(wid, result)
+        m = read()
+        assert m["pagoda_num_requests_running"] <= 2
+        assert m["pagoda_num_requests_waiting"] + m["pagoda_num_requests_running"] == len(
+            router.workers[b"w0"].scheduler.requests)
+        router.take_outbox()
+    m = read()
+    assert m["pagoda_worker_steps_total"] == plans == fake.steps
+    assert m["pagoda_worker_forward_seconds_total"] == pytest.approx(seconds)
+    assert m["pagoda_num_requests_waiting"] == 0 and m["pagoda_kv_blocks_free"] == 64
