@@ -333,3 +333,53 @@ def test_metrics_report_steps_forward_time_and_queues():
     assert m["pagoda_worker_steps_total"] == plans == fake.steps
     assert m["pagoda_worker_forward_seconds_total"] == pytest.approx(seconds)
     assert m["pagoda_num_requests_waiting"] == 0 and m["pagoda_kv_blocks_free"] == 64
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 12])  # the prefill, the first decode, a quiet step
+def test_a_failed_step_ends_its_sequences_with_an_error_and_frees_their_blocks(fail_at):
+    router = make_router()
+    fake = FakeWorker(64)
+    workers = with_workers(router, fake)
+    for i in range(3):
+        add(router, f"e{i}", [i + 1] * 6, 30)
+    out = {}
+    for _ in range(fail_at - 1):
+        step(router, workers, out)
+    sched = router.workers[b"w0"].scheduler
+    (wid, plan), = router.plans()
+    assert (sched.flight_cols is not None) == (fail_at == 12)  # planned from the numpy columns
+    router.on_result(wid, pb.StepResult(step_id=plan.step_id, error="RuntimeError: boom"))
+    check(router)
+    assert not sched.requests and sched.pool.num_free == 64
+    for msg in router.take_outbox().values():
+        for delta in expand_deltas(msg):
+            out.setdefault((delta.request_id, delta.index), {"tokens": []})
+            if delta.finish:
+                out[(delta.request_id, delta.index)].update(finish=delta.finish, error=delta.error.code)
+    for i in range(3):
+        assert out[(f"e{i}", 0)]["finish"] == pb.ERROR and out[(f"e{i}", 0)]["error"] == "INTERNAL"
+
+
+def test_abort_while_a_quiet_step_runs_skips_only_that_sequence():
+    router = make_router()
+    fake = FakeWorker(64)
+    workers = with_workers(router, fake)
+    prompts = {f"q{i}": [i + 2] * 7 for i in range(3)}
+    for rid, prompt in prompts.items():
+        add(router, rid, prompt, 20)
+    out = {}
+    for _ in range(5):
+        step(router, workers, out)
+    sched = router.workers[b"w0"].scheduler
+    (wid, plan), = router.plans()
+    assert sched.flight_cols is not None  # planned from the numpy columns
+    free, held = sched.pool.num_free, len(sched.requests["q1#0"].block_ids)
+    router.abort("q1")  # the gateway's abort arrives while the worker computes
+    assert held > 0 and sched.pool.num_free == free + held  # freed at once, not after the step
+    router.on_result(wid, fake.execute(plan))
+    check(router)
+    run(router, workers, out)
+    assert out[("q0", 0)]["tokens"] == reference_output(prompts["q0"], 20)
+    assert out[("q2", 0)]["tokens"] == reference_output(prompts["q2"], 20)
+    assert out[("q1", 0)]["tokens"] == reference_output(prompts["q1"], 5)  # nothing after the abort
+    assert sched.pool.num_free == 64 and not sched.requests
