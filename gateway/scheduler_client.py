@@ -138,10 +138,11 @@ class SchedulerClient:
             try:
                 # The payload is the last frame; tolerate an empty delimiter frame before it.
                 msg.ParseFromString(frames[-1].bytes)
+                deltas = expand_deltas(msg)  # checks that the token columns line up
             except Exception:  # noqa: BLE001 - one bad frame must not stop the gateway
                 log.exception("dropped a malformed SchedulerMessage (%d frames)", len(frames))
                 continue
-            for delta in expand_deltas(msg):
+            for delta in deltas:
                 queue = self._queues.get(delta.request_id)
                 if queue is not None:  # else: a request already answered or cancelled
                     queue.put_nowait(delta)
