@@ -11,6 +11,7 @@ fork, an abort while the plan runs) falls back to the per-sequence path.
 """
 from __future__ import annotations
 
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -30,23 +31,24 @@ class RunningColumns:
     def __init__(self, reqs: list[Request], block_size: int) -> None:
         self.reqs = list(reqs)
         self.block_size = block_size
-        ints = lambda values: np.fromiter(values, dtype=np.int64, count=len(reqs))  # noqa: E731
-        self.slots = ints(r.slot for r in reqs)
+        # One pass over the sequences, then one column per field: this runs after every step
+        # that changed the running list, so it must cost much less than the step it speeds up.
+        rows = [(r.slot, r.num_computed_tokens, len(r.all_token_ids), len(r.block_ids),
+                 len(r.block_hashes), r.length_limit, r.index,
+                 # Whether every token so far has been streamed, so the next one goes out as a
+                 # plain column entry (a first token carries usage and goes through the router).
+                 r.stream_started and not r.num_unstreamed) for r in reqs]
+        table = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=8 * len(rows))
+        (self.slots, self.computed, self.num_tokens, self.num_blocks, self.num_hashed, self.limit,
+         indices, streaming) = table.reshape(len(rows), 8).T.copy()
         self.slots_column = pack(self.slots)
-        self.computed = ints(r.num_computed_tokens for r in reqs)
-        self.num_tokens = ints(len(r.all_token_ids) for r in reqs)
-        self.num_blocks = ints(len(r.block_ids) for r in reqs)
-        self.num_hashed = ints(len(r.block_hashes) for r in reqs)
-        self.limit = ints(r.length_limit for r in reqs)
-        # Whether every token so far has been streamed, so the next one goes out as a plain
-        # column entry; a first token carries usage and goes through the router instead.
-        self.streaming = np.fromiter((r.stream_started and not r.num_unstreamed for r in reqs),
-                                     dtype=bool, count=len(reqs))
-        self.stop_tokens = np.array(sorted(set().union(*(r.stop_set for r in reqs))), dtype=np.int64)
+        self.indices = indices.astype(np.int32)  # as the column packs it
+        self.streaming = streaming.astype(bool)
+        stops = {t for r in reqs for t in r.stop_set}
+        self.stop_tokens = np.array(sorted(stops), dtype=np.int64)
         self.request_ids = [r.request_id for r in reqs]
-        self.indices = ints(r.index for r in reqs).astype(np.int32)  # as the column packs it
-        self.gateways: dict[bytes, np.ndarray] = {}
         gws = [r.gateway for r in reqs]
+        self.gateways: dict[bytes, np.ndarray] = {}
         for gw in set(gws):
             self.gateways[gw] = np.array([g == gw for g in gws], dtype=bool)
         self.n: np.ndarray | None = None  # tokens per position in the plan now running

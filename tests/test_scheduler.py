@@ -305,7 +305,7 @@ def test_metrics_report_steps_forward_time_and_queues():
 
     router = make_router(max_num_seqs=2)
     fake = FakeWorker(64)
-    workers = with_workers(router, fake)
+    with_workers(router, fake)
     for i in range(4):
         add(router, f"m{i}", [i + 1] * 5, 6)
     registry = CollectorRegistry()
