@@ -129,8 +129,11 @@ class RunningColumns:
             reqs[i].num_unstreamed += 1
             others.append(reqs[i])
         if len(plain):
-            self._stream(plain, len(plain) == len(reqs), tokens if len(pos) == len(reqs) else None,
-                         pos, tokens, outboxes)
+            by_position = tokens  # the token of each position, when all sampled
+            if len(pos) != len(reqs):
+                by_position = np.zeros(len(reqs), dtype=np.int32)
+                by_position[pos] = tokens
+            self._stream(plain, by_position, outboxes)
 
     def _stops(self, sched: "Scheduler", pos: np.ndarray, tokens: np.ndarray,
                toks: list[int]) -> list[int]:
@@ -148,12 +151,10 @@ class RunningColumns:
                 ended.append(i)
         return ended
 
-    def _stream(self, plain: np.ndarray, everyone: bool, by_position: np.ndarray | None,
-                pos: np.ndarray, tokens: np.ndarray, outboxes: dict[bytes, Outbox]) -> None:
+    def _stream(self, plain: np.ndarray, by_position: np.ndarray,
+                outboxes: dict[bytes, Outbox]) -> None:
         """One column entry per plainly streamed token (positions `plain`), per gateway."""
-        if by_position is None:
-            by_position = np.zeros(len(self.reqs), dtype=np.int64)
-            by_position[pos] = tokens
+        everyone = len(plain) == len(self.reqs)
         for gw, member in self.gateways.items():
             box = outboxes.get(gw)
             if box is None:

@@ -33,7 +33,9 @@ def apply_result(sched: "Scheduler", result: pb.StepResult,
         # Some were aborted while the plan ran: the per-sequence path skips them.
         entries = entries + list(zip(cols.reqs, cols.n.tolist(), cols.slots.tolist()))
         cols = sched.cols = None
-    res_slots, res_tokens = slots_column.tolist(), tokens_column.tolist()
+    # Each entry samples at most once, so with columns only that prefix concerns the loop below.
+    head = len(entries) if cols is not None else len(slots_column)
+    res_slots, res_tokens = slots_column[:head].tolist(), tokens_column[:head].tolist()
     j, num_results, others = 0, len(res_slots), []
     for req, n, slot in entries:
         alive = req.status is RUNNING  # else aborted while the plan ran
