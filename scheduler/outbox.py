@@ -36,9 +36,7 @@ class Outbox:
 
     def to_message(self) -> pb.SchedulerMessage:
         columns = [b""] * 3
-        if len(self._segments) == 1:
-            columns = [pack(c) for c in self._segments[0]]
-        elif self._segments:
+        if self._segments:
             columns = [pack(np.concatenate([np.asarray(s[k], dtype=np.int32) for s in self._segments]))
                        for k in range(3)]
         return pb.SchedulerMessage(deltas=self.deltas, request_ids=self.request_ids,

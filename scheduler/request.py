@@ -77,15 +77,6 @@ class Request:
         return len(self.all_token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        """A copy: the output is the tail of all_token_ids, which is the one list appended to."""
-        return self.all_token_ids[len(self.prompt_token_ids):]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - len(self.prompt_token_ids)
-
-    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

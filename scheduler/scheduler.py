@@ -99,14 +99,13 @@ class Scheduler(Admission):
         # The running sequences' columns of the plan, filled by _schedule_running.
         self.run_entries: list[tuple[Request, int, int]] = []
         self.run_slots, self.run_tokens, self.block_slots, self.block_ids = [], [], [], []
-        self.fast = False
         preempted = self._schedule_running()
         # A step that had to preempt admits nothing: the victims would come straight back.
         if not preempted:
             self._schedule_swapped()
             if not self.swapped:  # swapped sequences resume before any new one is admitted
                 self._schedule_waiting()
-        if not self.scheduled and not self.run_entries and not self.fast and not self.dropped:
+        if not self.scheduled and not self.run_entries and not self.flight_cols and not self.dropped:
             return None
         return self._build_plan()
 
@@ -130,7 +129,7 @@ class Scheduler(Admission):
                 self.cols = RunningColumns.build(self.running, self.block_size)
         if self.cols is not None:
             if self.cols.schedule(self):
-                self.fast = True
+                self.flight_cols = self.cols  # the plan's running part, until its result is back
                 return False
             self.cols, self._cols_retry = None, 8
         running = self.running
@@ -208,16 +207,15 @@ class Scheduler(Admission):
                 seq_id=req.seq_id, slot=req.slot, token_ids=req.all_token_ids,
                 sampling=req.sampling, num_computed_tokens=req.num_computed_tokens,
                 block_ids=req.block_ids, num_new_tokens=n))
-        if self.fast:
-            plan.running_slots = self.cols.slots_column
-            plan.running_num_tokens = pack(self.cols.n)
+        if self.flight_cols is not None:
+            plan.running_slots = self.flight_cols.slots_column
+            plan.running_num_tokens = pack(self.flight_cols.n)
         else:
             plan.running_slots = pack(self.run_slots)
             plan.running_num_tokens = pack(self.run_tokens)
         plan.new_block_slots = pack(self.block_slots)
         plan.new_block_ids = pack(self.block_ids)
         self.in_flight, self.scheduled = new_entries + self.run_entries, []
-        self.flight_cols = self.cols if self.fast else None
         self.flight_ended = self.num_running_ended
         return plan
 
