@@ -15,6 +15,7 @@ from gateway import metrics
 from gateway.scheduler_client import SchedulerClient
 from gateway.server import GenerationServicer
 from gateway.tokenizer import TextTokenizer
+from gateway.validate import Limits
 from proto import internal_pb2, pagoda_pb2, pagoda_pb2_grpc
 
 log = logging.getLogger("pagoda.gateway")
@@ -30,7 +31,7 @@ def _bind_address(host: str, port: int) -> str:
 class Gateway:
     def __init__(self, tokenizer: TextTokenizer, scheduler_address: str, host: str = "127.0.0.1",
                  port: int = 50051, max_message_bytes: int = 16 << 20,
-                 client: SchedulerClient | None = None):
+                 client: SchedulerClient | None = None, limits: Limits | None = None):
         self.tokenizer = tokenizer
         self.host = host
         self.port = port
@@ -43,7 +44,7 @@ class Gateway:
             ("grpc.so_reuseport", 0),
         ])
         pagoda_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(tokenizer, self.client), self.server)
+            GenerationServicer(tokenizer, self.client, limits), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,

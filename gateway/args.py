@@ -12,6 +12,34 @@ import argparse
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the same default as the scheduler's and workers'.
 
+# Bounds on one GenerateRequest (gateway.validate.Limits has a field per entry, same name and
+# default). Each keeps a single request from costing the gateway or a batch shared with other
+# users more than it can justify; past one, the request gets INVALID_ARGUMENT naming the field.
+# (dest, default, smallest value, help)
+REQUEST_LIMITS: tuple[tuple[str, int, int, str], ...] = (
+    ("max_stop_strings", 16, 0, "stop strings per request (stopping.stop)"),
+    ("max_stop_string_bytes", 256, 1, "UTF-8 bytes of one stop string"),
+    ("max_stop_token_ids", 64, 0, "entries of stopping.stop_token_ids"),
+    ("max_messages", 256, 1, "chat messages per request"),
+    ("max_logit_bias", 1024, 0, "entries of sampling.logit_bias"),
+    ("max_request_id_bytes", 256, 1, "UTF-8 bytes of a client's request_id"),
+    ("max_priority", 1_000_000, 0, "largest |priority|"),
+    ("max_logprobs", 20, 0, "largest sampling.logprobs and sampling.prompt_logprobs (as vLLM's)"),
+    ("max_prompt_chars_per_token", 32, 1,
+     "a prompt (or the chat messages' content) longer than max_model_len times this many "
+     "characters is refused before it is tokenized"),
+)
+
+
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    parse.__name__ = "int"  # argparse names the type in its error message
+    return parse
+
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("gateway")
@@ -30,6 +58,9 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
                    help="largest gRPC or ZeroMQ message sent or received (default: %(default)s)")
     g.add_argument("--log-level", default="INFO")
+    for dest, default, minimum, meaning in REQUEST_LIMITS:
+        g.add_argument("--" + dest.replace("_", "-"), type=_int_at_least(minimum), default=default,
+                       help=f"{meaning} (default: %(default)s)")
     return parser
 
 

@@ -24,18 +24,21 @@ REPLACEMENT = "\ufffd"
 class StopMatcher:
     """Finds stop strings in text that arrives in pieces and says how much text is safe to emit."""
 
-    def __init__(self, stops: Sequence[str]):
+    def __init__(self, stops: Sequence[str], include_stop: bool = False):
         self.stops = [s for s in stops if s]
+        self.include_stop = include_stop
         self._held = ""  # text received but not emitted: it may begin a stop string
         self.matched: str | None = None
 
-    def feed(self, text: str) -> str:
+    def feed(self, text: str, active: bool = True) -> str:
         """Returns the text that can be emitted now. After a match, returns the text before it
-        and sets `matched`; anything fed after that is ignored."""
+        (with the stop string itself when include_stop) and sets `matched`; anything fed after
+        that is ignored. While not active (min_tokens not reached) nothing can match."""
         if self.matched is not None:
             return ""
-        if not self.stops:
-            return text
+        if not self.stops or not active:
+            held, self._held = self._held, ""
+            return held + text
         buf = self._held + text
         # Emitted text never held a possible stop start (see _possible_start), so the earliest
         # match lies wholly inside buf.
@@ -47,7 +50,7 @@ class StopMatcher:
         if first is not None:
             self._held = ""
             self.matched = first[1]
-            return buf[:first[0]]
+            return buf[:first[0] + (len(first[1]) if self.include_stop else 0)]
         keep = self._possible_start(buf)
         self._held = buf[len(buf) - keep:]
         return buf[:len(buf) - keep]
@@ -70,8 +73,10 @@ class Detokenizer:
     """Token ids in, text deltas out, for one sequence (one index of one request)."""
 
     def __init__(self, tokenizer: TextTokenizer, stop: Sequence[str] = (),
-                 prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+                 prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True,
+                 include_stop: bool = False, min_tokens: int = 0):
         self._tok = tokenizer
+        self._min_tokens = min_tokens  # stop strings count only from this many output tokens on
         self._skip = skip_special_tokens
         context = list(prompt_token_ids[-PROMPT_CONTEXT:])
         if context and self._decode(context).endswith(REPLACEMENT):
@@ -79,7 +84,7 @@ class Detokenizer:
         self._stream = DecodeStream(ids=context or None, skip_special_tokens=skip_special_tokens)
         self._ids = context       # context + output ids, for the final flush
         self._decoded = len(context)  # ids before this index have produced their text
-        self.stop = StopMatcher(stop)
+        self.stop = StopMatcher(stop, include_stop)
         self.token_ids: list[int] = []  # output ids, up to and including a stop match
 
     @property
@@ -100,7 +105,7 @@ class Detokenizer:
         if chunk is None:
             return ""
         self._decoded = len(self._ids)
-        return self.stop.feed(chunk)
+        return self.stop.feed(chunk, active=len(self.token_ids) >= self._min_tokens)
 
     def add_many(self, token_ids: Sequence[int]) -> tuple[str, list[int]]:
         """Feed a delta; returns (text, the ids accepted), which stops short after a stop match."""
@@ -121,4 +126,4 @@ class Detokenizer:
             after = self._decode(self._ids[lo:])
             text = after[len(os.path.commonprefix([before, after])):]
             self._decoded = len(self._ids)
-        return self.stop.feed(text) + self.stop.flush()
+        return self.stop.feed(text, active=len(self.token_ids) >= self._min_tokens) + self.stop.flush()

@@ -16,6 +16,7 @@ from gateway.app import Gateway
 from gateway.args import parse_gateway_args
 from gateway.metrics import start_metrics_server
 from gateway.tokenizer import load_tokenizer
+from gateway.validate import limits_from_args
 
 GRACE_SECONDS = 5.0
 log = logging.getLogger("pagoda.gateway")
@@ -24,7 +25,8 @@ log = logging.getLogger("pagoda.gateway")
 async def run(args) -> None:
     tokenizer = load_tokenizer(args.model)
     gateway = Gateway(tokenizer, args.scheduler_gateway_address, host=args.host, port=args.port,
-                      max_message_bytes=args.max_message_bytes)
+                      max_message_bytes=args.max_message_bytes,
+                      limits=limits_from_args(args, max_model_len=0, vocab_size=0))
     await gateway.start()
     metrics_server = start_metrics_server(args.gateway_metrics_port, args.gateway_metrics_host)
 

@@ -48,6 +48,8 @@ class SchedulerClient:
         self.info: internal_pb2.ClusterInfo | None = None
         self._counter = itertools.count()
         self._queues: dict[str, asyncio.Queue] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count(1)
         self._listeners: list[InfoListener] = []
         self._last_heard = 0.0
         self._ctx: zmq.asyncio.Context | None = None
@@ -120,6 +122,22 @@ class SchedulerClient:
                 request_id=request_id, indices=indices))):
             log.warning("abort of %s not delivered: scheduler not connected", request_id)
 
+    async def call(self, call: internal_pb2.Call, timeout: float = 10.0) -> internal_pb2.CallReply:
+        """Asks the scheduler and waits for its answer (Abort by public id, GetLoads)."""
+        call.call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call.call_id] = future
+        try:
+            if not self._send(internal_pb2.GatewayMessage(call=call)):
+                raise SchedulerUnavailable(f"the scheduler at {self.address} is not connected")
+            try:
+                return await asyncio.wait_for(future, timeout)
+            except asyncio.TimeoutError:
+                raise SchedulerUnavailable(
+                    f"the scheduler did not answer within {timeout:g} s") from None
+        finally:
+            self._calls.pop(call.call_id, None)
+
     def _send(self, msg: internal_pb2.GatewayMessage) -> bool:
         if self._sock is None:
             return False
@@ -142,10 +160,15 @@ class SchedulerClient:
             except Exception:  # noqa: BLE001 - one bad frame must not stop the gateway
                 log.exception("dropped a malformed SchedulerMessage (%d frames)", len(frames))
                 continue
-            for delta in deltas:
-                queue = self._queues.get(delta.request_id)
+            # Logprobs first: they describe tokens of this message or of earlier ones.
+            for item in (*msg.logprobs, *deltas):
+                queue = self._queues.get(item.request_id)
                 if queue is not None:  # else: a request already answered or cancelled
-                    queue.put_nowait(delta)
+                    queue.put_nowait(item)
+            for reply in msg.replies:
+                future = self._calls.get(reply.call_id)
+                if future is not None and not future.done():
+                    future.set_result(reply)
             if msg.HasField("info"):
                 await self._set_info(msg.info)
 

@@ -1,35 +1,34 @@
 """pagoda.v1.Generation over grpc.aio: validation, streaming, status codes, aborts.
 
-One RPC = one internal request. Its deltas arrive on a queue fed by the SchedulerClient; each
-output index has its own Detokenizer. Whatever way the RPC ends before the scheduler finished
-every index (client cancel, deadline, stop string, error, server shutdown), the `finally` sends an
-AbortRequest so the scheduler frees the request's KV blocks at once.
+One RPC = one internal request. Its deltas and logprobs arrive on a queue fed by the
+SchedulerClient and become responses in gateway/stream.py. Whatever way the RPC ends before the
+scheduler finished every index (client cancel, deadline, stop string, error, server shutdown),
+the `finally` sends an AbortRequest so the scheduler frees the request's KV blocks at once.
+
+Every handler ends in a status a client can act on: INVALID_ARGUMENT naming the field, the
+scheduler's code (UNAVAILABLE, RESOURCE_EXHAUSTED, ALREADY_EXISTS), or INTERNAL with a short
+message for anything unexpected (the traceback goes to the log, never to the client).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import logging
 import time
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import AsyncIterator
 
 import grpc
 
 from gateway import metrics
-from gateway.detokenize import Detokenizer
 from gateway.scheduler_client import SchedulerClient, SchedulerUnavailable
+from gateway.stream import ResponseBuilder
 from gateway.tokenizer import TextTokenizer
-from gateway.validate import Limits, ValidationError, prompt_ids, validate
+from gateway.validate import Limits, ValidationError, _check_ids, prompt_offsets, validate
 from proto import internal_pb2, pagoda_pb2, pagoda_pb2_grpc
 
 log = logging.getLogger("pagoda.gateway")
-
-_FINISH = {
-    internal_pb2.LENGTH: pagoda_pb2.FINISH_REASON_LENGTH,
-    internal_pb2.STOP: pagoda_pb2.FINISH_REASON_STOP,
-    internal_pb2.ABORT: pagoda_pb2.FINISH_REASON_ABORT,
-}
 
 
 class RpcFailed(Exception):
@@ -46,14 +45,6 @@ def status_code(name: str) -> grpc.StatusCode:
     return code if code is not None and code != grpc.StatusCode.OK else grpc.StatusCode.INTERNAL
 
 
-@dataclass
-class _Index:
-    detok: Detokenizer
-    done: bool = False
-    finished_by_scheduler: bool = False
-    cached_prompt_tokens: int = 0  # the scheduler reports it on the first delta and the last
-
-
 def _record_end(method: str, code: grpc.StatusCode, started: float) -> None:
     metrics.IN_FLIGHT.dec()
     metrics.REQUESTS.labels(method, code.name).inc()
@@ -61,10 +52,40 @@ def _record_end(method: str, code: grpc.StatusCode, started: float) -> None:
         metrics.E2E_LATENCY.labels(method).observe(time.monotonic() - started)
 
 
+def _unary(method):
+    """Status handling shared by the unary RPCs other than Generate."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def handler(self, request, context):
+        code = grpc.StatusCode.OK
+        try:
+            return await method(self, request, context)
+        except ValidationError as e:
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, str(e))
+        except SchedulerUnavailable as e:
+            code = grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, str(e))
+        except RpcFailed as e:
+            code = e.code
+            await context.abort(code, str(e))
+        except Exception:  # noqa: BLE001 - a bug must not reach the client as a traceback
+            code = grpc.StatusCode.INTERNAL
+            log.exception("%s failed", name)
+            await context.abort(code, f"{name} failed inside the gateway; see its log")
+        finally:
+            metrics.REQUESTS.labels(name, code.name).inc()
+    return handler
+
+
 class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
-    def __init__(self, tokenizer: TextTokenizer, client: SchedulerClient):
+    def __init__(self, tokenizer: TextTokenizer, client: SchedulerClient,
+                 limits: Limits | None = None):
         self.tokenizer = tokenizer
         self.client = client
+        # The flags' bounds; max_model_len and vocab_size come from the scheduler per request.
+        self.base_limits = limits or Limits(max_model_len=0, vocab_size=0)
 
     def _limits(self) -> Limits:
         info = self.client.info
@@ -72,8 +93,13 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
             raise RpcFailed(grpc.StatusCode.UNAVAILABLE,
                             "no workers are registered with the scheduler yet" if info is not None
                             else "the scheduler has not answered yet")
-        return Limits(max_model_len=info.max_model_len,
-                      vocab_size=info.vocab_size or self.tokenizer.vocab_size)
+        return dataclasses.replace(self.base_limits, max_model_len=info.max_model_len,
+                                   vocab_size=info.vocab_size or self.tokenizer.vocab_size)
+
+    @property
+    def _vocab_size(self) -> int:
+        info = self.client.info
+        return (info.vocab_size if info is not None else 0) or self.tokenizer.vocab_size
 
     # ------------------------------------------------------------------ Generate*
 
@@ -85,7 +111,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
             first = True
             # aclosing: a cancel that lands while this handler waits at `yield` must still run
             # _generate's finally (the abort) now, not whenever the generator is collected.
-            async with aclosing(self._generate(request, unary=False)) as responses:
+            async with aclosing(self._generate(request, started, unary=False)) as responses:
                 async for response in responses:
                     if first and response.token_ids:
                         metrics.TIME_TO_FIRST_TOKEN.observe(time.monotonic() - started)
@@ -97,6 +123,10 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         except (asyncio.CancelledError, GeneratorExit):
             code = _cancel_code(context)
             raise
+        except Exception:  # noqa: BLE001 - a bug must not reach the client as a traceback
+            code = grpc.StatusCode.INTERNAL
+            log.exception("GenerateStream failed")
+            await context.abort(code, "GenerateStream failed inside the gateway; see its log")
         finally:
             _record_end("GenerateStream", code, started)
 
@@ -106,16 +136,18 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         metrics.IN_FLIGHT.inc()
         try:
             out = pagoda_pb2.GenerateResponse()
-            async with aclosing(self._generate(request, unary=True)) as responses:
+            async with aclosing(self._generate(request, started, unary=True)) as responses:
                 async for response in responses:
                     if response.token_ids and not out.token_ids:
                         metrics.TIME_TO_FIRST_TOKEN.observe(time.monotonic() - started)
-                    out.request_id = response.request_id
-                    out.text += response.text
-                    out.token_ids.extend(response.token_ids)
-                    out.finish_reason = response.finish_reason
-                    if response.HasField("usage"):
-                        out.usage.CopyFrom(response.usage)
+                    text, ids = out.text + response.text, [*out.token_ids, *response.token_ids]
+                    logprobs = [*out.logprobs, *response.logprobs]
+                    # The last message's scalars (finish, usage, seed, ...) win; lists append.
+                    out.MergeFrom(response)
+                    out.text = text
+                    del out.token_ids[:], out.logprobs[:]
+                    out.token_ids.extend(ids)
+                    out.logprobs.extend(logprobs)
             return out
         except RpcFailed as e:
             code = e.code
@@ -123,21 +155,24 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         except asyncio.CancelledError:
             code = _cancel_code(context)
             raise
+        except Exception:  # noqa: BLE001 - a bug must not reach the client as a traceback
+            code = grpc.StatusCode.INTERNAL
+            log.exception("Generate failed")
+            await context.abort(code, "Generate failed inside the gateway; see its log")
         finally:
             _record_end("Generate", code, started)
 
-    async def _generate(self, request: pagoda_pb2.GenerateRequest, unary: bool
+    async def _generate(self, request: pagoda_pb2.GenerateRequest, started: float, unary: bool
                         ) -> AsyncIterator[pagoda_pb2.GenerateResponse]:
         limits = self._limits()
         internal_id = self.client.new_request_id()
-        request_id = request.request_id or internal_id
         try:
             v = await _off_loop_if_large(request, validate, request, self.tokenizer, limits,
                                          internal_id, unary=unary)
         except ValidationError as e:
             raise RpcFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         metrics.PROMPT_TOKENS.inc(len(v.prompt_token_ids))
-        indices = [_Index(Detokenizer(self.tokenizer, v.stop, v.prompt_token_ids)) for _ in range(v.n)]
+        builder = ResponseBuilder(self.tokenizer, v, v.public_id, started)
         queue = self.client.open(internal_id)
         sent = False
         try:
@@ -146,77 +181,82 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
             except SchedulerUnavailable as e:
                 raise RpcFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
             sent = True
-            while not all(ix.done for ix in indices):
-                delta: internal_pb2.TokenDelta = await queue.get()
-                if delta.finish == internal_pb2.ERROR:
-                    raise RpcFailed(status_code(delta.error.code),
-                                    delta.error.message or "the scheduler failed the request")
-                if delta.index >= len(indices) or indices[delta.index].done:
+            while not builder.all_done:
+                item = await queue.get()
+                if isinstance(item, internal_pb2.Logprobs):
+                    builder.on_logprobs(item)
+                    continue
+                if item.finish == internal_pb2.ERROR:
+                    raise RpcFailed(status_code(item.error.code),
+                                    item.error.message or "the scheduler failed the request")
+                if item.index >= v.n or builder.indices[item.index].done:
                     continue  # e.g. tokens of an index already ended by a stop string
-                ix = indices[delta.index]
-                response = self._on_delta(ix, delta, request_id, len(v.prompt_token_ids))
-                if ix.detok.stopped and not ix.finished_by_scheduler and len(indices) > 1:
+                ix = builder.indices[item.index]
+                response = builder.on_delta(item)
+                if ix.detok.stopped and not ix.finished_by_scheduler and v.n > 1:
                     # A stop string ended this sequence while its siblings go on: free its
                     # blocks now rather than when the whole request ends.
-                    self.client.abort(internal_id, (delta.index,))
+                    self.client.abort(internal_id, (item.index,))
                     ix.finished_by_scheduler = True
                 if response is not None:
                     metrics.TOKENS_STREAMED.inc(len(response.token_ids))
                     yield response
         finally:
             self.client.release(internal_id)
-            if sent and not all(ix.finished_by_scheduler for ix in indices):
+            if sent and not builder.all_finished_by_scheduler:
                 self.client.abort(internal_id)
 
-    def _on_delta(self, ix: _Index, delta: internal_pb2.TokenDelta, request_id: str,
-                  prompt_len: int) -> pagoda_pb2.GenerateResponse | None:
-        text, ids = ix.detok.add_many(delta.token_ids)
-        ix.cached_prompt_tokens = delta.cached_prompt_tokens or ix.cached_prompt_tokens
-        reason = pagoda_pb2.FINISH_REASON_UNSPECIFIED
-        if ix.detok.stopped:
-            reason = pagoda_pb2.FINISH_REASON_STOP
-            ix.finished_by_scheduler = delta.finish != internal_pb2.NOT_FINISHED
-        elif delta.finish != internal_pb2.NOT_FINISHED:
-            text += ix.detok.finish()
-            reason = _FINISH.get(delta.finish, pagoda_pb2.FINISH_REASON_ABORT)
-            ix.finished_by_scheduler = True
-        if reason == pagoda_pb2.FINISH_REASON_UNSPECIFIED and not text and not ids:
-            return None  # nothing new to show yet
-        response = pagoda_pb2.GenerateResponse(
-            request_id=request_id, index=delta.index, text=text, token_ids=ids, finish_reason=reason)
-        if reason != pagoda_pb2.FINISH_REASON_UNSPECIFIED:
-            ix.done = True
-            # A stop-string finish comes before the scheduler's own: use what earlier deltas said.
-            response.usage.CopyFrom(pagoda_pb2.Usage(
-                prompt_tokens=delta.prompt_tokens or prompt_len,
-                completion_tokens=len(ix.detok.token_ids),
-                cached_prompt_tokens=ix.cached_prompt_tokens))
-        return response
+    # ------------------------------------------------------------------ the other RPCs
 
-    # ------------------------------------------------------------------ Tokenize, GetModelInfo
-
+    @_unary
     async def Tokenize(self, request, context) -> pagoda_pb2.TokenizeResponse:
-        code = grpc.StatusCode.OK
-        try:
-            vocab = self.client.info.vocab_size if self.client.info else 0
-            _, ids = await _off_loop_if_large(request, prompt_ids, request, self.tokenizer,
-                                              vocab or self.tokenizer.vocab_size)
-            return pagoda_pb2.TokenizeResponse(
-                token_ids=ids, tokens=[self.tokenizer.id_to_token(i) for i in ids])
-        except ValidationError as e:
-            code = grpc.StatusCode.INVALID_ARGUMENT
-            await context.abort(code, str(e))
-        finally:
-            metrics.REQUESTS.labels("Tokenize", code.name).inc()
+        limits = dataclasses.replace(self.base_limits, vocab_size=self._vocab_size,
+                                     max_model_len=_max_model_len(self.client))
+        text, ids, offsets = await _off_loop_if_large(request, prompt_offsets, request,
+                                                      self.tokenizer, limits=limits)
+        return pagoda_pb2.TokenizeResponse(
+            token_ids=ids, tokens=[self.tokenizer.id_to_token(i) for i in ids], prompt=text,
+            offsets=[pagoda_pb2.Offset(start=a, end=b) for a, b in offsets])
 
+    @_unary
+    async def Detokenize(self, request, context) -> pagoda_pb2.DetokenizeResponse:
+        _check_ids(request.token_ids, self._vocab_size, "token_ids")
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        text = await _off_loop_if_large(request, self.tokenizer.decode, request.token_ids, skip)
+        return pagoda_pb2.DetokenizeResponse(text=text)
+
+    @_unary
+    async def Abort(self, request, context) -> pagoda_pb2.AbortResponse:
+        if not request.request_ids:
+            raise ValidationError("request_ids", "request_ids: name at least one request to abort")
+        for i, rid in enumerate(request.request_ids):
+            if not rid or len(rid.encode()) > self.base_limits.max_request_id_bytes:
+                raise ValidationError(
+                    f"request_ids[{i}]", f"request_ids[{i}] must be 1 to "
+                                         f"{self.base_limits.max_request_id_bytes} bytes")
+        reply = await self.client.call(internal_pb2.Call(
+            abort=pagoda_pb2.AbortRequest(request_ids=request.request_ids)))
+        return reply.abort
+
+    @_unary
+    async def GetLoads(self, request, context) -> pagoda_pb2.GetLoadsResponse:
+        reply = await self.client.call(internal_pb2.Call(get_loads=True))
+        return reply.loads
+
+    @_unary
     async def GetModelInfo(self, request, context) -> pagoda_pb2.ModelInfo:
-        metrics.REQUESTS.labels("GetModelInfo", "OK").inc()
-        # Before the first ClusterInfo, answer with what the tokenizer knows and 0 workers.
+        # Before the first ClusterInfo, answer with what the tokenizer knows and 0 workers. EOS
+        # ids are the scheduler's only: they are what it stops on.
         info = self.client.info or internal_pb2.ClusterInfo()
         return pagoda_pb2.ModelInfo(
             model=info.model or self.tokenizer.name, max_model_len=info.max_model_len,
             vocab_size=info.vocab_size or self.tokenizer.vocab_size, block_size=info.block_size,
-            num_workers=info.num_workers, eos_token_ids=self.tokenizer.eos_token_ids)
+            num_workers=info.num_workers, eos_token_ids=info.eos_token_ids)
+
+
+def _max_model_len(client: SchedulerClient) -> int:
+    # Before the scheduler answers, bound Tokenize's input by a generous context length.
+    return client.info.max_model_len if client.info is not None and client.info.max_model_len else 1 << 17
 
 
 # Tokenizing a prompt of this size takes about a millisecond; larger ones (up to

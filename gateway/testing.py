@@ -32,7 +32,8 @@ Plan = Callable[[ipb.AddRequest], list]
 
 def cluster_info(tok: TextTokenizer, num_workers: int = 1, max_model_len: int = 2048) -> ipb.ClusterInfo:
     return ipb.ClusterInfo(model=tok.name, num_workers=num_workers, max_model_len=max_model_len,
-                           block_size=16, vocab_size=tok.vocab_size, total_blocks=1000)
+                           block_size=16, vocab_size=tok.vocab_size, total_blocks=1000,
+                           eos_token_ids=tok.eos_token_ids)
 
 
 def reply_plan(tok: TextTokenizer, text: str = DEFAULT_REPLY, per_delta: int = 1,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -24,6 +25,38 @@ from tokenizers import Tokenizer
 from launch.models import cache_dir, model_display_name, resolve_model
 
 ROLES = ("system", "user", "assistant", "tool")
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's table: each byte as a printable character, which is how ByteLevel vocabularies
+    spell their tokens (a space is 'Ġ', a newline 'Ċ')."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = list(bs)  # printable bytes stand for themselves
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def _decoder_types(node) -> set[str]:
+    """Every decoder type in a decoder's JSON, looking into Sequence decoders."""
+    if isinstance(node, list):
+        return set().union(*(_decoder_types(x) for x in node)) if node else set()
+    if not isinstance(node, dict):
+        return set()
+    out = {node["type"]} if isinstance(node.get("type"), str) else set()
+    if node.get("type") == "Replace" and node.get("pattern") == {"String": "\u2581"} \
+            and node.get("content") == " ":
+        out.add("Metaspace")  # Llama-style: the Replace decoder is what turns ▁ into a space
+    return out | _decoder_types(node.get("decoders"))
 
 
 def _tokenizer_folder(model: str) -> tuple[Path, Path]:
@@ -101,6 +134,12 @@ class TextTokenizer:
     chat_template: str | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     _template: jinja2.Template | None = field(default=None, repr=False)
+    # Logprobs ask for the text and bytes of every sampled and top-k token; the answer per id
+    # never changes, so each is computed once.
+    _bytes_cache: dict[int, bytes] = field(default_factory=dict, repr=False, compare=False)
+    _text_cache: dict[int, str] = field(default_factory=dict, repr=False, compare=False)
+    _decoders: set[str] | None = field(default=None, repr=False, compare=False)
+    _added: dict[int, str] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.chat_template:
@@ -113,6 +152,49 @@ class TextTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_with_offsets(self, text: str, add_special_tokens: bool = True
+                            ) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and each one's (start, end) in code points of `text`; tokens the post-processor
+        added (a BOS) span nothing, e.g. (0, 0). A token holding part of a character spans all of it."""
+        enc = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return enc.ids, [(int(a), int(b)) for a, b in enc.offsets]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes the token stands for, which can be part of a UTF-8 character (byte-level
+        BPE, byte fallback): concatenating a sequence's token_bytes gives its text's UTF-8."""
+        cached = self._bytes_cache.get(token_id)
+        if cached is None:
+            cached = self._bytes_cache[token_id] = self._token_bytes(token_id)
+        return cached
+
+    def token_text(self, token_id: int) -> str:
+        """The token alone as text; U+FFFD where it holds only part of a character."""
+        cached = self._text_cache.get(token_id)
+        if cached is None:
+            cached = self._text_cache[token_id] = self.token_bytes(token_id).decode("utf-8", "replace")
+        return cached
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        if self._decoders is None:
+            decoder = self.tokenizer.decoder
+            self._decoders = _decoder_types(json.loads(decoder.__getstate__())) if decoder else set()
+            self._added = {i: t.content for i, t in self.tokenizer.get_added_tokens_decoder().items()}
+        if token_id in self._added:
+            # Added tokens are stored verbatim, never in the model's byte spelling.
+            return self._added[token_id].encode()
+        token = self.tokenizer.id_to_token(token_id)
+        if token is None:
+            return b""
+        if "ByteLevel" in self._decoders and all(c in _UNICODE_TO_BYTE for c in token):
+            return bytes(_UNICODE_TO_BYTE[c] for c in token)
+        if "ByteFallback" in self._decoders and (m := _BYTE_FALLBACK.fullmatch(token)):
+            return bytes([int(m.group(1), 16)])
+        if "Metaspace" in self._decoders:
+            # Not decode(): its Strip/prepend rule drops the leading space of a lone first token,
+            # and that space is part of what the token contributes mid-text.
+            return token.replace("\u2581", " ").encode()
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

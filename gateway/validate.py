@@ -2,20 +2,26 @@
 
 Everything the scheduler and workers assume about a request is checked here, once, at the edge:
 past this point a bad value would surface as a crash deep inside a batch shared by other users.
+Ranges follow vLLM's SamplingParams. Every message starts with the field's path.
 """
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import jinja2
 
+from gateway.args import REQUEST_LIMITS
 from gateway.tokenizer import ROLES, TextTokenizer
 from proto import internal_pb2, pagoda_pb2
 
 MAX_N = 16
 DEFAULT_MAX_TOKENS = 256
+MAX_PENALTY = 2.0        # presence and frequency, either sign
+MAX_LOGIT_BIAS = 100.0   # either sign
+_LIMIT_DEFAULTS = {dest: default for dest, default, _, _ in REQUEST_LIMITS}
 
 
 class ValidationError(ValueError):
@@ -28,24 +34,60 @@ class ValidationError(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    """What the cluster can take; learned from ClusterInfo."""
+    """What the cluster can take (max_model_len, vocab_size: learned from ClusterInfo) and the
+    gateway's bounds on one request (its flags, see gateway.args.REQUEST_LIMITS)."""
     max_model_len: int
     vocab_size: int
+    max_stop_strings: int = _LIMIT_DEFAULTS["max_stop_strings"]
+    max_stop_string_bytes: int = _LIMIT_DEFAULTS["max_stop_string_bytes"]
+    max_stop_token_ids: int = _LIMIT_DEFAULTS["max_stop_token_ids"]
+    max_messages: int = _LIMIT_DEFAULTS["max_messages"]
+    max_logit_bias: int = _LIMIT_DEFAULTS["max_logit_bias"]
+    max_request_id_bytes: int = _LIMIT_DEFAULTS["max_request_id_bytes"]
+    max_priority: int = _LIMIT_DEFAULTS["max_priority"]
+    max_logprobs: int = _LIMIT_DEFAULTS["max_logprobs"]
+    max_prompt_chars_per_token: int = _LIMIT_DEFAULTS["max_prompt_chars_per_token"]
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.max_model_len * self.max_prompt_chars_per_token
+
+
+def limits_from_args(args, max_model_len: int, vocab_size: int) -> Limits:
+    """Limits from the gateway's parsed flags; a flag the namespace lacks keeps its default."""
+    bounds = {dest: getattr(args, dest, default) for dest, default in _LIMIT_DEFAULTS.items()}
+    return Limits(max_model_len=max_model_len, vocab_size=vocab_size, **bounds)
 
 
 @dataclass
 class Validated:
     add: internal_pb2.AddRequest
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # after truncate_prompt_tokens
     n: int
     stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0  # stop strings, like stop ids, must not end a sequence before this many
+    skip_special_tokens: bool = True
+    return_prompt_token_ids: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    seed: int = 0  # always set: drawn when the client gave none, so every answer can be replayed
+    public_id: str = ""  # the client's request_id, else the internal id
 
 
 def _check_ids(ids: Sequence[int], vocab_size: int, name: str) -> None:
+    # max() runs in C: a long, valid list (the common case) costs no Python loop.
+    if not ids or max(ids) < vocab_size:
+        return
     for i, token_id in enumerate(ids):
         if token_id >= vocab_size:
             raise ValidationError(
                 f"{name}[{i}]", f"{name}[{i}] = {token_id} is out of range: vocab_size is {vocab_size}")
+
+
+def _check_range(name: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:  # also false for NaN
+        raise ValidationError(name, f"{name} must be in [{low:g}, {high:g}], got {value:g}")
 
 
 def chat_messages(messages: Sequence[pagoda_pb2.ChatMessage]) -> list[dict]:
@@ -61,17 +103,20 @@ def chat_messages(messages: Sequence[pagoda_pb2.ChatMessage]) -> list[dict]:
 
 
 def encode_messages(tokenizer: TextTokenizer, messages: Sequence[pagoda_pb2.ChatMessage]) -> list[int]:
+    return tokenizer.encode(_render(tokenizer, messages), add_special_tokens=False)
+
+
+def _render(tokenizer: TextTokenizer, messages: Sequence[pagoda_pb2.ChatMessage]) -> str:
     msgs = chat_messages(messages)
     try:
-        return tokenizer.encode_chat(msgs)
+        return tokenizer.render_chat(msgs)
     except (jinja2.TemplateError, ValueError) as e:
         # Templates reject some conversations on purpose (raise_exception), e.g. roles that do
         # not alternate; that is the client's input, not a server fault.
         raise ValidationError("messages", f"messages: the chat template refused them: {e}") from e
 
 
-def prompt_ids(req, tokenizer: TextTokenizer, vocab_size: int) -> tuple[str, list[int]]:
-    """(the field the prompt came from, its token ids). Shared by Generate and Tokenize."""
+def _source(req) -> str:
     # TokenizeRequest has no prompt_token_ids; the same rule covers both messages.
     names = [n for n in ("prompt", "prompt_token_ids", "messages") if n in req.DESCRIPTOR.fields_by_name]
     given = [n for n in names if len(getattr(req, n)) > 0]
@@ -79,24 +124,106 @@ def prompt_ids(req, tokenizer: TextTokenizer, vocab_size: int) -> tuple[str, lis
     if not given:
         # proto3 cannot tell an empty prompt or an empty list from an absent one.
         raise ValidationError(
-            "prompt", f"exactly one of {allowed} must be set, got none (an empty prompt or "
-                      "an empty list counts as none)")
+            "prompt", f"prompt: exactly one of {allowed} must be set, got none (an empty prompt "
+                      "or an empty list counts as none)")
     if len(given) > 1:
-        raise ValidationError(given[1], f"exactly one of {allowed} must be set, got {' and '.join(given)}")
-    source = given[0]
-    if source == "prompt":
-        ids = tokenizer.encode(req.prompt)
-    elif source == "messages":
-        ids = encode_messages(tokenizer, req.messages)
+        raise ValidationError(
+            given[1], f"{given[1]}: exactly one of {allowed} must be set, got {' and '.join(given)}")
+    return given[0]
+
+
+def _prompt_text(req, source: str, tokenizer: TextTokenizer, limits: Limits | None) -> str:
+    """The text to tokenize: the prompt, or the rendered chat. Size bounds come first, because
+    tokenizing or rendering a huge input is itself the cost they exist to avoid."""
+    if source == "messages":
+        if limits is not None and len(req.messages) > limits.max_messages:
+            raise ValidationError(
+                "messages", f"messages: {len(req.messages)} messages, at most "
+                            f"{limits.max_messages} are allowed")
+        chars = sum(len(m.content) for m in req.messages)
     else:
+        chars = len(req.prompt)
+    if limits is not None and chars > limits.max_prompt_chars:
+        what = "the messages' content" if source == "messages" else source
+        raise ValidationError(
+            source, f"{source}: {what} is {chars} characters, more than any prompt that fits "
+                    f"max_model_len {limits.max_model_len} ({limits.max_prompt_chars} characters "
+                    f"at {limits.max_prompt_chars_per_token} per token); refused before tokenizing")
+    return _render(tokenizer, req.messages) if source == "messages" else req.prompt
+
+
+def _add_special(req, source: str, add_special_tokens: bool | None) -> bool:
+    # A chat template writes every special token it wants itself (as transformers does with
+    # tokenize=True), so by default the post-processor adds no BOS of its own to messages.
+    if add_special_tokens is not None:
+        return add_special_tokens
+    if "add_special_tokens" in req.DESCRIPTOR.fields_by_name and req.HasField("add_special_tokens"):
+        return req.add_special_tokens
+    return source != "messages"
+
+
+def prompt_ids(req, tokenizer: TextTokenizer, vocab_size: int, *,
+               add_special_tokens: bool | None = None,
+               limits: Limits | None = None) -> tuple[str, list[int]]:
+    """(the field the prompt came from, its token ids). Shared by Generate and Tokenize.
+
+    add_special_tokens: None = the request's own field where it has one (TokenizeRequest), else
+    True for a prompt and False for messages. limits: also bound the message count and the
+    prompt's characters before tokenizing."""
+    source = _source(req)
+    if source == "prompt_token_ids":
         ids = list(req.prompt_token_ids)
         _check_ids(ids, vocab_size, "prompt_token_ids")
+    else:
+        text = _prompt_text(req, source, tokenizer, limits)
+        ids = tokenizer.encode(text, add_special_tokens=_add_special(req, source, add_special_tokens))
     if not ids:
         raise ValidationError(source, f"{source} encodes to no tokens")
     return source, ids
 
 
-def _sampling(req: pagoda_pb2.GenerateRequest, unary: bool) -> tuple[internal_pb2.SamplingConfig, int]:
+def prompt_offsets(req: pagoda_pb2.TokenizeRequest, tokenizer: TextTokenizer, *,
+                   limits: Limits | None = None) -> tuple[str, list[int], list[tuple[int, int]]]:
+    """Tokenize's answer: (the text tokenized, its ids, each id's code-point span in the text)."""
+    source = _source(req)
+    text = _prompt_text(req, source, tokenizer, limits)
+    ids, offsets = tokenizer.encode_with_offsets(text, _add_special(req, source, None))
+    if not ids:
+        raise ValidationError(source, f"{source} encodes to no tokens")
+    return text, ids, offsets
+
+
+def _logit_bias(bias, limits: Limits) -> dict[int, float]:
+    name = "sampling.logit_bias"
+    if len(bias) > limits.max_logit_bias:
+        raise ValidationError(
+            name, f"{name} has {len(bias)} entries, at most {limits.max_logit_bias} are allowed")
+    out = dict(bias)
+    for token_id in sorted(out):  # sorted: the same bad request always names the same entry
+        value = out[token_id]
+        if token_id >= limits.vocab_size:
+            raise ValidationError(
+                f"{name}[{token_id}]", f"{name}[{token_id}]: token id {token_id} is out of "
+                                       f"range: vocab_size is {limits.vocab_size}")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValidationError(
+                f"{name}[{token_id}]", f"{name}[{token_id}] must be in [-{MAX_LOGIT_BIAS:g}, "
+                                       f"{MAX_LOGIT_BIAS:g}], got {value:g}")
+    return out
+
+
+def _logprobs(s: pagoda_pb2.SamplingParams, name: str, limits: Limits) -> int | None:
+    if not s.HasField(name):
+        return None
+    value = getattr(s, name)
+    if not 0 <= value <= limits.max_logprobs:
+        raise ValidationError(f"sampling.{name}", f"sampling.{name} must be in [0, "
+                                                  f"{limits.max_logprobs}], got {value}")
+    return value
+
+
+def _sampling(req: pagoda_pb2.GenerateRequest, limits: Limits,
+              unary: bool) -> tuple[internal_pb2.SamplingConfig, int]:
     s = req.sampling
     temperature = s.temperature if s.HasField("temperature") else 1.0
     if not math.isfinite(temperature) or temperature < 0:
@@ -114,27 +241,84 @@ def _sampling(req: pagoda_pb2.GenerateRequest, unary: bool) -> tuple[internal_pb
     if unary and n != 1:
         raise ValidationError(
             "sampling.n", f"sampling.n must be 1 for Generate, got {n}: use GenerateStream for n > 1")
+    _check_range("sampling.min_p", s.min_p, 0.0, 1.0)
+    _check_range("sampling.presence_penalty", s.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+    _check_range("sampling.frequency_penalty", s.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+    repetition = s.repetition_penalty if s.HasField("repetition_penalty") else 1.0
+    if not (math.isfinite(repetition) and repetition > 0):
+        raise ValidationError("sampling.repetition_penalty", "sampling.repetition_penalty must be "
+                              f"a finite number > 0 (1 = off), got {repetition:g}")
     config = internal_pb2.SamplingConfig(
-        temperature=temperature, top_p=top_p, top_k=top_k,
-        has_seed=s.HasField("seed"), seed=s.seed)
+        temperature=temperature, top_p=top_p, top_k=top_k, min_p=s.min_p,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=repetition, logit_bias=_logit_bias(s.logit_bias, limits),
+        # An unseeded request gets a seed too: it is reported back, so any answer can be replayed.
+        has_seed=True, seed=s.seed if s.HasField("seed") else secrets.randbits(63))
+    for name in ("logprobs", "prompt_logprobs"):
+        value = _logprobs(s, name, limits)
+        if value is not None:
+            setattr(config, name, value)
     return config, n
+
+
+def _request_id(request_id: str, limits: Limits) -> None:
+    size = len(request_id.encode())
+    if size > limits.max_request_id_bytes:
+        raise ValidationError("request_id", f"request_id is {size} bytes, at most "
+                                            f"{limits.max_request_id_bytes} are allowed")
+    if not request_id.isprintable():  # it lands in logs, metrics and Abort calls
+        raise ValidationError("request_id", f"request_id must be printable (no control "
+                                            f"characters), got {request_id[:64]!r}")
+
+
+def _stopping(stopping: pagoda_pb2.StoppingCriteria, limits: Limits) -> None:
+    if len(stopping.stop) > limits.max_stop_strings:
+        raise ValidationError("stopping.stop", f"stopping.stop has {len(stopping.stop)} strings, "
+                                               f"at most {limits.max_stop_strings} are allowed")
+    for i, stop in enumerate(stopping.stop):
+        name = f"stopping.stop[{i}]"
+        if not stop:
+            raise ValidationError(name, f"{name} must not be empty")
+        size = len(stop.encode())
+        if size > limits.max_stop_string_bytes:
+            raise ValidationError(name, f"{name} is {size} bytes, at most "
+                                        f"{limits.max_stop_string_bytes} are allowed")
+    ids = stopping.stop_token_ids
+    if len(ids) > limits.max_stop_token_ids:
+        raise ValidationError("stopping.stop_token_ids", f"stopping.stop_token_ids has {len(ids)} "
+                                                         f"ids, at most {limits.max_stop_token_ids} are allowed")
+    _check_ids(ids, limits.vocab_size, "stopping.stop_token_ids")
+    if stopping.min_tokens < 0:
+        raise ValidationError("stopping.min_tokens",
+                              f"stopping.min_tokens must be >= 0, got {stopping.min_tokens}")
 
 
 def validate(req: pagoda_pb2.GenerateRequest, tokenizer: TextTokenizer, limits: Limits,
              internal_id: str, unary: bool = False) -> Validated:
-    sampling, n = _sampling(req, unary)
+    # Cheap checks first: a request that fails one is refused before any tokenizing.
+    _request_id(req.request_id, limits)
+    if abs(req.priority) > limits.max_priority:
+        raise ValidationError("priority", f"priority must be in [-{limits.max_priority}, "
+                                          f"{limits.max_priority}], got {req.priority}")
+    sampling, n = _sampling(req, limits, unary)
     stopping = req.stopping
-    for i, stop in enumerate(stopping.stop):
-        if not stop:
-            raise ValidationError(f"stopping.stop[{i}]", f"stopping.stop[{i}] must not be empty")
-    _check_ids(stopping.stop_token_ids, limits.vocab_size, "stopping.stop_token_ids")
+    _stopping(stopping, limits)
+    truncate = req.truncate_prompt_tokens if req.HasField("truncate_prompt_tokens") else None
+    if truncate is not None and truncate < 1:
+        raise ValidationError("truncate_prompt_tokens",
+                              f"truncate_prompt_tokens must be >= 1, got {truncate}")
 
-    source, ids = prompt_ids(req, tokenizer, limits.vocab_size)
+    source, ids = prompt_ids(req, tokenizer, limits.vocab_size, limits=limits)
+    truncated = truncate is not None and len(ids) > truncate
+    if truncated:
+        ids = ids[-truncate:]  # the end of a prompt is what the next token depends on most
     if len(ids) >= limits.max_model_len:
+        after = " after truncate_prompt_tokens" if truncate is not None else ""
         raise ValidationError(
-            source, f"{source} is {len(ids)} tokens, must be fewer than max_model_len "
+            source, f"{source} is {len(ids)} tokens{after}, must be fewer than max_model_len "
                     f"{limits.max_model_len} to leave room for output")
     room = limits.max_model_len - len(ids)
+    min_tokens = stopping.min_tokens
     if stopping.HasField("max_tokens"):
         max_tokens = stopping.max_tokens
         if max_tokens < 1:
@@ -146,12 +330,26 @@ def validate(req: pagoda_pb2.GenerateRequest, tokenizer: TextTokenizer, limits: 
                 f"stopping.max_tokens: prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = "
                 f"{len(ids) + max_tokens} exceeds max_model_len {limits.max_model_len}")
     else:
-        max_tokens = min(DEFAULT_MAX_TOKENS, room)
+        # The default grows to honour min_tokens rather than refuse a request that never set it.
+        max_tokens = min(max(DEFAULT_MAX_TOKENS, min_tokens), room)
+    if min_tokens > max_tokens:
+        raise ValidationError("stopping.min_tokens", f"stopping.min_tokens ({min_tokens}) must be "
+                                                     f"<= max_tokens ({max_tokens})")
+    sampling.min_tokens = min_tokens
 
     # EOS is not added to stop_token_ids: the scheduler stops on the ids the workers report in
     # WorkerHello.eos_token_ids (unless ignore_eos), one source of truth for what EOS is.
+    public_id = req.request_id or internal_id
     add = internal_pb2.AddRequest(
         request_id=internal_id, prompt_token_ids=ids, sampling=sampling, n=n,
         max_tokens=max_tokens, ignore_eos=stopping.ignore_eos,
-        stop_token_ids=stopping.stop_token_ids, priority=req.priority)
-    return Validated(add=add, prompt_token_ids=ids, n=n, stop=list(stopping.stop))
+        stop_token_ids=stopping.stop_token_ids, priority=req.priority, public_id=public_id)
+    s = req.sampling
+    return Validated(
+        add=add, prompt_token_ids=ids, n=n, stop=list(stopping.stop),
+        include_stop_str_in_output=stopping.include_stop_str_in_output, min_tokens=min_tokens,
+        skip_special_tokens=req.skip_special_tokens if req.HasField("skip_special_tokens") else True,
+        return_prompt_token_ids=req.return_prompt_token_ids,
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+        seed=sampling.seed, public_id=public_id)

@@ -28,3 +28,19 @@ def unpack(data: bytes) -> np.ndarray:
 
 def unpack_list(data: bytes) -> list[int]:
     return unpack(data).tolist()
+
+
+F32 = np.dtype("<f4")
+
+
+def pack_f32(values: Iterable[float] | np.ndarray) -> bytes:
+    """floats as a float32 column (logprobs)."""
+    if isinstance(values, np.ndarray):
+        return values.astype(F32, copy=False).tobytes()
+    return np.fromiter(values, dtype=F32).tobytes()
+
+
+def unpack_f32(data: bytes) -> np.ndarray:
+    if len(data) % F32.itemsize:
+        raise ValueError(f"a column of {len(data)} bytes is not a whole number of float32 values")
+    return np.frombuffer(data, dtype=F32)

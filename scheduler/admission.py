@@ -87,7 +87,8 @@ class Admission:
         bs = self.block_size
         # A hit never covers the whole sequence: at least one token is computed, so logits exist.
         hashes = full_block_hashes(req.all_token_ids, bs, (req.num_tokens - 1) // bs)
-        hits = self.pool.find_cached(hashes)
+        # Prompt logprobs need the logits of every prompt position: none may come from the cache.
+        hits = [] if req.sampling.HasField("prompt_logprobs") else self.pool.find_cached(hashes)
         req.num_computed_tokens = len(hits) * bs
         n = self._chunk(req)  # 0 when only the fork is left: the next step does it
         need = -(-(req.num_computed_tokens + n) // bs) - len(hits)

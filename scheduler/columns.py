@@ -142,7 +142,7 @@ class RunningColumns:
         if self.stop_tokens.size:
             for k in np.flatnonzero(np.isin(tokens, self.stop_tokens)).tolist():
                 req = self.reqs[pos[k]]
-                if toks[k] in req.stop_set:
+                if toks[k] in req.stop_set and len(req.all_token_ids) >= req.min_stop_len:
                     sched.finish(req, FinishReason.STOP)
                     ended.append(int(pos[k]))
         for i in pos[self.num_tokens[pos] >= self.limit[pos]].tolist():

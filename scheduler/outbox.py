@@ -15,6 +15,7 @@ class Outbox:
     def __init__(self) -> None:
         self.request_ids: list[str] = []
         self.deltas: list[pb.TokenDelta] = []
+        self.logprobs: list[pb.Logprobs] = []
         self._segments: list[tuple] = []  # (indices, num_tokens, token_ids): lists or arrays
         self._open: tuple[list, list, list] | None = None
 
@@ -39,5 +40,6 @@ class Outbox:
         if self._segments:
             columns = [pack(np.concatenate([np.asarray(s[k], dtype=np.int32) for s in self._segments]))
                        for k in range(3)]
-        return pb.SchedulerMessage(deltas=self.deltas, request_ids=self.request_ids,
+        return pb.SchedulerMessage(deltas=self.deltas, logprobs=self.logprobs,
+                                   request_ids=self.request_ids,
                                    indices=columns[0], num_tokens=columns[1], token_ids=columns[2])

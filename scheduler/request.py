@@ -39,6 +39,9 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     priority: int = 0
     arrival: int = 0                # a global counter: FCFS order within a priority
+    public_id: str = ""             # the client's request id, unique in the cluster in flight
+    arrival_time: float = 0.0       # time.monotonic() at the scheduler
+    queue_time: float = -1.0        # arrival to first scheduled, once known
 
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -53,6 +56,7 @@ class Request:
     # check is two comparisons.
     stop_set: frozenset[int] = frozenset()
     length_limit: int = 0
+    min_stop_len: int = 0           # a stop token ends it only from this length on (min_tokens)
     worker: bytes | None = None     # the worker whose pool holds its blocks
     cpu_block_ids: list[int] = field(default_factory=list)  # while swapped out
     # n > 1: sequence 0 computes the prompt, then the others fork its blocks (copy-on-write).

@@ -27,6 +27,8 @@ def apply_result(sched: "Scheduler", result: pb.StepResult,
     if len(slots_column) != len(tokens_column):
         raise ValueError(f"step {result.step_id}: {len(slots_column)} slots but "
                          f"{len(tokens_column)} tokens")
+    if result.logprobs:
+        forward_logprobs(sched, result.logprobs, outboxes)
     entries, cols = sched.in_flight, sched.flight_cols
     sched.in_flight, sched.flight_cols = [], None
     if cols is not None and sched.num_running_ended != sched.flight_ended:
@@ -51,7 +53,7 @@ def apply_result(sched: "Scheduler", result: pb.StepResult,
             continue
         tokens = req.all_token_ids
         tokens.append(token)
-        if token in req.stop_set:
+        if token in req.stop_set and len(tokens) >= req.min_stop_len:
             sched.finish(req, FinishReason.STOP)
         elif len(tokens) >= req.length_limit:
             sched.finish(req, FinishReason.LENGTH)
@@ -69,6 +71,21 @@ def apply_result(sched: "Scheduler", result: pb.StepResult,
         raise ValueError(f"step {result.step_id}: {num_results - j} sampled slots match no "
                          "sequence of the plan")
     return others
+
+
+def forward_logprobs(sched: "Scheduler", logprobs, outboxes: dict[bytes, Outbox]) -> None:
+    """Logprobs go to the gateway as the worker computed them, named by request rather than
+    slot. This runs before any sequence of the step finishes, so every slot still names the
+    sequence of the plan (a sequence aborted while the plan ran has none and is skipped)."""
+    for lp in logprobs:
+        req = sched.slots[lp.slot] if lp.slot < len(sched.slots) else None
+        if req is None:
+            continue
+        lp.request_id, lp.index, lp.slot = req.request_id, req.index, 0
+        box = outboxes.get(req.gateway)
+        if box is None:
+            box = outboxes[req.gateway] = Outbox()
+        box.logprobs.append(lp)
 
 
 def cache_full_blocks(sched: "Scheduler", reqs: list[Request]) -> None:

@@ -10,7 +10,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from proto import internal_pb2 as pb
+from proto import internal_pb2 as pb, pagoda_pb2
 from scheduler.block_pool import full_block_hashes
 from scheduler.outbox import Outbox
 from scheduler.request import FinishReason, Request, Status
@@ -47,7 +47,6 @@ class RouterConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 1024
-    eos_token_ids: frozenset[int] = frozenset()
     # A prefix hit wins the routing unless its worker is this much busier than the least loaded.
     load_slack: int = 8
 
@@ -58,11 +57,26 @@ class Router:
         self.workers: dict[bytes, WorkerState] = {}
         self.pending: list[Request] = []          # no worker can take them yet
         self.seqs: dict[str, list[Request]] = {}  # request id -> its n sequences
+        self.public: dict[str, str] = {}          # public (client) id -> request id, in flight
         self.arrivals = itertools.count()
         self.outbox: dict[bytes, Outbox] = {}
 
     # -- workers ------------------------------------------------------------------------------
+    def refusal(self, worker_id: bytes, hello: pb.WorkerHello) -> str | None:
+        """Why this hello cannot join the cluster, or None. Every worker must stop sequences on
+        the same tokens, or a stream's end would depend on where it was routed."""
+        if not hello.eos_token_ids and not hello.no_eos:
+            return ("the hello names no eos_token_ids and does not say the model has none "
+                    "(no_eos): a worker that cannot tell where answers end would run every "
+                    "answer to max_tokens")
+        others = [w.hello for w in self.workers.values() if w.worker_id != worker_id]
+        if others and set(hello.eos_token_ids) != set(others[0].eos_token_ids):
+            return (f"its eos_token_ids {sorted(hello.eos_token_ids)} differ from the cluster's "
+                    f"{sorted(others[0].eos_token_ids)} (worker {others[0].worker_id})")
+        return None
+
     def register(self, worker_id: bytes, hello: pb.WorkerHello) -> None:
+        """Call refusal() first."""
         if worker_id in self.workers:
             self.remove(worker_id, "registered again")
         cfg = SchedulerConfig(
@@ -70,7 +84,7 @@ class Router:
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             enable_prefix_caching=self.config.enable_prefix_caching,
-            eos_token_ids=frozenset(hello.eos_token_ids) or self.config.eos_token_ids,
+            eos_token_ids=frozenset(hello.eos_token_ids),
             num_cpu_blocks=hello.num_cpu_blocks, bytes_per_block=hello.bytes_per_block,
             swap_bytes_per_s=hello.swap_bytes_per_s, prefill_tokens_per_s=hello.prefill_tokens_per_s)
         self.workers[worker_id] = WorkerState(worker_id, hello, Scheduler(cfg, hello.num_blocks))
@@ -101,7 +115,8 @@ class Router:
             model=hellos[0].model, num_workers=len(hellos),
             max_model_len=min(h.max_model_len for h in hellos),
             block_size=hellos[0].block_size, vocab_size=hellos[0].vocab_size,
-            total_blocks=max(h.num_blocks for h in hellos))
+            total_blocks=max(h.num_blocks for h in hellos),
+            eos_token_ids=sorted(hellos[0].eos_token_ids))
 
     # -- requests -----------------------------------------------------------------------------
     def add(self, gateway: bytes, add: pb.AddRequest) -> None:
@@ -109,6 +124,9 @@ class Router:
         waiting forever."""
         if add.request_id in self.seqs:
             raise Rejected("ALREADY_EXISTS", f"request_id {add.request_id!r} is already running")
+        if add.public_id and add.public_id in self.public:
+            raise Rejected("ALREADY_EXISTS", f"request_id {add.public_id!r} is already in flight; "
+                                             "request ids must be unique among running requests")
         if not add.prompt_token_ids:
             raise Rejected("INVALID_ARGUMENT", "prompt is empty")
         n = max(1, add.n)
@@ -129,7 +147,7 @@ class Router:
             raise Rejected("RESOURCE_EXHAUSTED",
                            f"the waiting queue is full ({num_waiting} waiting, "
                            f"--max-waiting-requests {self.config.max_waiting_requests})")
-        arrival = next(self.arrivals)
+        arrival, now = next(self.arrivals), time.monotonic()
         reqs = []
         for i in range(n):
             sampling = pb.SamplingConfig()
@@ -141,8 +159,10 @@ class Router:
                 prompt_token_ids=list(add.prompt_token_ids), sampling=sampling,
                 max_tokens=add.max_tokens, ignore_eos=add.ignore_eos,
                 stop_token_ids=frozenset(add.stop_token_ids), priority=add.priority,
-                arrival=arrival))
+                arrival=arrival, public_id=add.public_id, arrival_time=now))
         self.seqs[add.request_id] = reqs
+        if add.public_id:
+            self.public[add.public_id] = add.request_id
         self._route(reqs[0], copies=n)
         if n > 1 and reqs[0].worker is not None:
             # The n sequences share the prompt's blocks: the others fork sequence 0 once it has
@@ -157,19 +177,63 @@ class Router:
                 self._route(req)
 
     def abort(self, request_id: str, indices=()) -> None:
-        """End a request's sequences (the given indices, or all) and free their blocks now."""
+        """The gateway gave up a request's sequences (the given indices, or all): free their
+        blocks now. The gateway expects no answer."""
         seqs = self.seqs.get(request_id, [])
         chosen = [r for r in seqs if not indices or r.index in indices]
         if all(r.is_finished or r in chosen for r in seqs):
-            self.seqs.pop(request_id, None)
+            self._forget(request_id)
         for req in chosen:
-            state = self._worker_of(req)
-            if state is not None:
-                state.scheduler.abort(req.seq_id)
-            elif req in self.pending:
-                self.pending.remove(req)
-            req.status = Status.FINISHED
-            req.finish_reason = FinishReason.ABORT
+            self._end(req)
+
+    def abort_public(self, public_ids) -> list[str]:
+        """Abort by the clients' ids, whichever gateway streams them; each stream ends with
+        ABORT. Returns the ids that were waiting, running or swapped."""
+        found = []
+        for public_id in public_ids:
+            seqs = self.seqs.get(self.public.get(public_id, ""), [])
+            live = [r for r in seqs if not r.is_finished]
+            if live:
+                found.append(public_id)
+            for req in live:
+                self._end(req)
+                self._emit(req)
+        return found
+
+    def _end(self, req: Request) -> None:
+        state = self._worker_of(req)
+        if state is not None:
+            state.scheduler.abort(req.seq_id)
+        elif req in self.pending:
+            self.pending.remove(req)
+        req.status = Status.FINISHED
+        req.finish_reason = FinishReason.ABORT
+
+    def _forget(self, request_id: str) -> None:
+        seqs = self.seqs.pop(request_id, None)
+        if seqs and seqs[0].public_id:
+            self.public.pop(seqs[0].public_id, None)
+
+    def loads(self) -> pagoda_pb2.GetLoadsResponse:
+        out = pagoda_pb2.GetLoadsResponse(num_pending=len(self.pending))
+        for state in self.workers.values():
+            sched, pool = state.scheduler, state.scheduler.pool
+            running = sum(r.status is Status.RUNNING for r in sched.requests.values())
+            out.workers.add(
+                worker_id=state.hello.worker_id, running=running, waiting=sched.num_waiting,
+                swapped=len(sched.swapped), kv_blocks_used=pool.num_used,
+                kv_blocks_total=pool.num_blocks,
+                prefix_cache_hit_rate=pool.hits / pool.queries if pool.queries else 0.0)
+        return out
+
+    def call(self, call: pb.Call) -> pb.CallReply:
+        reply = pb.CallReply(call_id=call.call_id)
+        kind = call.WhichOneof("kind")
+        if kind == "abort":
+            reply.abort.request_ids.extend(self.abort_public(call.abort.request_ids))
+        elif kind == "get_loads":
+            reply.loads.CopyFrom(self.loads())
+        return reply
 
     def _route(self, req: Request, copies: int = 1) -> None:
         if not self.workers:
@@ -265,14 +329,16 @@ class Router:
         if first or req.is_finished:
             delta = pb.TokenDelta(request_id=req.request_id, index=req.index,
                                   prompt_tokens=req.num_prompt_tokens,
-                                  cached_prompt_tokens=max(0, req.num_cached_tokens))
+                                  cached_prompt_tokens=max(0, req.num_cached_tokens),
+                                  queue_time_s=max(0.0, req.queue_time),
+                                  num_preemptions=req.num_preemptions)
             if req.is_finished:
                 delta.finish = int(req.finish_reason)
                 if error is not None:
                     delta.error.CopyFrom(error)
                 seqs = self.seqs.get(req.request_id)
                 if seqs is not None and all(s.is_finished for s in seqs):
-                    del self.seqs[req.request_id]
+                    self._forget(req.request_id)
             box.deltas.append(delta)
 
     def take_outbox(self) -> dict[bytes, pb.SchedulerMessage]:

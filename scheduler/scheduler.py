@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 from proto import internal_pb2 as pb
@@ -73,6 +74,11 @@ class Scheduler(Admission):
     def add(self, req: Request) -> None:
         eos = frozenset() if req.ignore_eos else self.config.eos_token_ids
         req.stop_set = eos | req.stop_token_ids
+        # The first output token sits at index num_prompt_tokens; with min_tokens m, output
+        # tokens 0..m-1 cannot stop it (the worker masks them, see SamplingConfig).
+        req.min_stop_len = req.num_prompt_tokens + req.sampling.min_tokens + 1
+        if req.sampling.min_tokens:
+            req.sampling.stop_token_ids[:] = sorted(req.stop_set)
         req.length_limit = min(req.num_prompt_tokens + req.max_tokens, self.config.max_model_len)
         req.status = Status.WAITING
         self.num_waiting += 1
@@ -200,13 +206,17 @@ class Scheduler(Admission):
                            swap_out=self._swap_out, swap_in=self._swap_in, copy=self._copy)
         self.dropped, self._swap_out, self._swap_in, self._copy = [], [], [], []
         new_entries = []  # (sequence, tokens, slot), in the plan's order like run_entries
+        now = time.monotonic() if self.scheduled else 0.0
         for req, n in self.scheduled:
+            if req.queue_time < 0:
+                req.queue_time = now - req.arrival_time
             self._assign_slot(req)
             new_entries.append((req, n, req.slot))
             plan.new_seqs.append(pb.NewSeq(
                 seq_id=req.seq_id, slot=req.slot, token_ids=req.all_token_ids,
                 sampling=req.sampling, num_computed_tokens=req.num_computed_tokens,
-                block_ids=req.block_ids, num_new_tokens=n))
+                block_ids=req.block_ids, num_new_tokens=n,
+                num_prompt_tokens=req.num_prompt_tokens))
         if self.flight_cols is not None:
             plan.running_slots = self.flight_cols.slots_column
             plan.running_num_tokens = pack(self.flight_cols.n)

@@ -101,6 +101,11 @@ class SchedulerServer:
             self.router.abort(msg.abort.request_id, set(msg.abort.indices))
         elif kind == "hello":
             self._send(self.gateways, ident, pb.SchedulerMessage(info=self.router.cluster_info()))
+        elif kind == "call":
+            # Answered after this iteration's deltas, so an aborted stream's ABORT reaches its
+            # gateway no later than the answer.
+            self._flush_deltas()
+            self._send(self.gateways, ident, pb.SchedulerMessage(replies=[self.router.call(msg.call)]))
 
     def _broadcast_info(self) -> None:
         info = self.router.cluster_info()
@@ -124,6 +129,11 @@ class SchedulerServer:
         if state is not None:
             state.last_seen = time.monotonic()
         if kind == "hello":
+            why = self.router.refusal(ident, msg.hello)
+            if why is not None:
+                log.error("refused worker %s: %s", msg.hello.worker_id, why)
+                self._send(self.workers, ident, pb.SchedulerToWorker(refused=why))
+                return
             self.router.register(ident, msg.hello)
             self._broadcast_info()
         elif state is None:

@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 import uvloop
+
+from proto import pagoda_pb2_grpc
+from tests.cluster import Cluster
 
 
 @pytest.fixture(scope="module")
@@ -13,3 +17,33 @@ def run():
     loop = uvloop.new_event_loop()
     yield lambda coro: loop.run_until_complete(asyncio.wait_for(coro, 30))
     loop.close()
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """The real stack with the real model, shared by every integration module that needs no
+    flags of its own (a start costs tens of seconds on two cores)."""
+    log = tmp_path_factory.mktemp("cluster") / "cluster.log"
+    c = Cluster("--dtype", "float32", "--num-gpu-blocks-override", "256", "--max-num-seqs", "32",
+                log_path=log).start()
+    yield c
+    code = c.stop()
+    assert code == 0, c.log_tail()
+
+
+@pytest.fixture(scope="session")
+def stub(cluster):
+    channel = grpc.insecure_channel(cluster.target)
+    yield pagoda_pb2_grpc.GenerationStub(channel)
+    channel.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """transformers' own SmolLM2 from the same GGUF file, in fp32: the reference for outputs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from launch.models import resolve_model
+    path = resolve_model("")
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()

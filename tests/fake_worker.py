@@ -11,21 +11,42 @@ from proto.columns import pack, unpack_list
 
 VOCAB = 1000
 EOS = 0
+# A prompt that starts with [EOS_MARK, k] ends with EOS as its k-th output token (k >= 1), or as
+# the first token min_tokens allows; any other prompt never samples EOS.
+EOS_MARK = 999
 
 
-def next_token(context: list[int], seed: int = 0) -> int:
+def eos_index(prompt: list[int], min_tokens: int = 0) -> int | None:
+    """The output index (0-based) at which the fake model samples EOS, if any."""
+    if len(prompt) >= 2 and prompt[0] == EOS_MARK and prompt[1] >= 1:
+        return max(prompt[1] - 1, min_tokens)
+    return None
+
+
+def next_token(context: list[int], seed: int = 0, num_prompt_tokens: int | None = None,
+               min_tokens: int = 0) -> int:
+    if num_prompt_tokens is not None:
+        at = eos_index(context[:num_prompt_tokens], min_tokens)
+        if at is not None and len(context) - num_prompt_tokens == at:
+            return EOS
     h = 1469598103934665603 ^ seed
     for t in context:
         h = ((h ^ t) * 1099511628211) & (2 ** 64 - 1)
-    return 1 + h % (VOCAB - 1)  # never EOS, so lengths are controlled by max_tokens
+    return 1 + h % (VOCAB - 2)  # never EOS nor EOS_MARK
 
 
-def reference_output(prompt: list[int], max_tokens: int, seed: int = 0) -> list[int]:
+def reference_output(prompt: list[int], max_tokens: int, seed: int = 0, min_tokens: int = 0,
+                     stop_token_ids=(), ignore_eos: bool = False) -> list[int]:
+    """What a correct scheduler streams: up to and including the first stop token that
+    min_tokens allows (EOS unless ignore_eos, or a stop id), else max_tokens tokens."""
     ctx, out = list(prompt), []
+    stops = set(stop_token_ids) | (set() if ignore_eos else {EOS})
     for _ in range(max_tokens):
-        t = next_token(ctx, seed)
+        t = next_token(ctx, seed, len(prompt), min_tokens)
         ctx.append(t)
         out.append(t)
+        if t in stops and len(out) > min_tokens:
+            break
     return out
 
 
@@ -35,6 +56,8 @@ class Seq:
     blocks: list[int]
     num_computed: int
     seed: int = 0
+    num_prompt_tokens: int = 0
+    min_tokens: int = 0
 
 
 class FakeWorker:
@@ -71,7 +94,8 @@ class FakeWorker:
         for s in plan.new_seqs:
             assert s.slot not in self.seqs, f"slot {s.slot} ({s.seq_id}) is still live"
             seq = Seq(list(s.token_ids), list(s.block_ids), s.num_computed_tokens,
-                      s.sampling.seed if s.sampling.has_seed else 0)
+                      s.sampling.seed if s.sampling.has_seed else 0, s.num_prompt_tokens,
+                      s.sampling.min_tokens)
             self.seqs[s.slot] = seq
             work.append((s.slot, seq, s.num_new_tokens))
         for slot, block in zip(unpack_list(plan.new_block_slots), unpack_list(plan.new_block_ids)):
@@ -87,7 +111,7 @@ class FakeWorker:
             seq.num_computed += n
             if seq.num_computed == len(seq.tokens):
                 context = [self.cache[seq.blocks[p // bs] * bs + p % bs] for p in range(len(seq.tokens))]
-                tok = next_token(context, seq.seed)
+                tok = next_token(context, seq.seed, seq.num_prompt_tokens, seq.min_tokens)
                 seq.tokens.append(tok)
                 slots.append(sid)
                 tokens.append(tok)

@@ -14,7 +14,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import pagoda_pb2 as pb, pagoda_pb2_grpc
-from tests.cluster import Cluster
 
 pytestmark = pytest.mark.integration
 GRPCURL = str(Path(sys.executable).parent / "grpcurl")
@@ -27,23 +26,6 @@ PROMPTS = [
     "Say hello in French.", "What is water made of?", "Name a famous painter.",
     "What is the boiling point of water?", "Tell me a fun fact about cats.",
 ]
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    log = tmp_path_factory.mktemp("cluster") / "cluster.log"
-    c = Cluster("--dtype", "float32", "--num-gpu-blocks-override", "256", "--max-num-seqs", "32",
-                log_path=log).start()
-    yield c
-    code = c.stop()
-    assert code == 0, c.log_tail()
-
-
-@pytest.fixture(scope="module")
-def stub(cluster):
-    channel = grpc.insecure_channel(cluster.target)
-    yield pagoda_pb2_grpc.GenerationStub(channel)
-    channel.close()
 
 
 def chat(content: str, max_tokens: int = 24, **stopping) -> pb.GenerateRequest:
@@ -75,7 +57,9 @@ def test_grpcurl_streams_an_answer_naming_paris(cluster):
     text = "".join(m.get("text", "") for m in messages)
     assert "Paris" in text
     last = messages[-1]  # grpcurl 1.8 prints proto field names; newer ones print camelCase
-    assert last.get("finish_reason", last.get("finishReason")) in ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH")
+    # "The capital of France is Paris." and the end-of-turn token, well before 32 tokens.
+    assert last.get("finish_reason", last.get("finishReason")) == "FINISH_REASON_STOP"
+    assert int(last.get("matched_token_id", last.get("matchedTokenId", -1))) == 2  # <|im_end|>
     usage = last["usage"]
     assert int(usage.get("prompt_tokens", usage.get("promptTokens", 0))) > 0
 
@@ -90,15 +74,14 @@ def test_grpcurl_list_and_describe(cluster):
 
 
 def test_concurrent_streams_equal_each_run_alone(stub):
-    alone = []
-    for p in PROMPTS:
-        r = stub.Generate(chat(p), timeout=120)
-        alone.append(list(r.token_ids))
+    alone = [stub.Generate(chat(p), timeout=120) for p in PROMPTS]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         together = list(pool.map(lambda p: collect(stub.GenerateStream(chat(p), timeout=300)), PROMPTS))
     for p, a, (ids, text, finish, usage) in zip(PROMPTS, alone, together):
-        assert ids == a, p
-        assert finish in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+        assert ids == list(a.token_ids), p
+        # The run alone says where it ends: at the end-of-turn token, or at max_tokens without it.
+        assert finish == (pb.FINISH_REASON_STOP if ids[-1] == 2 else pb.FINISH_REASON_LENGTH), p
+        assert finish == a.finish_reason
         assert usage.completion_tokens == len(ids)
 
 

@@ -50,15 +50,6 @@ def assert_parity(hf_model, runner, prompts, atol):
         torch.testing.assert_close(torch.stack(seq.logits)[:n], logits[:n], atol=atol, rtol=0)
 
 
-@pytest.fixture(scope="module")
-def smollm2_hf():
-    from transformers import AutoModelForCausalLM
-
-    from launch.models import resolve_model
-    path = resolve_model("")
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-
-
 @pytest.mark.integration
 def test_smollm2_greedy_matches_transformers(smollm2_hf):
     runner = ModelRunner(runner_args("", num_blocks=64))

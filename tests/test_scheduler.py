@@ -12,7 +12,7 @@ from proto.columns import unpack_list
 from proto.codec import expand_deltas
 from scheduler.request import Status
 from scheduler.router import Rejected, Router, RouterConfig
-from tests.fake_worker import FakeWorker, reference_output
+from tests.fake_worker import EOS, EOS_MARK, FakeWorker, reference_output
 
 GW = b"gw"
 
@@ -48,6 +48,7 @@ def step(router, workers, outputs, plans_seen=None):
     for delta in deltas:
         entry = outputs.setdefault((delta.request_id, delta.index), {"tokens": [], "finish": 0})
         entry["tokens"] += list(delta.token_ids)
+        entry.setdefault("error", "")
         if delta.finish:
             entry["finish"] = delta.finish
             entry["cached"] = delta.cached_prompt_tokens
@@ -204,7 +205,7 @@ def test_block_invariant_under_random_operations(operations):
     router = make_router(max_num_batched_tokens=24, max_num_seqs=6)
     workers = with_workers(router, FakeWorker(10, block_size=4, num_cpu_blocks=8),
                            FakeWorker(14, block_size=4))
-    out, ids, prompts = {}, [], {}
+    out, ids, prompts, aborted = {}, [], {}, set()
     for op, x in operations:
         rng = random.Random(x)
         if op in ("add", "add_n"):
@@ -215,13 +216,15 @@ def test_block_invariant_under_random_operations(operations):
             stops = STOPS if rng.random() < 0.3 else []
             # Two gateways, so that streamed tokens must reach the right one.
             gateway = GW if rng.random() < 0.7 else b"gw2"
+            if rng.random() < 0.3:  # the fake model ends it with EOS at a chosen output index
+                prompt = [EOS_MARK, rng.randrange(1, 12)] + prompt
+            max_tokens = rng.randrange(1, 12 if rng.random() < 0.7 else 40)
             try:
                 router.add(gateway, pb.AddRequest(
                     request_id=rid, prompt_token_ids=prompt, n=n, stop_token_ids=stops,
-                    max_tokens=rng.randrange(1, 12 if rng.random() < 0.7 else 40),
-                    sampling=pb.SamplingConfig(has_seed=True, seed=x)))
+                    max_tokens=max_tokens, sampling=pb.SamplingConfig(has_seed=True, seed=x)))
                 ids.append(rid)
-                prompts[rid] = (prompt, x, set(stops))
+                prompts[rid] = (prompt, x, set(stops), max_tokens)
             except Rejected:
                 pass
         elif op == "step":
@@ -230,7 +233,9 @@ def test_block_invariant_under_random_operations(operations):
             for _ in range(rng.randrange(2, 20)):
                 step(router, workers, out)
         elif op == "abort" and ids:
-            router.abort(rng.choice(ids))
+            victim = rng.choice(ids)
+            aborted.add(victim)
+            router.abort(victim)
         elif op == "lose" and len(router.workers) > 1:
             wid = rng.choice(list(router.workers))
             router.remove(wid, "test")
@@ -241,12 +246,21 @@ def test_block_invariant_under_random_operations(operations):
         assert not state.scheduler.requests
         assert state.scheduler.pool.num_free == state.scheduler.pool.num_blocks
     for (rid, index), entry in out.items():
-        prompt, seed, stops = prompts[rid]
+        prompt, seed, stops, max_tokens = prompts[rid]
         tokens = entry["tokens"]
-        if entry["finish"] in (pb.LENGTH, pb.STOP):
-            assert tokens == reference_output(prompt, len(tokens), seed + index)
-            assert not stops.intersection(tokens[:-1])
-            assert (tokens[-1] in stops) == (entry["finish"] == pb.STOP)
+        if rid in aborted:  # whatever it streamed before the abort is the undisturbed run's start
+            assert tokens == reference_output(prompt, max_tokens, seed + index, stop_token_ids=stops)[:len(tokens)]
+            continue
+        expected = reference_output(prompt, max_tokens, seed + index, stop_token_ids=stops)
+        if entry["error"]:  # only when the worker that could hold it was lost
+            assert entry["error"] == "RESOURCE_EXHAUSTED"
+            need = -(-(len(prompt) + max_tokens) // 4)
+            assert all(need > w.scheduler.pool.num_blocks for w in router.workers.values())
+            assert tokens == expected[:len(tokens)]
+            continue
+        assert tokens == expected
+        ended_on_stop = expected[-1] in stops | {EOS}
+        assert entry["finish"] == (pb.STOP if ended_on_stop else pb.LENGTH)
     for state in router.workers.values():
         assert state.scheduler.preemption.cpu_pool.num_free == state.scheduler.preemption.cpu_pool.num_blocks
 

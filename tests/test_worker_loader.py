@@ -9,7 +9,7 @@ import torch
 
 from tests.plan_driver import PlanDriver
 from tests.worker_tiny_models import make_hf_model, reference_logits, runner_args
-from worker.loader import CACHE_FILE, load_weights
+from worker.loader import CACHE_FILE, CACHE_NAME, load_weights
 from worker.runner import ModelRunner
 
 GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -91,7 +91,7 @@ def test_gguf_weights_equal_transformers_and_are_cached(tiny_gguf, tmp_path, mon
     assert set(weights) == set(reference)
     for name, tensor in weights.items():
         assert torch.equal(tensor, reference[name]), name
-    cached = list(tmp_path.glob(f"*/weights/{CACHE_FILE}"))
+    cached = list(tmp_path.glob(f"*/{CACHE_NAME}/{CACHE_FILE}"))
     assert len(cached) == 1 and (cached[0].parent / "config.json").exists()
     # The second load comes from the cache: same tensors without touching the GGUF.
     monkeypatch.setattr("worker.loader.load_gguf", lambda p: pytest.fail("dequantized again"))

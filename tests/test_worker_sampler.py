@@ -1,4 +1,5 @@
-"""worker.sampler: greedy and filtered sampling against a float64 reference, and stateless seeds."""
+"""worker.sampler: greedy and filtered sampling against a float64 reference, stateless seeds, and
+the logits processors in their place in the pipeline."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,8 +10,8 @@ from proto import internal_pb2
 from worker.sampler import Sampler, seed_for
 
 
-def cfg(temperature=0.0, top_p=1.0, top_k=0, seed=None):
-    c = internal_pb2.SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k)
+def cfg(temperature=0.0, top_p=1.0, top_k=0, seed=None, **extra):
+    c = internal_pb2.SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, **extra)
     if seed is not None:
         c.has_seed, c.seed = True, seed
     return c
@@ -97,3 +98,110 @@ def test_seeded_stream_follows_the_distribution():
     out = sampler(logits.expand(n, -1).contiguous(), [cfg(1.0, seed=11)] * n, list(range(n)))
     freq = np.bincount(out.numpy(), minlength=4) / n
     assert np.all(np.abs(freq - expected) <= 5 * np.sqrt(expected * (1 - expected) / n))
+
+
+# ---------------------------------------------------------------- logits processors in the pipeline
+
+PROMPT = [1, 2, 3, 4]
+
+
+def test_min_tokens_holds_stop_ids_back_until_reached(sampler):
+    logits = torch.randn(1, 20, generator=torch.Generator().manual_seed(6))
+    logits[0, 7] = 50.0  # the stop id would win every draw
+    logits[0, 9] = 40.0
+    under = cfg(temperature=1.0, seed=3, min_tokens=3, stop_token_ids=[7, 9])
+    for outputs in range(3):
+        history = [PROMPT + [0] * outputs] * 64
+        out = sampler(logits.expand(64, -1), [under] * 64, list(range(64)), history, [4] * 64)
+        assert not set(out.tolist()) & {7, 9}
+    greedy_under = cfg(min_tokens=3, stop_token_ids=[7, 9])
+    masked = logits.clone()
+    masked[0, [7, 9]] = float("-inf")
+    assert int(sampler(logits, [greedy_under], [6], [PROMPT + [0, 0]], [4])[0]) == int(masked.argmax())
+    reached = cfg(min_tokens=3, stop_token_ids=[7, 9])
+    assert int(sampler(logits, [reached], [7], [PROMPT + [0, 0, 0]], [4])[0]) == 7
+    # Without a history every row has zero outputs, so the mask applies.
+    assert int(sampler(logits, [reached], [0])[0]) == int(masked.argmax())
+
+
+def test_greedy_with_logit_bias_picks_the_biased_token(sampler):
+    logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(7))
+    low = int(logits[0].argmin())
+    top = logits[1].topk(2).indices.tolist()
+    params = [cfg(logit_bias={low: 100.0}), cfg(logit_bias={top[0]: -100.0}), cfg()]
+    out = sampler(logits, params, [0] * 3)
+    assert out.tolist() == [low, top[1], int(logits[2].argmax())]
+
+
+def test_greedy_sees_the_penalties(sampler):
+    logits = torch.tensor([[0.0, 2.0, 1.5, -1.0], [-3.0, -0.5, -0.6, -4.0], [0.0, 2.0, 1.5, -1.0]])
+    params = [cfg(repetition_penalty=2.0), cfg(repetition_penalty=1.5), cfg(frequency_penalty=0.3)]
+    # Row 0: token 1 is in the prompt, 2.0 / 2 loses to 1.5. Row 1: -0.5 * 1.5 loses to -0.6.
+    # Row 2: token 1 came out twice, 2.0 - 0.6 loses to 1.5.
+    out = sampler(logits, params, [5] * 3, [[1, 3], [1], [0, 1, 1]], [2, 1, 1])
+    assert logits.argmax(-1).tolist() == [1, 1, 1]
+    assert out.tolist() == [2, 2, 2]
+
+
+def test_seeded_rows_with_every_processor_ignore_the_batch():
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(6, 200, generator=g)
+    history = [torch.randint(0, 200, (12,), generator=g).tolist() for _ in range(6)]
+    target = cfg(temperature=0.9, top_k=50, top_p=0.9, seed=21, min_p=0.05, repetition_penalty=1.3,
+                 frequency_penalty=0.4, presence_penalty=0.2, logit_bias={5: 1.0, 17: -2.0},
+                 min_tokens=20, stop_token_ids=[0])
+    strangers = [cfg(temperature=1.2, presence_penalty=-1.0), cfg(logit_bias={3: 9.0}),
+                 cfg(temperature=0.7, min_p=0.2, seed=4), cfg(temperature=1.0, top_k=3, repetition_penalty=0.5),
+                 cfg(temperature=1.5, top_p=0.5, min_tokens=50, stop_token_ids=[1, 2])]
+    draws = set()
+    for position in range(30):
+        one = Sampler(torch.Generator().manual_seed(0))(logits[2:3], [target], [position], history[2:3], [6])
+        params = strangers[:2] + [target] + strangers[2:]
+        batch = Sampler(torch.Generator().manual_seed(position))(logits, params, [position] * 6, history,
+                                                                [6, 0, 6, 12, 3, 6])
+        assert int(batch[2]) == int(one[0])
+        draws.add(int(one[0]))
+    assert len(draws) > 3  # really sampled, not a degenerate argmax
+
+
+def reference_pipeline(logits: np.ndarray, p, history: list[int], num_prompt: int) -> np.ndarray:
+    """The float64 definition of the whole pipeline in vLLM's order: min_tokens, logit_bias,
+    penalties, temperature, min_p, top-k, top-p."""
+    x = logits.astype(np.float64)
+    outputs = np.asarray(history[num_prompt:], dtype=np.int64)
+    if len(outputs) < p.min_tokens:
+        x[list(p.stop_token_ids)] = -np.inf
+    for tok, bias in p.logit_bias.items():
+        x[tok] += bias
+    counts = np.bincount(outputs, minlength=len(x))
+    r = p.repetition_penalty
+    seen = np.isin(np.arange(len(x)), history)
+    x = np.where(seen, np.where(x > 0, x / r, x * r), x)
+    x = x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+    x = x / p.temperature
+    probs = np.exp(x - x.max())
+    x = np.where(probs < p.min_p * probs.max(), -np.inf, x)
+    return reference_probs(x, 1.0, p.top_k, p.top_p)
+
+
+PENALIZED = dict(repetition_penalty=1.4, frequency_penalty=0.3, presence_penalty=0.2,
+                 logit_bias={6: 1.5, 2: -0.4}, min_tokens=5, stop_token_ids=[1])
+
+
+# Each case has its filter (top-p, min-p, top-k) cut a token the others would keep; every
+# processor, and the order (e.g. min-p after temperature, penalties before it), moves the result.
+@pytest.mark.parametrize("params", [cfg(temperature=0.8, top_p=0.9, **PENALIZED),
+                                    cfg(temperature=2.0, min_p=0.3, **PENALIZED),
+                                    cfg(temperature=1.3, top_k=3, **PENALIZED)],
+                         ids=["top_p", "min_p", "top_k"])
+def test_full_pipeline_distribution_matches_float64(params):
+    logits = torch.tensor([2.0, 1.5, 1.2, 0.9, 0.3, 0.0, -0.5, -1.0, -2.0, -4.0])
+    history, num_prompt = [0, 5, 0, 3, 3, 4], 3
+    expected = reference_pipeline(logits.numpy(), params, history, num_prompt)
+    n = 100_000
+    out = Sampler(torch.Generator().manual_seed(9))(logits.expand(n, -1).contiguous(), [params] * n, [0] * n,
+                                                    [history] * n, [num_prompt] * n)
+    freq = np.bincount(out.numpy(), minlength=len(logits)) / n
+    sigma = np.sqrt(expected * (1 - expected) / n)
+    assert np.all(np.abs(freq - expected) <= 5 * sigma + 1e-12), (freq, expected)
+    assert np.all(freq[expected == 0] == 0)

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from worker.eos import end_of_turn_ids, gguf_special_tokens
+
 # model_type -> the HF class name written back into a cached config.json.
 SUPPORTED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -155,6 +157,10 @@ class ModelConfig:
         eos = get("tokenizer.ggml.eos_token_id")
         eot = get("tokenizer.ggml.eot_token_id")
         eos_ids = [int(x) for x in (eos, eot) if x is not None]
+        template = get("tokenizer.chat_template")
+        if template:  # the template's end-of-turn token ends an instruct model's answers
+            special = gguf_special_tokens(get("tokenizer.ggml.tokens"), get("tokenizer.ggml.token_type"))
+            eos_ids += end_of_turn_ids(template, special)
         return cls(
             architecture=model_type,
             vocab_size=int(vocab),

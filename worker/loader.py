@@ -21,6 +21,8 @@ from worker.config import ModelConfig
 logger = logging.getLogger(__name__)
 
 CACHE_FILE = "model.safetensors"
+# Bumped when the conversion changes what it writes (v2: end-of-turn ids in config.json).
+CACHE_NAME = "weights-v2"
 
 # GGUF name (after blk.N.) -> HF name (after model.layers.N.).
 _GGUF_LAYER_NAMES = {
@@ -48,7 +50,7 @@ def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         return load_hf_dir(path)
     if path.suffix != ".gguf":
         raise ValueError(f"{path}: expected a .gguf file or a directory with config.json")
-    cached = cache_dir(path, "weights")
+    cached = cache_dir(path, CACHE_NAME)
     if (cached / "config.json").exists() and (cached / CACHE_FILE).exists():
         return load_hf_dir(cached)
     config, weights = load_gguf(path)

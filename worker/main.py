@@ -50,6 +50,9 @@ def serve(runner, sock: zmq.Socket, busy_poll_us: float = 0.0) -> int:
             elif kind == "shutdown":
                 logger.info("shutdown requested by the scheduler")
                 return 0
+            elif kind == "refused":
+                logger.error("the scheduler refused this worker: %s", msg.refused)
+                return 1
             elif kind == "reregister":
                 logger.info("the scheduler does not know this worker: saying hello again")
                 send(internal_pb2.WorkerMessage(hello=runner.hello()))

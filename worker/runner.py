@@ -16,19 +16,23 @@ import torch
 from kernels.select import select_backend
 from launch.models import model_display_name, resolve_model
 from proto import internal_pb2
-from proto.columns import pack, unpack_list
+from proto.columns import pack, pack_f32, unpack_list
 from worker.args import default_worker_id
 from worker.attention import AttentionMetadata
 from worker.cache import CacheEngine, bytes_per_block, num_device_blocks
+from worker.eos import eos_token_ids
 from worker.loader import load_weights
 from worker.model import build_model
 from worker.platform import resolve_device, resolve_dtype
+from worker.logits import compute_logprobs
 from worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2**30
 MAX_DEFAULT_MODEL_LEN = 8192
+# Prompt logprobs take a [rows, vocab] logits tensor: bound it (49152 x 512 floats = 100 MB).
+PROMPT_LOGPROBS_ROWS = 512
 
 
 @dataclass
@@ -37,6 +41,7 @@ class SeqState:
     block_ids: list[int]
     num_computed_tokens: int
     sampling: internal_pb2.SamplingConfig
+    num_prompt_tokens: int = 0
 
 
 @dataclass
@@ -69,6 +74,10 @@ class ModelRunner:
                                  self.dtype)
         del weights
         self.load_seconds = time.perf_counter() - start
+        self.eos_token_ids = eos_token_ids(self.model_path, self.config.eos_token_ids)
+        if not self.eos_token_ids:
+            logger.warning("%s names no end-of-sequence token: answers end only at max_tokens, "
+                           "a stop id or a stop string", self.model_path)
 
         block_bytes = bytes_per_block(self.config, self.block_size, self.dtype)
         peak = self._profile_peak_memory() if self.device.type == "cuda" else 0
@@ -107,6 +116,8 @@ class ModelRunner:
             bytes_per_block=self.cache.block_bytes,
             swap_bytes_per_s=self.swap_bytes_per_s,
             prefill_tokens_per_s=self.prefill_tokens_per_s,
+            eos_token_ids=self.eos_token_ids,
+            no_eos=not self.eos_token_ids,
         )
 
     def execute(self, plan: internal_pb2.StepPlan) -> internal_pb2.StepResult:
@@ -118,6 +129,7 @@ class ModelRunner:
         except Exception as e:  # the process must outlive a bad plan; the scheduler aborts the step
             logger.exception("step %d failed", plan.step_id)
             result.slots = result.token_ids = b""
+            del result.logprobs[:]
             result.error = f"{type(e).__name__}: {e}"
         result.forward_seconds = time.perf_counter() - start
         return result
@@ -135,7 +147,8 @@ class ModelRunner:
         for new in plan.new_seqs:
             sampling = internal_pb2.SamplingConfig()
             sampling.CopyFrom(new.sampling)
-            state = SeqState(list(new.token_ids), list(new.block_ids), new.num_computed_tokens, sampling)
+            state = SeqState(list(new.token_ids), list(new.block_ids), new.num_computed_tokens,
+                             sampling, new.num_prompt_tokens)
             self.seqs[new.slot] = state
             if new.num_new_tokens:
                 scheduled.append((new.slot, state, new.num_new_tokens))
@@ -153,18 +166,53 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.cache.kv_caches)
         sampling_rows = [(slot, state) for slot, state, n in scheduled
                          if state.num_computed_tokens + n == len(state.token_ids)]
+        self._prompt_logprobs(scheduled, hidden, result)
         tokens: list[int] = []
         if sampling_rows:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             self.last_logits = logits
-            params = [state.sampling for _, state in sampling_rows]
-            tokens = self.sampler(logits, params, inputs.sample_positions).tolist()
+            states = [state for _, state in sampling_rows]
+            sampled = self.sampler(logits, [s.sampling for s in states], inputs.sample_positions,
+                                   [s.token_ids for s in states], [s.num_prompt_tokens for s in states])
+            self._sampled_logprobs(sampling_rows, logits, sampled, inputs.sample_positions, result)
+            tokens = sampled.tolist()
         for _, state, n in scheduled:
             state.num_computed_tokens += n
         for (slot, state), token in zip(sampling_rows, tokens):
             state.token_ids.append(token)  # the scheduler appends the same token on its side
         result.slots = pack([slot for slot, _ in sampling_rows])
         result.token_ids = pack(tokens)
+
+    def _sampled_logprobs(self, rows, logits, sampled, positions, result) -> None:
+        """Logprobs of the sampled tokens, for the sequences that asked."""
+        asking = [i for i, (_, s) in enumerate(rows) if s.sampling.HasField("logprobs")]
+        if not asking:
+            return
+        index = torch.tensor(asking, device=logits.device)
+        ks = [rows[i][1].sampling.logprobs for i in asking]
+        chosen = sampled[index]
+        lps = compute_logprobs(logits[index], chosen, max(ks))
+        for j, (i, k) in enumerate(zip(asking, ks)):
+            result.logprobs.append(
+                logprobs_message(rows[i][0], False, positions[i], chosen, lps, j, j + 1, k))
+
+    def _prompt_logprobs(self, scheduled, hidden, result) -> None:
+        """Logprobs of the prompt tokens this step computed, for the sequences that asked: the
+        row of position p scores the prompt token at p + 1. The last prompt position scores the
+        first output token instead, which is sampled, not scored here."""
+        offset = 0
+        for slot, state, n in scheduled:
+            start, stop = state.num_computed_tokens, state.num_computed_tokens + n
+            if state.sampling.HasField("prompt_logprobs"):
+                k = state.sampling.prompt_logprobs
+                for lo in range(start, min(stop, state.num_prompt_tokens - 1), PROMPT_LOGPROBS_ROWS):
+                    hi = min(lo + PROMPT_LOGPROBS_ROWS, stop, state.num_prompt_tokens - 1)
+                    logits = self.model.compute_logits(hidden[offset + lo - start:offset + hi - start])
+                    targets = torch.tensor(state.token_ids[lo + 1:hi + 1], device=logits.device)
+                    lps = compute_logprobs(logits, targets, k)
+                    result.logprobs.append(
+                        logprobs_message(slot, True, lo + 1, targets, lps, 0, hi - lo, k))
+            offset += n
 
     def _held(self, slot: int) -> SeqState:
         state = self.seqs.get(slot)
@@ -276,3 +324,14 @@ class ModelRunner:
         done = self._dummy_forward(tokens, self.cache.kv_caches, num_blocks)
         sync()
         return done / max(time.perf_counter() - start, 1e-9)
+
+
+def logprobs_message(slot: int, prompt: bool, first_position: int, token_ids: torch.Tensor,
+                     lps, lo: int, hi: int, k: int) -> internal_pb2.Logprobs:
+    """Rows lo:hi of compute_logprobs' output, with the top k of each, as a Logprobs message."""
+    values, ranks, top_ids, top_values = (t[lo:hi].cpu() for t in lps)
+    return internal_pb2.Logprobs(
+        slot=slot, prompt=prompt, first_position=first_position,
+        token_ids=pack(token_ids[lo:hi].cpu().numpy()), logprobs=pack_f32(values.float().numpy()),
+        ranks=pack(ranks.numpy()), k=k, top_token_ids=pack(top_ids[:, :k].reshape(-1).numpy()),
+        top_logprobs=pack_f32(top_values[:, :k].reshape(-1).float().numpy()))

@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, and per-request seeds.
+"""Token sampling: logits processors (worker.logits), greedy, temperature, min-p, top-k, top-p,
+and per-request seeds.
 
 Sampling is an exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with
 probability p_i. Its only randomness is one noise row per sequence, which makes a seeded row
@@ -11,12 +12,14 @@ from typing import Protocol, Sequence
 
 import torch
 
+from worker.logits import LogitsParams, apply_logit_bias, apply_min_p, apply_min_tokens, apply_penalties
+
 # Below this temperature a row is greedy (vLLM's _SAMPLING_EPS): dividing by ~0 only makes NaNs.
 SAMPLING_EPS = 1e-5
 _MASK64 = (1 << 64) - 1
 
 
-class SamplingParams(Protocol):  # internal_pb2.SamplingConfig has these fields
+class SamplingParams(LogitsParams, Protocol):  # internal_pb2.SamplingConfig has these fields
     temperature: float
     top_p: float
     top_k: int
@@ -37,10 +40,18 @@ class Sampler:
         self.generator = generator  # for unseeded rows, seeded once by --seed
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                 positions: Sequence[int]) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
+                 token_ids: Sequence[Sequence[int]] | None = None,
+                 num_prompt_tokens: Sequence[int] | None = None) -> torch.Tensor:
         """logits [S, V] float32; positions[i] is the index the sampled token will have in its
-        sequence (the seeded draw depends on it). Returns int64 [S]."""
+        sequence (the seeded draw depends on it); token_ids[i] is row i's sequence so far, whose
+        first num_prompt_tokens[i] are the prompt (None: no row has any history). Returns int64 [S]."""
+        if token_ids is None:
+            token_ids, num_prompt_tokens = [()] * len(params), [0] * len(params)
+        assert num_prompt_tokens is not None, "token_ids needs num_prompt_tokens"
+        logits = apply_min_tokens(logits, params, [len(t) - n for t, n in zip(token_ids, num_prompt_tokens)])
+        logits = apply_logit_bias(logits, params)
+        logits = apply_penalties(logits, params, token_ids, num_prompt_tokens)
         greedy = [p.temperature < SAMPLING_EPS for p in params]
         out = logits.argmax(dim=-1)
         if all(greedy):
@@ -50,6 +61,7 @@ class Sampler:
         x = logits if len(rows) == len(params) else logits[torch.tensor(rows, device=logits.device)]
         temps = torch.tensor([p.temperature for p in sub], dtype=x.dtype, device=x.device)
         x = x / temps.unsqueeze(1)
+        x = apply_min_p(x, [p.min_p for p in sub])
         x = apply_top_k_top_p(x, [p.top_k for p in sub], [p.top_p for p in sub])
         probs = x.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
