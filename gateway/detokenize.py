@@ -33,17 +33,18 @@ class StopMatcher:
     def feed(self, text: str, active: bool = True) -> str:
         """Returns the text that can be emitted now. After a match, returns the text before it
         (with the stop string itself when include_stop) and sets `matched`; anything fed after
-        that is ignored. While not active (min_tokens not reached) nothing can match."""
+        that is ignored. While not active (min_tokens not reached) nothing matches, but a
+        possible start is still held back: a stop string that completes once active counts, as
+        in vLLM."""
         if self.matched is not None:
             return ""
-        if not self.stops or not active:
-            held, self._held = self._held, ""
-            return held + text
+        if not self.stops:
+            return text
         buf = self._held + text
         # Emitted text never held a possible stop start (see _possible_start), so the earliest
         # match lies wholly inside buf.
         first = None
-        for stop in self.stops:
+        for stop in self.stops if active else ():
             i = buf.find(stop)
             if i >= 0 and (first is None or i < first[0]):
                 first = (i, stop)

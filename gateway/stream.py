@@ -29,7 +29,7 @@ def token_logprobs(tok: TextTokenizer, lp: internal_pb2.Logprobs) -> list[pagoda
     """A Logprobs message's columns as one TokenLogprob per scored position, in order."""
     ids, values, ranks = unpack_list(lp.token_ids), unpack_f32(lp.logprobs).tolist(), unpack_list(lp.ranks)
     top_ids, top_values = unpack_list(lp.top_token_ids), unpack_f32(lp.top_logprobs).tolist()
-    if not len(ids) == len(values) == len(ranks) or len(top_ids) != len(ids) * lp.k != len(top_values):
+    if not len(ids) == len(values) == len(ranks) or not len(top_ids) == len(ids) * lp.k == len(top_values):
         raise ValueError("a Logprobs message's columns do not line up")
     out, k = [], lp.k
     for i, token_id in enumerate(ids):

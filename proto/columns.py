@@ -10,37 +10,30 @@ from typing import Iterable
 import numpy as np
 
 DTYPE = np.dtype("<i4")
+F32 = np.dtype("<f4")  # logprobs
 
 
-def pack(values: Iterable[int] | np.ndarray) -> bytes:
+def pack(values: Iterable[int] | np.ndarray, dtype: np.dtype = DTYPE) -> bytes:
     """ints (a list, a range or an array) as a column."""
     if isinstance(values, np.ndarray):
-        return values.astype(DTYPE, copy=False).tobytes()
-    return np.fromiter(values, dtype=DTYPE).tobytes()
+        return values.astype(dtype, copy=False).tobytes()
+    return np.fromiter(values, dtype=dtype).tobytes()
 
 
-def unpack(data: bytes) -> np.ndarray:
-    """A column as a read-only int32 array (no copy)."""
-    if len(data) % DTYPE.itemsize:
-        raise ValueError(f"a column of {len(data)} bytes is not a whole number of int32 values")
-    return np.frombuffer(data, dtype=DTYPE)
+def unpack(data: bytes, dtype: np.dtype = DTYPE) -> np.ndarray:
+    """A column as a read-only array (no copy)."""
+    if len(data) % dtype.itemsize:
+        raise ValueError(f"a column of {len(data)} bytes is not a whole number of {dtype.name} values")
+    return np.frombuffer(data, dtype=dtype)
 
 
 def unpack_list(data: bytes) -> list[int]:
     return unpack(data).tolist()
 
 
-F32 = np.dtype("<f4")
-
-
 def pack_f32(values: Iterable[float] | np.ndarray) -> bytes:
-    """floats as a float32 column (logprobs)."""
-    if isinstance(values, np.ndarray):
-        return values.astype(F32, copy=False).tobytes()
-    return np.fromiter(values, dtype=F32).tobytes()
+    return pack(values, F32)
 
 
 def unpack_f32(data: bytes) -> np.ndarray:
-    if len(data) % F32.itemsize:
-        raise ValueError(f"a column of {len(data)} bytes is not a whole number of float32 values")
-    return np.frombuffer(data, dtype=F32)
+    return unpack(data, F32)

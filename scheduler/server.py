@@ -104,8 +104,9 @@ class SchedulerServer:
         elif kind == "call":
             # Answered after this iteration's deltas, so an aborted stream's ABORT reaches its
             # gateway no later than the answer.
+            reply = self.router.call(msg.call)
             self._flush_deltas()
-            self._send(self.gateways, ident, pb.SchedulerMessage(replies=[self.router.call(msg.call)]))
+            self._send(self.gateways, ident, pb.SchedulerMessage(replies=[reply]))
 
     def _broadcast_info(self) -> None:
         info = self.router.cluster_info()

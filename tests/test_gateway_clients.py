@@ -19,9 +19,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.metrics import start_metrics_server
-from gateway.testing import DEFAULT_REPLY as REPLY, FakeScheduler, local_gateway
 from gateway.tokenizer import load_tokenizer
 from proto import pagoda_pb2 as pb, pagoda_pb2_grpc
+from tests.fake_scheduler import DEFAULT_REPLY as REPLY, FakeScheduler, local_gateway
 
 ROOT = Path(__file__).resolve().parents[1]
 TOK = load_tokenizer("")

@@ -18,9 +18,9 @@ from prometheus_client import REGISTRY
 
 from gateway.app import Gateway
 from gateway.scheduler_client import SchedulerClient
-from gateway.testing import DEFAULT_REPLY as REPLY, FakeScheduler, local_gateway, reply_plan, until
 from gateway.tokenizer import load_tokenizer
 from proto import internal_pb2 as ipb, pagoda_pb2 as pb
+from tests.fake_scheduler import DEFAULT_REPLY as REPLY, FakeScheduler, local_gateway, reply_plan, until
 
 TOK = load_tokenizer("")
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import pagoda_pb2 as pb, pagoda_pb2_grpc
+from tests.cluster import wait_for
 
 pytestmark = pytest.mark.integration
 GRPCURL = str(Path(sys.executable).parent / "grpcurl")
@@ -94,15 +94,6 @@ def test_unary_matches_stream_and_reports_usage(stub):
     assert unary.usage.prompt_tokens == len(tokenized.token_ids)
     # The second identical request finds the prompt's full blocks in the prefix cache.
     assert usage.cached_prompt_tokens >= (len(tokenized.token_ids) - 1) // 16 * 16
-
-
-def wait_for(predicate, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return False
 
 
 def test_cancelled_stream_frees_its_blocks(cluster, stub):

@@ -1,17 +1,19 @@
 """A fake scheduler and an in-process gateway, for tests and for trying clients without workers.
 
 The fake binds a real ZeroMQ ROUTER and speaks the real internal protocol, answering each
-AddRequest with TokenDeltas cut from real tokenizer encodings. That isolates the gateway's own
-logic (streaming, status codes, aborts, health) from the scheduler's.
+AddRequest with TokenDeltas cut from real tokenizer encodings (and Logprobs, when a plan says so),
+and each Call (Abort by public id, GetLoads) as scheduler/router.py does. That isolates the
+gateway's own logic (streaming, status codes, aborts, health) from the scheduler's.
 
-    python -m gateway.testing [--address tcp://127.0.0.1:5555]   # then start gateway.main
+    python -m tests.fake_scheduler [--address tcp://127.0.0.1:5555]   # then start gateway.main
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import grpc
 import zmq
@@ -22,12 +24,24 @@ from gateway.app import Gateway
 from gateway.scheduler_client import SchedulerClient
 from gateway.tokenizer import TextTokenizer, load_tokenizer
 from proto import internal_pb2 as ipb, pagoda_pb2 as pb, pagoda_pb2_grpc
+from proto.columns import pack, pack_f32
 
 DEFAULT_REPLY = "Héllo 😀 wörld, 日本語 and 🇯🇵 done."
 
-# A plan turns an AddRequest into steps: a TokenDelta to send, a float to sleep for, or None to
-# wait until the request is aborted.
+# A plan turns an AddRequest into steps: a TokenDelta or a Logprobs to send, a float to sleep
+# for, or None to wait until the request is aborted.
 Plan = Callable[[ipb.AddRequest], list]
+
+
+def logprobs_msg(request_id: str, first_position: int, token_ids: Sequence[int],
+                 logprobs: Sequence[float], ranks: Sequence[int], top_token_ids: Sequence[int] = (),
+                 top_logprobs: Sequence[float] = (), k: int = 0, index: int = 0,
+                 prompt: bool = False) -> ipb.Logprobs:
+    """A Logprobs message with its columns packed as the scheduler sends them."""
+    return ipb.Logprobs(request_id=request_id, index=index, prompt=prompt,
+                        first_position=first_position, token_ids=pack(token_ids),
+                        logprobs=pack_f32(logprobs), ranks=pack(ranks), k=k,
+                        top_token_ids=pack(top_token_ids), top_logprobs=pack_f32(top_logprobs))
 
 
 def cluster_info(tok: TextTokenizer, num_workers: int = 1, max_model_len: int = 2048) -> ipb.ClusterInfo:
@@ -55,8 +69,22 @@ def reply_plan(tok: TextTokenizer, text: str = DEFAULT_REPLY, per_delta: int = 1
     return plan
 
 
+@dataclass
+class _Running:
+    """An AddRequest whose plan is running."""
+    peer: bytes
+    add: ipb.AddRequest
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)  # wholly aborted
+    aborted: set[int] = field(default_factory=set)   # indices the gateway aborted
+    finished: set[int] = field(default_factory=set)  # indices whose finish went out
+
+    def live(self) -> list[int]:
+        return [i for i in range(max(1, self.add.n)) if i not in self.aborted | self.finished]
+
+
 class FakeScheduler:
-    """Answers hello with ClusterInfo and runs `plan` for each AddRequest; records what it got."""
+    """Answers hello with ClusterInfo, runs `plan` for each AddRequest and answers each Call;
+    records what it got."""
 
     def __init__(self, tok: TextTokenizer, address: str = "tcp://127.0.0.1", num_workers: int = 1,
                  answer_hello: bool = True, max_model_len: int = 2048):
@@ -65,11 +93,14 @@ class FakeScheduler:
         self.max_model_len = max_model_len
         self.answer_hello = answer_hello
         self.plan: Plan = reply_plan(tok)
+        self.loads = pb.GetLoadsResponse()  # what GetLoads answers
         self.adds: list[ipb.AddRequest] = []
         self.aborts: list[str] = []
         self.abort_indices: list[list[int]] = []  # per abort; [] = the whole request
+        self.calls: list[ipb.Call] = []
         self.peers: set[bytes] = set()
-        self._aborted = asyncio.Event()
+        self.running: dict[str, _Running] = {}  # by internal request id
+        self.public: dict[str, str] = {}  # public id -> internal id, while running
         self._ctx = zmq.asyncio.Context()
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -101,26 +132,79 @@ class FakeScheduler:
             if kind == "hello" and self.answer_hello:
                 await self.send(peer, ipb.SchedulerMessage(info=self.info()))
             elif kind == "add":
-                self.adds.append(msg.add)
-                self._tasks.append(asyncio.create_task(self._run(peer, msg.add)))
+                await self._add(peer, msg.add)
             elif kind == "abort":
-                self.aborts.append(msg.abort.request_id)
-                self.abort_indices.append(sorted(msg.abort.indices))
-                self._aborted.set()
+                self._abort(msg.abort)
+            elif kind == "call":
+                await self._call(peer, msg.call)
 
-    async def _run(self, peer: bytes, add: ipb.AddRequest) -> None:
-        for step in self.plan(add):
-            if add.request_id in self.aborts:
-                return
-            if step is None:
-                while add.request_id not in self.aborts:
-                    await self._aborted.wait()
-                    self._aborted.clear()
-                return
-            if isinstance(step, float):
-                await asyncio.sleep(step)
-            else:
-                await self.send(peer, ipb.SchedulerMessage(deltas=[step]))
+    async def _add(self, peer: bytes, add: ipb.AddRequest) -> None:
+        self.adds.append(add)
+        taken = (f"request_id {add.request_id!r} is already running" if add.request_id in self.running
+                 else f"request_id {add.public_id!r} is already in flight; request ids must be "
+                      "unique among running requests" if add.public_id in self.public else None)
+        if taken is not None:  # as scheduler/router.py refuses it
+            await self.send(peer, ipb.SchedulerMessage(deltas=[ipb.TokenDelta(
+                request_id=add.request_id, finish=ipb.ERROR,
+                error=ipb.Error(code="ALREADY_EXISTS", message=taken))]))
+            return
+        self.running[add.request_id] = _Running(peer, add)
+        if add.public_id:
+            self.public[add.public_id] = add.request_id
+        self._tasks.append(asyncio.create_task(self._run(self.running[add.request_id])))
+
+    def _abort(self, abort: ipb.AbortRequest) -> None:
+        self.aborts.append(abort.request_id)
+        self.abort_indices.append(sorted(abort.indices))
+        run = self.running.get(abort.request_id)
+        if run is not None:
+            run.aborted.update(abort.indices or range(max(1, run.add.n)))
+            if not run.live():
+                run.stopped.set()
+
+    async def _call(self, peer: bytes, call: ipb.Call) -> None:
+        self.calls.append(call)
+        reply = ipb.CallReply(call_id=call.call_id)
+        kind = call.WhichOneof("kind")
+        if kind == "abort":
+            for public_id in call.abort.request_ids:
+                run = self.running.get(self.public.get(public_id, ""))
+                live = run.live() if run is not None else []
+                if not live:
+                    continue
+                reply.abort.request_ids.append(public_id)
+                run.stopped.set()
+                run.finished.update(live)
+                # The stream's ABORT goes out before the answer, as the real scheduler sends it.
+                await self.send(run.peer, ipb.SchedulerMessage(deltas=[ipb.TokenDelta(
+                    request_id=run.add.request_id, index=i, finish=ipb.ABORT,
+                    prompt_tokens=len(run.add.prompt_token_ids)) for i in live]))
+        elif kind == "get_loads":
+            reply.loads.CopyFrom(self.loads)
+        await self.send(peer, ipb.SchedulerMessage(replies=[reply]))
+
+    async def _run(self, run: _Running) -> None:
+        try:
+            for step in self.plan(run.add):
+                if run.stopped.is_set():
+                    return
+                if step is None:
+                    await run.stopped.wait()
+                    return
+                if isinstance(step, float):
+                    await asyncio.sleep(step)
+                elif step.index in run.aborted:
+                    continue  # the gateway gave up this sequence
+                elif isinstance(step, ipb.Logprobs):
+                    await self.send(run.peer, ipb.SchedulerMessage(logprobs=[step]))
+                else:
+                    if step.finish != ipb.NOT_FINISHED:
+                        run.finished.add(step.index)
+                    await self.send(run.peer, ipb.SchedulerMessage(deltas=[step]))
+        finally:
+            self.running.pop(run.add.request_id, None)
+            if self.public.get(run.add.public_id) == run.add.request_id:
+                del self.public[run.add.public_id]
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -155,9 +239,12 @@ class Harness:
 
 @contextlib.asynccontextmanager
 async def local_gateway(tok: TextTokenizer, wait_ready: bool = True,
-                        client: SchedulerClient | None = None, **fake_kw):
-    """A gateway on an ephemeral loopback port, wired to a fresh FakeScheduler."""
-    scheduler = FakeScheduler(tok, **fake_kw)
+                        client: SchedulerClient | None = None,
+                        scheduler: FakeScheduler | None = None, **fake_kw):
+    """A gateway on an ephemeral loopback port, wired to a fresh FakeScheduler, or to `scheduler`
+    (another harness's: two gateways of one cluster), which it then leaves running."""
+    owned = scheduler is None
+    scheduler = scheduler if scheduler is not None else FakeScheduler(tok, **fake_kw)
     if client is not None:
         client.address = scheduler.address
     gateway = Gateway(tok, scheduler.address, port=0, client=client)
@@ -170,7 +257,8 @@ async def local_gateway(tok: TextTokenizer, wait_ready: bool = True,
     finally:
         await channel.close()
         await gateway.stop(0.5)
-        await scheduler.close()
+        if owned:
+            await scheduler.close()
 
 
 async def _serve_forever(address: str, model: str) -> None:
