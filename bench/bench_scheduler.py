@@ -1,8 +1,15 @@
-"""Scheduler time per iteration at N running sequences: schedule, plan encoding, a ZeroMQ round
-trip to a null worker in another process, decoding the result, updating state and encoding the
-gateway's tokens.
+"""Two figures at N running decodes.
+
+1. The scheduler's own time per iteration, synchronous (one plan at a time): schedule, plan
+   encoding, a ZeroMQ round trip to a null worker in another process, decoding the result,
+   updating state and encoding the gateway's tokens.
+2. The step period with one plan ahead: the real scheduler loop (scheduler/server.py) against a
+   null worker whose forward is a fixed spin of --forward-ms, standing in for a GPU. With the
+   plan ahead, the scheduler's work hides behind the forward and the period approaches
+   max(forward, the scheduler's own time).
 
     .venv/bin/python bench/bench_scheduler.py [--seqs 256] [--steps 3000] [--repeats 5] [--profile]
+        [--forward-ms 5,1]
 
 Each repeat starts a fresh null worker and router. In the same repeat it also times a bare
 ZeroMQ ping-pong with messages of the same sizes and the same polling, so that the ratio of the
@@ -31,7 +38,8 @@ from proto.polling import poll  # noqa: E402
 from scheduler.router import Router, RouterConfig  # noqa: E402
 
 
-def null_worker(address: str, busy_poll_us: float) -> None:
+def null_worker(address: str, busy_poll_us: float, forward_s: float = 0.0, stamps=None,
+                max_plans: int = 0) -> None:
     """Answers every plan at once: one token for each sequence that reaches its end. State lives
     in arrays indexed by slot, so that its own time stays small next to the scheduler's. It waits
     for plans as worker/main.py does. A plan whose step_id is 0 is a ping: it is answered with
@@ -44,7 +52,7 @@ def null_worker(address: str, busy_poll_us: float) -> None:
     sock.send(pb.WorkerMessage(hello=pb.WorkerHello(
         worker_id="null", model="null", num_blocks=65536, block_size=16, max_model_len=8192,
         vocab_size=50000, eos_token_ids=[0])).SerializeToString())
-    busy_us, reply = 0.0, b""
+    busy_us, reply, times = 0.0, b"", []
     while True:
         if not poll(sock, 1000, busy_us):
             continue
@@ -55,8 +63,15 @@ def null_worker(address: str, busy_poll_us: float) -> None:
             continue
         msg = pb.SchedulerToWorker.FromString(data)
         if msg.WhichOneof("kind") == "shutdown":
+            if stamps is not None:
+                stamps.put(times)
             return
         plan = msg.plan
+        start = time.perf_counter()
+        times.append(start)
+        if len(times) == max_plans:  # enough: report when each plan arrived and stop answering
+            stamps.put(times)
+            return
         slots = unpack(plan.running_slots).astype(np.int64)
         counts = unpack(plan.running_num_tokens)
         if plan.new_seqs:
@@ -70,6 +85,8 @@ def null_worker(address: str, busy_poll_us: float) -> None:
         num_tokens[sampled] += 1
         result = pb.StepResult(step_id=plan.step_id, slots=pack(sampled),
                                token_ids=pack(sevens[:len(sampled)]))
+        while time.perf_counter() - start < forward_s:
+            pass  # the forward: a GPU busy for forward_s, which this process waits on
         reply = pb.WorkerMessage(result=result).SerializeToString()
         sock.send(reply)
 
@@ -158,6 +175,57 @@ def run_once(opts) -> dict:
             **{k: statistics.median(v) for k, v in phases.items()}}
 
 
+def gateway(address: str, seqs: int, prompt_len: int) -> None:
+    """Sends the requests as a gateway does, then reads (and drops) their token deltas."""
+    sock = zmq.Context().socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, b"gw")
+    sock.connect(address)
+    time.sleep(0.2)
+    for i in range(seqs):
+        length = prompt_len + i % 16
+        sock.send(pb.GatewayMessage(add=pb.AddRequest(
+            request_id=f"r{i}", max_tokens=8000 - length, ignore_eos=True, sampling=pb.SamplingConfig(),
+            prompt_token_ids=[(i * 31 + j) % 50000 + 1 for j in range(length)])).SerializeToString())
+    while True:
+        sock.recv()
+
+
+def run_pipelined(opts, forward_s: float) -> dict:
+    """The real scheduler loop, one plan ahead, against a worker that spins forward_s per step."""
+    import argparse as ap
+    import threading
+
+    from scheduler.server import SchedulerServer
+
+    ports = []
+    for _ in range(2):
+        with zmq.Context().socket(zmq.REP) as probe:
+            ports.append(probe.bind_to_random_port("tcp://127.0.0.1"))
+    args = ap.Namespace(
+        scheduler_gateway_address=f"tcp://127.0.0.1:{ports[0]}",
+        scheduler_worker_address=f"tcp://127.0.0.1:{ports[1]}", max_num_seqs=opts.seqs,
+        max_num_batched_tokens=8192, enable_prefix_caching=True, async_scheduling=not opts.sync,
+        max_waiting_requests=1 << 20, max_message_bytes=64 << 20, busy_poll_us=opts.busy_poll_us,
+        worker_timeout=60.0)
+    server = SchedulerServer(args)
+    spawn = mp.get_context("spawn")
+    stamps = spawn.Queue()
+    warmup = 50
+    worker = spawn.Process(target=null_worker, args=(args.scheduler_worker_address, opts.busy_poll_us,
+                                                     forward_s, stamps, warmup + opts.steps))
+    gw = spawn.Process(target=gateway, args=(args.scheduler_gateway_address, opts.seqs, opts.prompt_len),
+                       daemon=True)
+    worker.start()
+    gw.start()
+    got = []
+    threading.Thread(target=lambda: (got.append(stamps.get()), server.stop()), daemon=True).start()
+    server.serve()
+    worker.join(5)
+    gw.terminate()
+    periods = sorted(b - a for a, b in zip(got[0][warmup:], got[0][warmup + 1:]))
+    return {"period": statistics.median(periods), "p90": periods[int(0.9 * len(periods))]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqs", type=int, default=256)
@@ -168,6 +236,9 @@ def main() -> None:
     ap.add_argument("--no-gc", action="store_true")
     ap.add_argument("--busy-poll-us", type=float, default=500.0,
                     help="as the scheduler's and the worker's flag (their default)")
+    ap.add_argument("--forward-ms", default="5,1",
+                    help="the null worker's forward times for the step-period runs ('' = none)")
+    ap.add_argument("--sync", action="store_true", help="the period runs without the plan ahead")
     opts = ap.parse_args()
     ms = lambda x: f"{x * 1e3:.3f}"  # noqa: E731
     print("| repeat | median ms | p90 ms | schedule | round trip | update + stream | bare ping-pong | ratio |")
@@ -185,6 +256,14 @@ def main() -> None:
           f"busy poll {opts.busy_poll_us:.0f} us{', gc frozen' if opts.no_gc else ''}")
     print(f"median over repeats: {ms(med('median'))} ms per iteration, bare ping-pong "
           f"{ms(med('ping'))} ms, ratio {statistics.median(r['median'] / r['ping'] for r in runs):.2f}")
+    own = med("schedule") + med("update + stream")
+    print(f"the scheduler's own time per step (schedule + update): {ms(own)} ms")
+    for forward in [float(f) / 1e3 for f in opts.forward_ms.split(",") if f]:
+        r = run_pipelined(opts, forward)
+        floor = max(forward, own)
+        print(f"forward {ms(forward)} ms, {'synchronous' if opts.sync else 'one plan ahead'}: step "
+              f"period median {ms(r['period'])} ms (p90 {ms(r['p90'])}), "
+              f"{r['period'] / floor:.3f}x max(forward, own time)", flush=True)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one step, per worker; long prompts are chunked to fit")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="plan step N+1 while the worker runs step N (stops lag one step); "
+                        "--no-async-scheduling waits for each result")
     g.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="past this many waiting sequences, new requests get RESOURCE_EXHAUSTED")
     g.add_argument("--scheduler-gateway-address", default="tcp://127.0.0.1:5555")

@@ -34,12 +34,13 @@ class RouterCollector(Collector):
                                       "the worker's time executing steps", labels=["worker"])
         for state in list(self.router.workers.values()):
             wid = state.hello.worker_id
-            sched, pool = state.scheduler, state.scheduler.pool
+            sched, pool = state.scheduler, state.scheduler.kv.pool
             used = pool.num_used
             reqs = list(sched.requests.values())
             running = [r for r in reqs if r.status is Status.RUNNING]
-            slots = used * sched.block_size
-            empty = sum(len(r.block_ids) * sched.block_size - r.num_computed_tokens for r in running)
+            bs = sched.kv.block_size
+            slots = used * bs
+            empty = sum(len(r.block_ids) * bs - r.num_computed_tokens for r in running)
             g["kv_cache_usage_ratio"].add_metric([wid], used / max(1, pool.num_blocks))
             g["kv_cache_token_utilization"].add_metric([wid], (slots - empty) / slots if slots else 0.0)
             g["kv_blocks_total"].add_metric([wid], pool.num_blocks)

@@ -5,9 +5,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from scheduler.block_pool import BlockPool
-
 if TYPE_CHECKING:
+    from scheduler.kv_cache_manager import KVCacheManager
     from scheduler.request import Request
     from scheduler.scheduler import SchedulerConfig
 
@@ -20,9 +19,9 @@ class PreemptionStats:
 
 
 class PreemptionPolicy:
-    def __init__(self, config: "SchedulerConfig") -> None:
+    def __init__(self, config: "SchedulerConfig", kv: "KVCacheManager") -> None:
         self.config = config
-        self.cpu_pool = BlockPool(config.num_cpu_blocks, enable_prefix_caching=False)
+        self.kv = kv
         self.stats = PreemptionStats()
 
     def choose(self, req: "Request") -> str:
@@ -30,8 +29,8 @@ class PreemptionPolicy:
         tokens again, by the bandwidth and prefill speed the worker measured at start-up."""
         mode, why = "recompute", "no swap space"
         cfg = self.config
-        if self.cpu_pool.num_blocks and req.block_ids:
-            if not self.cpu_pool.can_allocate(len(req.block_ids)):
+        if self.kv.cpu_pool.num_blocks and req.block_ids:
+            if not self.kv.can_swap_out(req):
                 why = "swap space full"
             elif cfg.swap_bytes_per_s <= 0 or cfg.prefill_tokens_per_s <= 0:
                 mode, why = "swap", "no measurements; swap space configured"

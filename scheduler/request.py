@@ -44,9 +44,11 @@ class Request:
     queue_time: float = -1.0        # arrival to first scheduled, once known
 
     all_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0    # including those of plans still on the worker
+    num_pending: int = 0            # tokens sampled by plans in flight, not yet received
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # of the full blocks, in order
+    block_hashes: list[int] = field(default_factory=list)  # of its full blocks' tokens, once each
+    num_cached_blocks: int = 0      # leading blocks registered in the prefix cache
     num_cached_tokens: int = -1     # the prefix hit at first admission (-1 = not admitted yet)
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None

@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass, field
 
 from proto import internal_pb2 as pb, pagoda_pb2
-from scheduler.block_pool import full_block_hashes
 from scheduler.outbox import Outbox
 from scheduler.request import FinishReason, Request, Status
 from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -32,7 +31,6 @@ class WorkerState:
     hello: pb.WorkerHello
     scheduler: Scheduler
     last_seen: float = field(default_factory=time.monotonic)
-    busy: bool = False  # a plan is out and its result not yet back
     steps: int = 0
     forward_seconds: float = 0.0  # the worker's own time in execute, summed over steps
 
@@ -47,6 +45,7 @@ class RouterConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 1024
+    max_plans_in_flight: int = 2
     # A prefix hit wins the routing unless its worker is this much busier than the least loaded.
     load_slack: int = 8
 
@@ -70,6 +69,10 @@ class Router:
                     "(no_eos): a worker that cannot tell where answers end would run every "
                     "answer to max_tokens")
         others = [w.hello for w in self.workers.values() if w.worker_id != worker_id]
+        if others and hello.block_size != others[0].block_size:
+            # Prefix-cache routing compares a request's block hashes across workers.
+            return (f"its block_size {hello.block_size} differs from the cluster's "
+                    f"{others[0].block_size} (worker {others[0].worker_id})")
         if others and set(hello.eos_token_ids) != set(others[0].eos_token_ids):
             return (f"its eos_token_ids {sorted(hello.eos_token_ids)} differ from the cluster's "
                     f"{sorted(others[0].eos_token_ids)} (worker {others[0].worker_id})")
@@ -82,7 +85,10 @@ class Router:
         cfg = SchedulerConfig(
             block_size=hello.block_size, max_model_len=hello.max_model_len,
             max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            # The worker sized its memory for steps of at most this many tokens.
+            max_num_batched_tokens=min(self.config.max_num_batched_tokens,
+                                       hello.max_num_batched_tokens or self.config.max_num_batched_tokens),
+            max_plans_in_flight=self.config.max_plans_in_flight,
             enable_prefix_caching=self.config.enable_prefix_caching,
             eos_token_ids=frozenset(hello.eos_token_ids),
             num_cpu_blocks=hello.num_cpu_blocks, bytes_per_block=hello.bytes_per_block,
@@ -217,7 +223,7 @@ class Router:
     def loads(self) -> pagoda_pb2.GetLoadsResponse:
         out = pagoda_pb2.GetLoadsResponse(num_pending=len(self.pending))
         for state in self.workers.values():
-            sched, pool = state.scheduler, state.scheduler.pool
+            sched, pool = state.scheduler, state.scheduler.kv.pool
             running = sum(r.status is Status.RUNNING for r in sched.requests.values())
             out.workers.add(
                 worker_id=state.hello.worker_id, running=running, waiting=sched.num_waiting,
@@ -251,9 +257,7 @@ class Router:
         best, best_hits = least, 0
         if self.config.enable_prefix_caching and len(states) > 1:
             for w in states:
-                bs = w.scheduler.block_size
-                hashes = full_block_hashes(req.all_token_ids, bs, (req.num_tokens - 1) // bs)
-                hits = len(w.scheduler.pool.find_cached(hashes))
+                hits = len(w.scheduler.kv.get_computed_blocks(req))
                 if hits > best_hits:
                     best, best_hits = w, hits
             if best.load > least.load + self.config.load_slack:
@@ -265,7 +269,7 @@ class Router:
     def _fits(state: WorkerState, req: Request, copies: int) -> bool:
         sched = state.scheduler
         longest = min(req.num_prompt_tokens + req.max_tokens, sched.config.max_model_len)
-        return -(-longest // sched.block_size) * copies <= sched.pool.num_blocks
+        return sched.kv.blocks_for(longest) * copies <= sched.kv.num_blocks
 
     def _worker_of(self, req: Request) -> WorkerState | None:
         state = self.workers.get(req.worker) if req.worker is not None else None
@@ -275,14 +279,13 @@ class Router:
 
     # -- steps --------------------------------------------------------------------------------
     def plans(self) -> list[tuple[bytes, pb.StepPlan]]:
-        """A plan for every idle worker that has work."""
+        """A plan for every worker that has work and room for one more plan in flight."""
         out = []
         for state in self.workers.values():
-            if state.busy or (not state.scheduler.has_work and not state.scheduler.dropped):
+            if not state.scheduler.can_plan or not state.scheduler.has_work:
                 continue
             plan = state.scheduler.schedule()
             if plan is not None:
-                state.busy = True
                 out.append((state.worker_id, plan))
         return out
 
@@ -290,20 +293,20 @@ class Router:
         state = self.workers.get(worker_id)
         if state is None:
             return
-        state.busy = False
         state.last_seen = time.monotonic()
         state.steps += 1
         state.forward_seconds += result.forward_seconds
         sched = state.scheduler
+        if not sched.in_flight:
+            return  # a result from before this worker registered again
         if result.error:
             # The forward failed: end the step's sequences with an error rather than retrying a
             # request that may be what breaks the worker.
             log.error("worker %s step %d failed: %s", state.hello.worker_id, result.step_id,
                       result.error)
-            for req in sched.take_in_flight():
-                if req.status is Status.RUNNING:
-                    sched.finish(req, FinishReason.ERROR)
-                    self._emit(req, error=pb.Error(code="INTERNAL", message=result.error))
+            for req in sched.fail_oldest():
+                sched.finish(req, FinishReason.ERROR)
+                self._emit(req, error=pb.Error(code="INTERNAL", message=result.error))
             return
         # The scheduler streams plain one-token steps into the outboxes itself; what is left
         # (first tokens with usage, finishes) comes back for _emit.

@@ -1,10 +1,15 @@
-"""One worker's continuous-batching policy: which sequences compute how many tokens this step.
+"""One worker's continuous-batching policy: which sequences compute how many tokens each step.
 
-Each registered worker gets its own Scheduler and BlockPool. The router (scheduler/router.py)
-decides which worker a request goes to; this file decides everything after that. A step has
-three phases, in this order: running sequences (preempting when blocks run out; quiet steps run
-on numpy columns, scheduler/columns.py), then swapped sequences coming back and waiting ones
-(scheduler/admission.py).
+Each registered worker gets its own Scheduler and KVCacheManager; the router (router.py) decides
+which worker a request goes to, this file everything after. A step has three phases, in this
+order: running sequences (preempting when blocks run out), then swapped sequences coming back,
+then waiting ones (reusing cached prefix blocks).
+
+One plan ahead: schedule() may run while the previous plan is still on the worker. A sequence's
+computed count moves when it is scheduled, and a step that samples leaves a token "pending": the
+worker feeds it into the next step itself, and the scheduler appends it when the result arrives
+(results.py). Stops therefore lag one step; the token a finished sequence computes in the step
+after is dropped.
 """
 from __future__ import annotations
 
@@ -12,17 +17,16 @@ import heapq
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from proto import internal_pb2 as pb
-from proto.columns import pack
-from scheduler.admission import Admission
-from scheduler.block_pool import BlockPool
-from scheduler.columns import RunningColumns
+from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.outbox import Outbox
 from scheduler.preemption import PreemptionPolicy
 from scheduler.request import FinishReason, Request, Status
 from scheduler.results import apply_result
+from scheduler.step import Step
 
 log = logging.getLogger("pagoda.scheduler")
 
@@ -39,36 +43,29 @@ class SchedulerConfig:
     bytes_per_block: int = 0
     swap_bytes_per_s: float = 0.0
     prefill_tokens_per_s: float = 0.0
+    max_plans_in_flight: int = 2       # 2 = one plan ahead; 1 = wait for each result
 
 
-class Scheduler(Admission):
+class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int) -> None:
         self.config = config
-        self.block_size = config.block_size
-        self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
-        self.preemption = PreemptionPolicy(config)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 config.num_cpu_blocks)
+        self.preemption = PreemptionPolicy(config, self.kv)
         self.waiting: list[tuple[int, int, int, Request]] = []  # heap: priority, arrival, tiebreak
         self._tiebreak = itertools.count()
-        self.running: list[Request] = []
+        self.running: list[Request] = []                     # in priority order
         self.swapped: list[Request] = []
-        self.requests: dict[str, Request] = {}              # every unfinished sequence here
+        self.requests: dict[str, Request] = {}               # every unfinished sequence here
         self.num_waiting = 0  # of those, the ones in status WAITING (fork children included)
-        self.dropped: list[int] = []                         # slots the worker must forget
-        self.slots: list[Request | None] = []                # slot -> sequence on the worker
+        # Slots name sequences in plans and results. A released slot is reused only once every
+        # plan sent before its release has come back, so a result never names the wrong one.
+        self.slots: list[Request | None] = []
         self.free_slots: list[int] = []
-        self.running_sorted = True
-        self.running_dirty = False  # finished or preempted sequences still in self.running
-        self.in_flight: list[tuple[Request, int, int]] = []  # (sequence, tokens, slot), plan order
-        # Quiet steps run on numpy columns (scheduler/columns.py): those for the next step, and
-        # those of the plan now running, whose sequences follow `in_flight` in the plan.
-        self.cols: RunningColumns | None = None
-        self.flight_cols: RunningColumns | None = None
-        self._cols_retry = 0  # steps to wait before building columns again after a fallback
-        self.num_running_ended = 0  # finishes of running sequences: did one hit the plan in flight?
-        self.flight_ended = 0
+        self.released: list[tuple[int, int]] = []            # (last plan sent, slot)
+        self.dropped: list[int] = []                         # slots the next plan makes it forget
+        self.in_flight: deque[Step] = deque()                # plans sent, results not yet back
         self.step_id = 0
-        # Cache operations for the next plan: device -> cpu, cpu -> device, copy-on-write.
-        self._swap_out, self._swap_in, self._copy = [], [], []
 
     # -- intake -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -95,139 +92,151 @@ class Scheduler(Admission):
 
     @property
     def has_work(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self.dropped)
+
+    @property
+    def can_plan(self) -> bool:
+        return len(self.in_flight) < self.config.max_plans_in_flight
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> pb.StepPlan | None:
-        assert not self.in_flight and not self.flight_cols, "one plan at a time per worker"
-        self.budget = self.config.max_num_batched_tokens
-        self.scheduled: list[tuple[Request, int]] = []  # sequences new to the worker
-        # The running sequences' columns of the plan, filled by _schedule_running.
-        self.run_entries: list[tuple[Request, int, int]] = []
-        self.run_slots, self.run_tokens, self.block_slots, self.block_ids = [], [], [], []
-        preempted = self._schedule_running()
+        step = Step(self.step_id + 1, self.config.max_num_batched_tokens)
+        self._schedule_running(step)
         # A step that had to preempt admits nothing: the victims would come straight back.
-        if not preempted:
-            self._schedule_swapped()
+        if not step.preempted:
+            self._schedule_swapped(step)
             if not self.swapped:  # swapped sequences resume before any new one is admitted
-                self._schedule_waiting()
-        if not self.scheduled and not self.run_entries and not self.flight_cols and not self.dropped:
-            return None
-        return self._build_plan()
-
-    def _schedule_running(self) -> bool:
-        """One decode token, or the next prefill chunk, for every running sequence. This loop
-        runs for every sequence every step, so the plain decode case is kept lean."""
-        preempted, forked = False, []
-        RUNNING = Status.RUNNING
-        changed = self.running_dirty or not self.running_sorted
-        if self.running_dirty:
-            self.running = [r for r in self.running if r.status is RUNNING]
-            self.running_dirty = False
-        if not self.running_sorted:
+                self._schedule_waiting(step)
+        if step.forked:  # they joined this step already; no phase above may schedule them again
+            self.running += step.forked
             self.running.sort(key=Request.sort_key)
-            self.running_sorted = True
-        if changed:
-            self.cols = None
-        elif self.cols is None:  # a quiet step: the next ones may be quiet too
-            self._cols_retry -= 1
-            if self._cols_retry < 0:
-                self.cols = RunningColumns.build(self.running, self.block_size)
-        if self.cols is not None:
-            if self.cols.schedule(self):
-                self.flight_cols = self.cols  # the plan's running part, until its result is back
-                return False
-            self.cols, self._cols_retry = None, 8
-        running = self.running
-        bs, pool, budget = self.block_size, self.pool, self.budget
-        run_entries, run_slots, run_tokens = self.run_entries, self.run_slots, self.run_tokens
-        block_slots, block_ids = self.block_slots, self.block_ids
-        for req in running:
-            if budget == 0:
-                break
-            if req.status is not RUNNING:
-                continue  # a victim earlier in this loop
-            n = len(req.all_token_ids) - req.num_computed_tokens
-            forking = bool(req.fork_children)
-            if forking:
-                if n > 1:
-                    n, forking = n - 1, False  # the children fork at the prompt's last token
-                elif 1 + len(req.fork_children) > budget:
-                    continue  # the fork needs one token per child; wait for a roomier step
-            if n > budget:
-                n = budget
-            need = (req.num_computed_tokens + n + bs - 1) // bs - len(req.block_ids)
-            if forking:
-                need += len(req.fork_children)
-            while need > 0 and not pool.can_allocate(need):
-                # The lowest-priority, latest-arrived sequence not yet given work this step: the
-                # list is in that order, so the scan from the end stops at `req` at the latest.
-                victim = next(r for r in reversed(running) if r.status is RUNNING)
-                self.preempt(victim)
-                preempted = True
-                if victim is req:
-                    break
-            if req.status is not RUNNING:
-                continue
-            if forking:
-                self.budget = budget
-                children = self._fork(req)
-                budget = self.budget
-                forked += children
-                need -= len(children)  # _fork took the children's blocks itself
-            if not req.on_worker:
-                # Admitted with nothing to compute (a fork was pending): new to the worker.
-                if need > 0:
-                    req.block_ids += pool.allocate(need)
-                self.scheduled.append((req, n))
-                budget -= n
-                continue
-            # A sequence the worker holds goes straight into the plan's columns, which spares
-            # this hot loop a second pass in _build_plan.
-            slot = req.slot
-            if need > 0:
-                blocks = pool.allocate(need)
-                req.block_ids += blocks
-                block_slots += [slot] * need
-                block_ids += blocks
-            run_entries.append((req, n, slot))
-            run_slots.append(slot)
-            run_tokens.append(n)
-            budget -= n
-        self.budget = budget
-        if forked:
-            self.running += forked
-            self.running_sorted = False
-        return preempted
-
-    def _build_plan(self) -> pb.StepPlan:
+        step.dropped, self.dropped = self.dropped, []
+        if step.is_empty():
+            self.dropped = step.dropped
+            return None
         self.step_id += 1
-        plan = pb.StepPlan(step_id=self.step_id, dropped_slots=self.dropped,
-                           swap_out=self._swap_out, swap_in=self._swap_in, copy=self._copy)
-        self.dropped, self._swap_out, self._swap_in, self._copy = [], [], [], []
-        new_entries = []  # (sequence, tokens, slot), in the plan's order like run_entries
-        now = time.monotonic() if self.scheduled else 0.0
-        for req, n in self.scheduled:
+        now = time.monotonic() if step.new else 0.0
+        for req, _ in step.new:
             if req.queue_time < 0:
                 req.queue_time = now - req.arrival_time
             self._assign_slot(req)
-            new_entries.append((req, n, req.slot))
-            plan.new_seqs.append(pb.NewSeq(
-                seq_id=req.seq_id, slot=req.slot, token_ids=req.all_token_ids,
-                sampling=req.sampling, num_computed_tokens=req.num_computed_tokens,
-                block_ids=req.block_ids, num_new_tokens=n,
-                num_prompt_tokens=req.num_prompt_tokens))
-        if self.flight_cols is not None:
-            plan.running_slots = self.flight_cols.slots_column
-            plan.running_num_tokens = pack(self.flight_cols.n)
-        else:
-            plan.running_slots = pack(self.run_slots)
-            plan.running_num_tokens = pack(self.run_tokens)
-        plan.new_block_slots = pack(self.block_slots)
-        plan.new_block_ids = pack(self.block_ids)
-        self.in_flight, self.scheduled = new_entries + self.run_entries, []
-        self.flight_ended = self.num_running_ended
+        plan = step.plan()
+        self.in_flight.append(step)
         return plan
+
+    def _schedule_running(self, step: Step) -> None:
+        """The next token, or the next prefill chunk, for every running sequence."""
+        self.running = [r for r in self.running if r.status is Status.RUNNING]
+        for req in list(self.running):
+            if step.budget == 0:
+                break
+            if req.status is not Status.RUNNING:
+                continue  # a victim earlier in this loop
+            known = req.num_tokens + req.num_pending
+            if known >= req.length_limit:
+                continue  # its last token is on the way; it ends when that arrives
+            n = min(known - req.num_computed_tokens, step.budget)
+            if req.fork_children:
+                if known - req.num_computed_tokens > 1:
+                    n = min(n, known - req.num_computed_tokens - 1)  # forks at the last token
+                else:
+                    self._fork(req, step)
+                    continue
+            if n <= 0:
+                continue
+            blocks = self.kv.allocate_slots(req, n)
+            while blocks is None and self._preempt_for(req, step):
+                blocks = self.kv.allocate_slots(req, n)
+            if blocks is not None:
+                step.take(req, n, blocks)
+
+    def _preempt_for(self, req: Request, step: Step) -> bool:
+        """Preempt the lowest-priority, latest-arrived running sequence not yet given work this
+        step (the list is in that order). Returns False once req itself was the victim."""
+        victim = next(r for r in reversed(self.running) if r.status is Status.RUNNING)
+        self.preempt(victim, step)
+        return victim is not req
+
+    def _fork(self, parent: Request, step: Step, may_preempt: bool = True) -> None:
+        """The parent computes its prompt's last token and its children start from there, sharing
+        its blocks; one token each, if the step has room for all of them. Only the running phase
+        may preempt for it: a sequence admitted in this step must not leave again in it."""
+        children = parent.fork_children
+        room = self.config.max_num_seqs - len(self.running) - len(step.forked) >= len(children)
+        if not room or 1 + len(children) > step.budget:
+            return  # a later step forks it
+        while self.kv.fork_cost(parent, len(children), 1) > self.kv.pool.num_free:
+            if not may_preempt or not self._preempt_for(parent, step):
+                return
+        blocks = self.kv.allocate_slots(parent, 1)
+        for child in children:  # from the parent's state before this step's token
+            copy = self.kv.fork(parent, child)
+            if copy is not None:
+                step.copy.append(copy)
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.fork_parent = None
+            child.status = Status.RUNNING
+            self.num_waiting -= 1
+            step.take(child, 1, [])
+        step.take(parent, 1, blocks)
+        parent.fork_children = []
+        step.forked += children
+
+    def _room_for(self, req: Request, step: Step) -> bool:
+        seqs = len(self.running) + len(step.forked) + 1 + len(req.fork_children)
+        return seqs <= self.config.max_num_seqs
+
+    def _schedule_swapped(self, step: Step) -> None:
+        self.swapped.sort(key=Request.sort_key)
+        while self.swapped and step.budget > 0 and self._room_for(self.swapped[0], step):
+            req = self.swapped[0]
+            if req.num_pending:
+                return  # its last token is still on the way
+            n = min(req.num_tokens - req.num_computed_tokens - bool(req.fork_children), step.budget)
+            ops = self.kv.swap_in(req, n)
+            if ops is None:
+                return
+            self.swapped.pop(0)
+            step.swap_in += ops
+            self._start_running(req)
+            self._take_or_fork(req, n, [], step)
+
+    def _schedule_waiting(self, step: Step) -> None:
+        while self.waiting and step.budget > 0:
+            req = self.waiting[0][-1]
+            if req.status is not Status.WAITING:
+                heapq.heappop(self.waiting)  # aborted while waiting
+                continue
+            if req.num_pending or not self._room_for(req, step):
+                return  # strict priority order: nothing jumps the queue
+            hits = self.kv.get_computed_blocks(req)
+            # A parent with children to fork stops one short of its prompt's end.
+            n = min(req.num_tokens - len(hits) * self.config.block_size - bool(req.fork_children),
+                    step.budget)
+            blocks = self.kv.allocate_slots(req, n, hits)
+            if blocks is None:
+                return
+            heapq.heappop(self.waiting)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = req.num_computed_tokens
+                self.kv.pool.queries += req.num_tokens
+                self.kv.pool.hits += req.num_computed_tokens
+            self.num_waiting -= 1
+            self._start_running(req)
+            self._take_or_fork(req, n, blocks, step)
+
+    def _take_or_fork(self, req: Request, n: int, blocks: list[int], step: Step) -> None:
+        """A sequence that just (re)joined the batch: its chunk, or, when only its prompt's last
+        token is left and children wait, the fork."""
+        if n > 0:
+            step.take(req, n, blocks)
+        elif req.fork_children:
+            self._fork(req, step, may_preempt=False)
+
+    def _start_running(self, req: Request) -> None:
+        req.status = Status.RUNNING
+        self.running.append(req)
+        self.running.sort(key=Request.sort_key)
 
     def _assign_slot(self, req: Request) -> None:
         if self.free_slots:
@@ -240,60 +249,69 @@ class Scheduler(Admission):
 
     # -- results ------------------------------------------------------------------------------
     def update(self, result: pb.StepResult, outboxes: dict[bytes, Outbox]) -> list[Request]:
-        """See scheduler/results.py: advance, append, stop and stream. Returns the sequences
-        with news other than a plain token (first tokens, finishes)."""
-        return apply_result(self, result, outboxes)
+        """The result of the oldest plan in flight (results.py). Returns the sequences with news
+        other than a plain token (first tokens, finishes)."""
+        if not self.in_flight or result.step_id != self.in_flight[0].step_id:
+            raise ValueError(f"result for step {result.step_id}, but the oldest plan in flight "
+                             f"is {self.in_flight[0].step_id if self.in_flight else 'none'}")
+        step = self.in_flight.popleft()
+        self._reuse_slots(step.step_id)
+        return apply_result(self, step, result, outboxes)
+
+    def fail_oldest(self) -> list[Request]:
+        """The worker failed the oldest plan: its sequences still running, for the caller to end."""
+        step = self.in_flight.popleft()
+        self._reuse_slots(step.step_id)
+        return [req for req, _, _ in step.entries if req.status is Status.RUNNING]
+
+    def _reuse_slots(self, step_id: int) -> None:
+        keep = []
+        for sent, slot in self.released:
+            if sent <= step_id:
+                self.free_slots.append(slot)
+            else:
+                keep.append((sent, slot))
+        self.released = keep
 
     # -- endings and preemption ---------------------------------------------------------------
     def finish(self, req: Request, reason: FinishReason) -> None:
         """Every way a sequence ends comes here, so its blocks are always freed at once."""
         if req.status is Status.FINISHED:
             return
-        self._release(req)
-        if req.cpu_block_ids:
-            self.preemption.cpu_pool.free(req.cpu_block_ids)
-            req.cpu_block_ids = []
+        self.kv.free(req)
+        self._drop_slot(req)
         if req in self.swapped:
             self.swapped.remove(req)
-        if req.status is Status.RUNNING:
-            self.running_dirty = True
-            self.num_running_ended += 1
         if req.status is Status.WAITING:
             self.num_waiting -= 1
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.requests.pop(req.seq_id, None)
 
-    def preempt(self, req: Request) -> None:
+    def preempt(self, req: Request, step: Step) -> None:
         """Swap out to CPU when the cost model says moving the blocks twice beats computing the
         tokens again; else recompute: free the blocks and requeue. Freed blocks keep their
         hashes, so a recompute often finds most of its prefix still cached."""
-        mode = self.preemption.choose(req)
+        step.preempted = True
         req.num_preemptions += 1
-        self.running_dirty = True
-        if mode == "swap":
-            cpu = self.preemption.cpu_pool.allocate(len(req.block_ids))
-            self._swap_out += [pb.BlockCopy(src=g, dst=c) for g, c in zip(req.block_ids, cpu)]
-            self._release(req)
-            req.cpu_block_ids = cpu
+        if self.preemption.choose(req) == "swap":
+            step.swap_out += self.kv.swap_out(req)
+            self._drop_slot(req)
             req.status = Status.SWAPPED
             self.swapped.append(req)
         else:
-            self._release(req)
+            self.kv.free(req)
+            self._drop_slot(req)
             req.num_computed_tokens = 0
-            req.block_hashes = []
             req.status = Status.WAITING
             self.num_waiting += 1
             heapq.heappush(self.waiting, (req.priority, req.arrival, next(self._tiebreak), req))
 
-    def _release(self, req: Request) -> None:
-        if req.block_ids:
-            self.pool.free(req.block_ids)
-            req.block_ids = []
+    def _drop_slot(self, req: Request) -> None:
         if req.on_worker:
             self.dropped.append(req.slot)
             self.slots[req.slot] = None
-            self.free_slots.append(req.slot)
+            self.released.append((self.step_id, req.slot))
             req.slot = -1
             req.on_worker = False
 
@@ -301,12 +319,9 @@ class Scheduler(Admission):
         """The worker is gone: hand back every unfinished sequence, reset to be recomputed."""
         out = sorted(self.requests.values(), key=Request.sort_key)
         for req in out:
-            self._release(req)
-            if req.cpu_block_ids:
-                self.preemption.cpu_pool.free(req.cpu_block_ids)
-                req.cpu_block_ids = []
-            req.num_computed_tokens = 0
-            req.block_hashes = []
+            self.kv.free(req)
+            req.on_worker, req.slot = False, -1
+            req.num_computed_tokens = req.num_pending = 0
             req.fork_children, req.fork_parent = [], None
             req.status = Status.WAITING
         self.requests.clear()
@@ -314,17 +329,8 @@ class Scheduler(Admission):
         self.waiting.clear()
         self.running.clear()
         self.swapped.clear()
-        self.in_flight, self.flight_cols, self.cols = [], None, None
-        self.dropped = []
-        self.slots, self.free_slots = [], []
-        return out
-
-    def take_in_flight(self) -> list[Request]:
-        """The sequences of the plan now running, which is given up (its worker failed it)."""
-        out = [req for req, _, _ in self.in_flight]
-        if self.flight_cols is not None:
-            out += self.flight_cols.reqs
-        self.in_flight, self.flight_cols = [], None
+        self.in_flight.clear()
+        self.dropped, self.slots, self.free_slots, self.released = [], [], [], []
         return out
 
     def tables(self) -> list[list[int]]:

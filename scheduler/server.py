@@ -25,6 +25,7 @@ class SchedulerServer:
         self.router = Router(RouterConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=args.enable_prefix_caching,
+            max_plans_in_flight=2 if args.async_scheduling else 1,
             max_waiting_requests=args.max_waiting_requests))
         self.ctx = zmq.Context()
         self.gateways = self._bind(args.scheduler_gateway_address)
@@ -51,7 +52,7 @@ class SchedulerServer:
         last_check = time.monotonic()
         while self.running:
             # A result is due when a worker is busy: spin for it rather than sleep.
-            busy = any(w.busy for w in self.router.workers.values())
+            busy = any(w.scheduler.in_flight for w in self.router.workers.values())
             events = dict(poll(poller, 200, self.args.busy_poll_us if busy else 0))
             if self.gateways in events:
                 self._drain(self.gateways, self._on_gateway)

@@ -4,6 +4,7 @@ whole context read back through the block table. A wrong block table, a stale pr
 lost token changes the output, so tests can compare against a run with no cache at all."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from proto import internal_pb2 as pb
@@ -70,6 +71,7 @@ class FakeWorker:
         self.copies = 0
         self.seqs: dict[str, Seq] = {}
         self.steps = 0
+        self.inbox: deque[pb.StepPlan] = deque()  # plans sent to it and not executed yet
 
     def hello(self, max_model_len: int = 4096) -> pb.WorkerHello:
         return pb.WorkerHello(worker_id=self.worker_id, model="fake", num_blocks=self.num_blocks,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from proto import internal_pb2 as pb
+from proto.columns import unpack_list
 from scheduler.router import Rejected
 from tests.fake_worker import EOS, EOS_MARK, FakeWorker, reference_output
 from tests.test_scheduler import GW, check, make_router, run, step, with_workers
@@ -109,7 +110,7 @@ def test_abort_by_public_id_ends_the_stream_with_abort_and_frees_blocks():
     check(router)
     assert router.abort_public(["theirs"]) == []  # already over
     run(router, workers, out)
-    pool = next(iter(router.workers.values())).scheduler.pool
+    pool = next(iter(router.workers.values())).scheduler.kv.pool
     assert pool.num_free == pool.num_blocks
 
 
@@ -138,7 +139,7 @@ def test_loads_report_queues_and_kv_usage():
     run(router, workers, {})
     add(router, "again", [1, 2, 3, 4, 5, 99], 3)  # its first block is cached by now
     run(router, workers, {})
-    pool = router.workers[b"w0"].scheduler.pool
+    pool = router.workers[b"w0"].scheduler.kv.pool
     assert router.loads().workers[0].prefix_cache_hit_rate == pytest.approx(pool.hits / pool.queries)
     assert 0 < pool.hits < pool.queries
 
@@ -176,3 +177,34 @@ def test_last_delta_reports_queue_time_and_preemptions():
     assert sum(d.num_preemptions for d in finals.values()) >= 1  # 3 x 4 blocks do not fit in 6
     assert all(d.queue_time_s >= 0 for d in finals.values())
     assert max(d.queue_time_s for d in finals.values()) > 0
+
+
+def test_one_plan_ahead_drops_the_token_computed_after_a_stop():
+    router = make_router()
+    fake = FakeWorker(64)
+    workers = with_workers(router, fake)
+    add(router, "e", [EOS_MARK, 3, 5, 6], 20)
+    sched = router.workers[b"w0"].scheduler
+    plans, out, depth = [], {}, 0
+    while step(router, workers, out, plans):
+        depth = max(depth, len(sched.in_flight) + len(fake.inbox))
+    assert depth == 2  # the next plan went out before the previous result came back
+    # Output token 3 is EOS; the plan sent before that result was known computed once more.
+    slot = plans[0].new_seqs[0].slot
+    decodes = [p for p in plans if slot in unpack_list(p.running_slots)]
+    assert len(decodes) == 3  # outputs 2 and 3 as planned, plus the one after the stop
+    assert out[("e", 0)]["tokens"] == reference_output([EOS_MARK, 3, 5, 6], 20)
+    assert len(out[("e", 0)]["tokens"]) == 3 and out[("e", 0)]["finish"] == pb.STOP
+    assert sched.kv.pool.num_free == 64 and not sched.requests
+
+
+def test_length_is_known_ahead_and_costs_no_extra_step():
+    router = make_router()
+    workers = with_workers(router, FakeWorker(64))
+    add(router, "l", [5, 6, 7], 4)
+    plans, out = [], {}
+    run(router, workers, out, plans_seen=plans)
+    computed = sum(s.num_new_tokens for p in plans for s in p.new_seqs)
+    computed += sum(sum(unpack_list(p.running_num_tokens)) for p in plans)
+    assert computed == 3 + 3  # the prompt, then outputs 1..3 as inputs; output 4 ends it
+    assert out[("l", 0)]["tokens"] == reference_output([5, 6, 7], 4)

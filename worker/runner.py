@@ -118,6 +118,7 @@ class ModelRunner:
             prefill_tokens_per_s=self.prefill_tokens_per_s,
             eos_token_ids=self.eos_token_ids,
             no_eos=not self.eos_token_ids,
+            max_num_batched_tokens=self.args.max_num_batched_tokens,
         )
 
     def execute(self, plan: internal_pb2.StepPlan) -> internal_pb2.StepResult:

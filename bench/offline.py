@@ -1,0 +1,305 @@
+"""Offline throughput: one workload, all requests known up front, through three peers one after
+another in one command, on the same model (SmolLM2-135M-Instruct from the GGUF), the same dtype
+and the same prompt token ids:
+
+  pagoda  the real processes (launcher: scheduler, worker, gateway, as `make run`), every
+          request submitted at once over gRPC (unary Generate), greedy, ignore_eos
+  static  transformers `generate` on static batches of 16 in arrival order, left-padded: each
+          batch runs to its longest max_tokens, and only each request's own max_tokens count
+  CB      transformers continuous batching (`continuous_batching_context_manager` +
+          `add_request(max_new_tokens=...)`: `generate_batch` takes one max_new_tokens for all)
+
+Figure: useful output tokens/s = sum of max_tokens / wall time of the run (model load, process
+start and a one-request warm-up excluded).
+
+The machine's floor for the workload, from two rates measured in the same run: `R` = GEMM
+FLOP/s of a 512x576x1536 matmul in the dtype (the shape of SmolLM2's MLP on a 512-token chunk)
+and `B` = copy bandwidth (bytes read + written per second copying 256 MiB). With N = the
+parameters the layers multiply by (q, k, v, o, gate, up, down; norms counted as bytes only),
+H = the LM head (tied to the embedding, so read once per step; the embedding lookup reads a row
+per token and is left out), P_i / O_i the prompt / output length of request i, M = max O_i:
+
+  brief    = prefill / R + (M - 1) * weight_bytes / B
+             prefill = sum_i 2 N P_i + 2 L h d P_i (P_i + 1) [causal QK and PV] + 2 H [the
+             first output token]; the first token comes from the prefill, the other M - 1 are
+             decode steps of all requests together, each bound by one read of the weights.
+  roofline = prefill / R + sum over decode steps t = 1..M-1 of max(flops_t / R, bytes_t / B),
+             over the requests still running at t (O_i > t): flops_t = 2 (N + H) + 4 L h d
+             (P_i + t) each, bytes_t = the weights + each one's KV cache (P_i + t tokens).
+
+Both assume prefill and decode do not overlap and that R (a large GEMM) is reachable by every
+matmul, so both are below what any engine can do; `brief` ignores decode compute and KV reads,
+which on a CPU with many sequences running dominate, so `roofline` is the tighter of the two.
+
+    .venv/bin/python bench/offline.py [--num-requests 64] [--seed 0] [--dtype float32]
+        [--skip cb,static] [--pagoda-flags "--num-gpu-blocks-override 512"] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.workloads import Request, load_hf_model, offline_workload  # noqa: E402
+from proto import pagoda_pb2 as pb, pagoda_pb2_grpc  # noqa: E402
+from tests.cluster import Cluster  # noqa: E402
+
+PEERS = ("pagoda", "static", "cb")
+LABELS = {"pagoda": "pagoda (gRPC, all at once)", "static": "transformers generate, static batches of 16",
+          "cb": "transformers continuous batching"}
+KV_CACHE_BYTES = 1 << 30  # pagoda's --kv-cache-memory default on CPU: CB gets the same budget
+
+
+def machine_rates(dtype: str) -> tuple[float, float]:
+    """(GEMM FLOP/s, copy bytes/s), best of several repeats: a floor wants the machine at its
+    best, and on a shared machine the best repeat is the one least disturbed."""
+    import torch
+    dt = getattr(torch, dtype)
+    a, b = torch.randn(512, 576, dtype=dt), torch.randn(576, 1536, dtype=dt)
+    for _ in range(3):
+        a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(30))
+    src = torch.ones(64 << 20, dtype=torch.float32)  # 256 MiB: far past any cache
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copy = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
+    return 2 * 512 * 576 * 1536 / best, 2 * src.numel() * 4 / copy
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def floors(reqs: list[Request], cfg, dtype_bytes: int, flops: float, bw: float) -> dict:
+    L, d, f = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
+    h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    hd = getattr(cfg, "head_dim", None) or d // h
+    n_lin = L * (2 * d * h * hd + 2 * d * kv * hd + 3 * d * f)
+    n_head = cfg.vocab_size * d
+    weight_bytes = (n_lin + n_head + (2 * L + 1) * d) * dtype_bytes
+    kv_token_bytes = 2 * L * kv * hd * dtype_bytes
+    P = [len(r.prompt_ids) for r in reqs]
+    O = [r.max_tokens for r in reqs]
+    prefill = sum(2 * n_lin * p + 2 * L * h * hd * p * (p + 1) + 2 * n_head for p in P) / flops
+    steps = max(O) - 1
+    decode_roof = 0.0
+    for t in range(1, steps + 1):
+        alive = [p for p, o in zip(P, O) if o > t]
+        step_flops = sum(2 * (n_lin + n_head) + 4 * L * h * hd * (p + t) for p in alive)
+        step_bytes = weight_bytes + sum((p + t) * kv_token_bytes for p in alive)
+        decode_roof += max(step_flops / flops, step_bytes / bw)
+    return {"params_linear": n_lin, "params_lm_head": n_head, "weight_bytes": weight_bytes,
+            "prefill_s": prefill, "decode_steps": steps,
+            "brief_s": prefill + steps * weight_bytes / bw, "roofline_s": prefill + decode_roof}
+
+
+async def _pagoda_all(target: str, reqs: list[Request]) -> tuple[list[list[int]], float]:
+    opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    async with grpc.aio.insecure_channel(target, options=opts) as ch:
+        stub = pagoda_pb2_grpc.GenerationStub(ch)
+
+        async def one(r: Request) -> list[int]:
+            msg = await stub.Generate(pb.GenerateRequest(
+                prompt_token_ids=r.prompt_ids, sampling=pb.SamplingParams(temperature=0),
+                stopping=pb.StoppingCriteria(max_tokens=r.max_tokens, ignore_eos=True)), timeout=3600)
+            return list(msg.token_ids)
+
+        await one(Request(reqs[0].prompt_ids[:16], 4))  # warm-up: first-step allocations, channel
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(one(r) for r in reqs))
+        return outs, time.perf_counter() - t0
+
+
+def run_pagoda(reqs: list[Request], dtype: str, flags: list[str]) -> tuple[list[list[int]], float]:
+    cluster = Cluster("--dtype", dtype, *flags, log_path=Path("/tmp/pagoda-offline.log")).start(timeout=600)
+    try:
+        return asyncio.run(_pagoda_all(cluster.target, reqs))
+    finally:
+        cluster.stop()
+
+
+def run_static(model, reqs: list[Request], batch: int = 16) -> tuple[list[list[int]], float]:
+    import torch
+    from transformers import GenerationConfig
+
+    def generate(chunk: list[Request]) -> list[list[int]]:
+        width, new = max(len(r.prompt_ids) for r in chunk), max(r.max_tokens for r in chunk)
+        ids = torch.tensor([[0] * (width - len(r.prompt_ids)) + r.prompt_ids for r in chunk])
+        mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in chunk])
+        cfg = GenerationConfig(do_sample=False, max_new_tokens=new, pad_token_id=0)
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
+        return [out[i, width:width + r.max_tokens].tolist() for i, r in enumerate(chunk)]
+
+    # ignore_eos: generate fills an unset eos_token_id from model.generation_config (id 2), so
+    # clear it there; min_new_tokens instead would mask EOS and change the greedy tokens, and
+    # eos_token_id=-1 works but warns on every call.
+    saved, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
+    try:
+        generate([Request(reqs[0].prompt_ids[:16], 4)])
+        t0 = time.perf_counter()
+        outs = [o for i in range(0, len(reqs), batch) for o in generate(reqs[i:i + batch])]
+        return outs, time.perf_counter() - t0
+    finally:
+        model.generation_config.eos_token_id = saved
+
+
+def run_cb(model, reqs: list[Request]) -> tuple[list[list[int]], float, dict]:
+    import torch
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    cfg = model.config
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_tokens = KV_CACHE_BYTES // (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * hd * model.dtype.itemsize)
+    cb_cfg = ContinuousBatchingConfig(num_blocks=-(-kv_tokens // 256), max_batch_tokens=2048)
+    gen = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(r.max_tokens for r in reqs))
+    hints = WorkloadHints(max_prompt_length=max(len(r.prompt_ids) for r in reqs),
+                          max_generated_length=gen.max_new_tokens, num_requests=len(reqs))
+
+    def wait(m, ids: set[str]) -> dict[str, list[int]]:
+        done: dict[str, list[int]] = {}
+        while len(done) < len(ids):
+            res = m.get_result(timeout=1)
+            if res is None:
+                if not m.is_running():
+                    raise RuntimeError(f"CB generation thread died with {len(ids) - len(done)} requests left")
+                continue
+            if res.is_finished():
+                if res.error:
+                    raise RuntimeError(f"CB request {res.request_id} failed: {res.error}")
+                done[res.request_id] = list(res.generated_tokens)
+        return done
+
+    with torch.inference_mode(), model.continuous_batching_context_manager(
+            generation_config=gen, continuous_batching_config=cb_cfg, workload_hints=hints) as m:
+        # eos_token_id=-1 per request too: add_request falls back to the config's value only on None.
+        wait(m, {m.add_request(reqs[0].prompt_ids[:16], "warmup", max_new_tokens=4, eos_token_id=-1)})
+        t0 = time.perf_counter()
+        ids = [m.add_request(r.prompt_ids, f"r{i}", max_new_tokens=r.max_tokens, eos_token_id=-1)
+               for i, r in enumerate(reqs)]
+        done = wait(m, set(ids))
+        wall = time.perf_counter() - t0
+    return [done[i] for i in ids], wall, {"num_blocks": cb_cfg.num_blocks, "page_size": cb_cfg.page_size,
+                                          "max_batch_tokens": cb_cfg.max_batch_tokens}
+
+
+def mismatches(outs: list[list[int]], ref: list[list[int]], n: int) -> tuple[int, list]:
+    """Requests among the first n whose tokens differ, and where each first differs (fp32 ties
+    can flip one greedy choice and everything after it)."""
+    bad = [(i, next((k for k, (a, b) in enumerate(zip(o, r)) if a != b), min(len(o), len(r))))
+           for i, (o, r) in enumerate(zip(outs[:n], ref[:n])) if o != r]
+    return len(bad), bad
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--skip", default="", help="comma-separated peers to leave out: pagoda,static,cb")
+    ap.add_argument("--pagoda-flags", default="", help='extra launcher flags, e.g. "--max-num-seqs 32"')
+    ap.add_argument("--check", type=int, default=4, help="compare the first N requests' tokens with static's")
+    ap.add_argument("--json", type=Path, default=None, help="write the figures here")
+    opts = ap.parse_args()
+    skip = {s.strip() for s in opts.skip.split(",") if s.strip()}
+    if skip - set(PEERS):
+        ap.error(f"--skip takes {','.join(PEERS)}, got {opts.skip}")
+    reqs = offline_workload(opts.num_requests, opts.seed)
+    P, O = [len(r.prompt_ids) for r in reqs], [r.max_tokens for r in reqs]
+    useful = sum(O)
+    print(f"workload: {len(reqs)} requests, seed {opts.seed}, prompts {min(P)}-{max(P)} tokens "
+          f"(sum {sum(P)}), outputs {min(O)}-{max(O)} (sum {useful}), dtype {opts.dtype}", flush=True)
+    rates = [machine_rates(opts.dtype)]
+
+    results: dict[str, dict] = {}
+    outputs: dict[str, list[list[int]]] = {}
+    if "pagoda" not in skip:
+        t0 = time.perf_counter()
+        outputs["pagoda"], wall = run_pagoda(reqs, opts.dtype, shlex.split(opts.pagoda_flags))
+        results["pagoda"] = {"wall_s": wall, "setup_s": time.perf_counter() - t0 - wall}
+        print(f"pagoda: {wall:.1f} s", flush=True)
+    model = None
+    if {"static", "cb"} - skip:
+        t0 = time.perf_counter()
+        model = load_hf_model(opts.dtype)
+        load_s = time.perf_counter() - t0
+        if "static" not in skip:
+            outputs["static"], wall = run_static(model, reqs)
+            results["static"] = {"wall_s": wall, "setup_s": load_s,
+                                 "generated_tokens": sum(max(O[i:i + 16]) * len(O[i:i + 16])
+                                                         for i in range(0, len(O), 16))}
+            print(f"static: {wall:.1f} s", flush=True)
+        if "cb" not in skip:
+            outputs["cb"], wall, cb_info = run_cb(model, reqs)
+            results["cb"] = {"wall_s": wall, "setup_s": load_s, **cb_info}
+            print(f"cb: {wall:.1f} s", flush=True)
+    rates.append(machine_rates(opts.dtype))
+    flops, bw = max(r[0] for r in rates), max(r[1] for r in rates)
+    if model is not None:
+        cfg = model.config
+    else:
+        from transformers import AutoConfig
+
+        from launch.models import resolve_model
+        path = resolve_model("")
+        cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    floor = floors(reqs, cfg, 4 if opts.dtype == "float32" else 2, flops, bw)
+
+    for name, r in results.items():
+        got = sum(min(len(o), m) for o, m in zip(outputs[name], O))
+        r.update(useful_tokens=got, tok_per_s=got / r["wall_s"],
+                 vs_brief_floor=floor["brief_s"] / r["wall_s"] * got / useful,
+                 vs_roofline_floor=floor["roofline_s"] / r["wall_s"] * got / useful)
+        if got != useful:
+            print(f"WARNING: {name} returned {got} of the {useful} tokens asked for")
+    ref = outputs.get("static")
+    for name in ("pagoda", "cb"):
+        if ref is not None and name in outputs:
+            n, where = mismatches(outputs[name], ref, opts.check)
+            results[name].update(mismatches_vs_static=n, mismatch_at=where)
+
+    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cpus, {platform.processor() or platform.platform()} "
+          f"(shared: figures are noisy)")
+    print(f"measured: {opts.dtype} GEMM 512x576x1536 {flops / 1e9:.1f} GFLOP/s, copy {bw / 1e9:.1f} GB/s "
+          f"(read + write; best of before and after: {', '.join(f'{a / 1e9:.0f}/{b / 1e9:.1f}' for a, b in rates)})")
+    print(f"floor: {floor['params_linear'] / 1e6:.1f}M layer + {floor['params_lm_head'] / 1e6:.1f}M LM head "
+          f"params, prefill {floor['prefill_s']:.2f} s, {floor['decode_steps']} decode steps; "
+          f"brief {floor['brief_s']:.2f} s ({useful / floor['brief_s']:.0f} tok/s), "
+          f"roofline {floor['roofline_s']:.2f} s ({useful / floor['roofline_s']:.0f} tok/s)")
+    print(f"\n| peer | wall s | useful tok/s | of brief floor | of roofline floor | greedy mismatches "
+          f"(first {opts.check}, vs static) |\n|---|---|---|---|---|---|")
+    for name, r in results.items():
+        mm = r.get("mismatches_vs_static")
+        print(f"| {LABELS[name]} | {r['wall_s']:.1f} | {r['tok_per_s']:.1f} | {r['vs_brief_floor']:.1%} | "
+              f"{r['vs_roofline_floor']:.1%} | {'-' if mm is None else f'{mm}/{min(opts.check, len(reqs))}'} |")
+    ratios = {f"pagoda/{k}": results["pagoda"]["tok_per_s"] / results[k]["tok_per_s"]
+              for k in ("cb", "static") if "pagoda" in results and k in results}
+    print("\n" + ", ".join(f"{k}: {v:.2f}x" for k, v in ratios.items()))
+    for name in ("pagoda", "cb"):
+        if results.get(name, {}).get("mismatch_at"):
+            print(f"{name} differs from static at (request, first token): {results[name]['mismatch_at']}")
+    if opts.json:
+        opts.json.write_text(json.dumps({
+            "workload": {"num_requests": len(reqs), "seed": opts.seed, "dtype": opts.dtype,
+                         "prompt_tokens": sum(P), "output_tokens": useful, "max_output": max(O)},
+            "pagoda_flags": opts.pagoda_flags, "machine": {"gemm_flops": flops, "copy_bytes_per_s": bw,
+                                                          "cpus": os.cpu_count()},
+            "floor": {**floor, "brief_tok_per_s": useful / floor["brief_s"],
+                      "roofline_tok_per_s": useful / floor["roofline_s"]},
+            "peers": results, "ratios": ratios}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

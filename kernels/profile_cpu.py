@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Times and profiles the CPU worker's step on the real SmolLM2-135M, through ModelRunner.execute.
+
+    .venv/bin/python kernels/profile_cpu.py [--tree DIR] [--profile] [-- worker flags]
+
+Scenarios: steady decode of 32 and of 64 sequences with contexts drawn from 200-600 tokens, and
+32 decodes plus a 256-token prefill in the same step. The KV cache is filled with noise instead
+of being prefilled (attention costs the same whatever the keys hold), so a run takes seconds.
+--tree imports pagoda from another checkout, e.g. an exported older commit
+(`git archive HEAD | tar -x -C /tmp/before`), so that before and after run on the same machine
+minutes apart; worker flags after `--` must be ones that tree knows.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+CONTEXTS = (200, 600)
+PREFILL = 256
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tree", default=str(Path(__file__).resolve().parents[1]))
+    p.add_argument("--steps", type=int, default=10, help="timed steps per scenario")
+    p.add_argument("--profile", action="store_true", help="torch.profiler table of 64-decode steps")
+    p.add_argument("--threads", type=int, default=0, help="torch threads, 0 = torch's default")
+    p.add_argument("worker_flags", nargs="*")
+    args = p.parse_args()
+    # In place of this script's folder, whose select.py would shadow the standard library's.
+    sys.path[0] = args.tree
+
+    import torch
+    from tests.worker_tiny_models import runner_args
+    from worker.runner import ModelRunner
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    blocks_per_seq = -(-(CONTEXTS[1] + 2 * args.steps + 8) // 16)
+    num_blocks = 64 * blocks_per_seq + PREFILL // 16
+    start = time.perf_counter()
+    runner = ModelRunner(runner_args("", *args.worker_flags, num_blocks=num_blocks))
+    print(f"tree {args.tree} flags {args.worker_flags} start-up {time.perf_counter() - start:.1f} s, "
+          f"{torch.get_num_threads()} threads, {runner.dtype}")
+    runner.cache.device_cache.normal_(generator=torch.Generator().manual_seed(0))
+    for name, seqs, prefill in (("decode 32", 32, False), ("decode 64", 64, False),
+                                ("32 decodes + 256-token prefill", 32, True)):
+        times = run_scenario(runner, seqs, prefill, args.steps, blocks_per_seq)
+        print(f"{name:32s} median {statistics.median(times) * 1e3:7.1f} ms  "
+              f"min {min(times) * 1e3:7.1f} ms  over {len(times)} steps")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run_scenario(runner, 64, False, 3, blocks_per_seq, warmup=0)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18,
+                                        max_name_column_width=48))
+
+
+def run_scenario(runner, num_seqs: int, prefill: bool, steps: int, blocks_per_seq: int,
+                 warmup: int = 2) -> list[float]:
+    """Registers num_seqs sequences whose context is already cached, then times decode steps."""
+    from proto import internal_pb2
+    from proto.columns import pack
+
+    rng = random.Random(num_seqs)
+    vocab = runner.config.vocab_size
+    new = []
+    for slot in range(num_seqs):
+        ctx = rng.randint(*CONTEXTS)
+        blocks = list(range(slot * blocks_per_seq, (slot + 1) * blocks_per_seq))
+        new.append(internal_pb2.NewSeq(seq_id=f"s{slot}", slot=slot, block_ids=blocks,
+                                       token_ids=[rng.randrange(vocab) for _ in range(ctx + 1)],
+                                       num_computed_tokens=ctx, num_new_tokens=1))
+    assert not runner.execute(internal_pb2.StepPlan(new_seqs=new)).error
+    prefill_blocks = list(range(64 * blocks_per_seq, 64 * blocks_per_seq + PREFILL // 16))
+    times = []
+    for step in range(warmup + steps):
+        plan = internal_pb2.StepPlan(running_slots=pack(range(num_seqs)),
+                                     running_num_tokens=pack([1] * num_seqs))
+        if prefill:
+            slot = 1000 + step
+            plan.dropped_slots.append(slot - 1)
+            plan.new_seqs.add(seq_id=f"p{step}", slot=slot, block_ids=prefill_blocks,
+                              token_ids=[rng.randrange(vocab) for _ in range(PREFILL)],
+                              num_new_tokens=PREFILL)
+        start = time.perf_counter()
+        result = runner.execute(plan)
+        elapsed = time.perf_counter() - start
+        assert not result.error, result.error
+        if step >= warmup:
+            times.append(elapsed)
+    runner.execute(internal_pb2.StepPlan(dropped_slots=[*range(num_seqs), 1000 + warmup + steps - 1]))
+    return times
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""The only door between the scheduler and one worker's KV blocks.
+
+It owns the block math (how many blocks n more tokens need), the block hashes of each request
+(computed once, as its tokens become known), the prefix cache, copy-on-write forks and the CPU
+swap pool. The scheduler decides who runs; this file decides which blocks they get, and never
+which request goes first.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from proto import internal_pb2 as pb
+from scheduler.block_pool import BlockPool, hash_block
+
+if TYPE_CHECKING:
+    from scheduler.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_cpu_blocks: int = 0) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.cpu_pool = BlockPool(num_cpu_blocks, enable_prefix_caching=False)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache ---------------------------------------------------------------------------
+    def _hash_up_to(self, req: "Request", num_blocks: int) -> list[int]:
+        """req's block hashes for its first num_blocks full blocks, extending what it holds."""
+        hashes, tokens, bs = req.block_hashes, req.all_token_ids, self.block_size
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_blocks):
+            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs])
+            hashes.append(parent)
+        return hashes
+
+    def get_computed_blocks(self, req: "Request") -> list[int]:
+        """Cached blocks holding the longest prefix of req's known tokens; never all of them, so
+        that at least one token is computed and logits exist. Takes no reference."""
+        if not self.pool.enable_prefix_caching or req.sampling.HasField("prompt_logprobs"):
+            return []  # prompt logprobs need the logits of every prompt position
+        hashes = self._hash_up_to(req, (req.num_tokens - 1) // self.block_size)
+        return self.pool.find_cached(hashes[:(req.num_tokens - 1) // self.block_size])
+
+    def cache_blocks(self, req: "Request") -> None:
+        """Make req's full blocks findable once their tokens are known and computed."""
+        full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
+        if not self.pool.enable_prefix_caching or full <= req.num_cached_blocks:
+            return
+        hashes = self._hash_up_to(req, full)
+        start, req.num_cached_blocks = req.num_cached_blocks, full
+        self.pool.cache_blocks(req.block_ids[start:full], hashes[start:full])
+
+    # -- allocation -----------------------------------------------------------------------------
+    def allocate_slots(self, req: "Request", num_new_tokens: int,
+                       computed_blocks: list[int] | None = None) -> list[int] | None:
+        """Blocks for req's next num_new_tokens tokens, after its computed ones. On admission,
+        computed_blocks (from get_computed_blocks) become the head of its table. Returns the new
+        block ids, or None, changing nothing, when the pool cannot hold them."""
+        pool = self.pool
+        if computed_blocks is None:
+            have, computed = len(req.block_ids), req.num_computed_tokens
+            reviving = 0
+        else:
+            have, computed = len(computed_blocks), len(computed_blocks) * self.block_size
+            # A cached block nobody references sits on the free list: taking it uses a free slot.
+            reviving = sum(1 for b in computed_blocks if pool.ref_cnt[b] == 0)
+        need = max(0, self.blocks_for(computed + num_new_tokens) - have)
+        if need + reviving > pool.num_free:
+            return None
+        if computed_blocks is not None:
+            pool.touch(computed_blocks)
+            req.block_ids = list(computed_blocks)
+            req.num_computed_tokens = computed
+            req.num_cached_blocks = len(computed_blocks)
+        new = pool.allocate(need) if need else []
+        req.block_ids += new
+        return new
+
+    def free(self, req: "Request") -> None:
+        """Drop req's references on device and CPU blocks. Its full blocks stay cached (and
+        findable) until the pool reuses them."""
+        if req.block_ids:
+            self.pool.free(req.block_ids)
+            req.block_ids = []
+        if req.cpu_block_ids:
+            self.cpu_pool.free(req.cpu_block_ids)
+            req.cpu_block_ids = []
+        req.num_cached_blocks = 0
+
+    def fork(self, parent: "Request", child: "Request") -> pb.BlockCopy | None:
+        """child shares parent's full blocks and gets its own last block, which the parent has
+        partly filled: the returned copy (run by the worker before the forward) fills it."""
+        c, bs = parent.num_computed_tokens, self.block_size
+        full = c // bs
+        shared = parent.block_ids[:full]
+        self.pool.touch(shared)
+        own = self.pool.allocate(1)
+        child.block_ids = shared + own
+        child.block_hashes = parent.block_hashes[:full]
+        child.num_cached_blocks = min(parent.num_cached_blocks, full)
+        child.num_computed_tokens = c
+        return pb.BlockCopy(src=parent.block_ids[full], dst=own[0]) if c % bs else None
+
+    def fork_cost(self, parent: "Request", num_children: int, num_new_tokens: int) -> int:
+        """Free blocks a fork step needs: the parent's growth plus one own block per child."""
+        grow = self.blocks_for(parent.num_computed_tokens + num_new_tokens) - len(parent.block_ids)
+        return max(0, grow) + num_children
+
+    # -- swap -----------------------------------------------------------------------------------
+    def can_swap_out(self, req: "Request") -> bool:
+        return bool(req.block_ids) and self.cpu_pool.can_allocate(len(req.block_ids))
+
+    def swap_out(self, req: "Request") -> list[pb.BlockCopy]:
+        cpu = self.cpu_pool.allocate(len(req.block_ids))
+        ops = [pb.BlockCopy(src=g, dst=c) for g, c in zip(req.block_ids, cpu)]
+        self.pool.free(req.block_ids)
+        req.block_ids, req.cpu_block_ids, req.num_cached_blocks = [], cpu, 0
+        return ops
+
+    def swap_in(self, req: "Request", num_new_tokens: int) -> list[pb.BlockCopy] | None:
+        """Device blocks for req's swapped blocks plus room for num_new_tokens, or None."""
+        back = len(req.cpu_block_ids)
+        need = max(back, self.blocks_for(req.num_computed_tokens + num_new_tokens))
+        if need > self.pool.num_free:
+            return None
+        gpu = self.pool.allocate(need)
+        ops = [pb.BlockCopy(src=c, dst=g) for c, g in zip(req.cpu_block_ids, gpu)]
+        self.cpu_pool.free(req.cpu_block_ids)
+        req.cpu_block_ids, req.block_ids = [], gpu
+        return ops
+
+    # -- checks ---------------------------------------------------------------------------------
+    def check_invariant(self, reqs) -> None:
+        self.pool.check_invariant([r.block_ids for r in reqs])
+        self.cpu_pool.check_invariant([r.cpu_block_ids for r in reqs])

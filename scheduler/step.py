@@ -1,0 +1,70 @@
+"""One step of one worker, while it is planned and while it runs: a local object that schedule()
+fills and returns into the plan, then keeps until the worker's result for it comes back."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from proto import internal_pb2 as pb
+from proto.columns import pack
+
+if TYPE_CHECKING:
+    from scheduler.request import Request
+
+
+@dataclass
+class Step:
+    step_id: int
+    budget: int                     # tokens still free in this step
+    # (sequence, tokens to compute): new to the worker (sent whole), or held by it (by slot).
+    new: list[tuple["Request", int]] = field(default_factory=list)
+    held: list[tuple["Request", int]] = field(default_factory=list)
+    new_block_slots: list[int] = field(default_factory=list)  # a held sequence grew: whose,
+    new_block_ids: list[int] = field(default_factory=list)    # and which block
+    swap_out: list[pb.BlockCopy] = field(default_factory=list)
+    swap_in: list[pb.BlockCopy] = field(default_factory=list)
+    copy: list[pb.BlockCopy] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)
+    preempted: bool = False
+    forked: list["Request"] = field(default_factory=list)  # children that joined the batch
+    # Set by plan(): the step's sequences in plan order, (sequence, tokens, slot).
+    entries: list[tuple["Request", int, int]] = field(default_factory=list)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.new) + len(self.held)
+
+    def take(self, req: "Request", n: int, blocks: list[int]) -> None:
+        """req computes n tokens this step, with `blocks` newly added to its table. Its computed
+        count moves now, before the step runs, so the next plan can follow this one; a step that
+        reaches the end of its known tokens samples one, which the worker feeds back itself."""
+        self.budget -= n
+        req.num_computed_tokens += n
+        if req.num_computed_tokens == req.num_tokens + req.num_pending:
+            req.num_pending += 1
+        if req.on_worker:
+            self.held.append((req, n))
+            if blocks:
+                self.new_block_slots += [req.slot] * len(blocks)
+                self.new_block_ids += blocks
+        else:
+            self.new.append((req, n))
+
+    def is_empty(self) -> bool:
+        return not (self.new or self.held or self.dropped or self.swap_out or self.copy)
+
+    def plan(self) -> pb.StepPlan:
+        """The StepPlan of this step; new sequences must have their slots by now."""
+        self.entries = [(req, n, req.slot) for req, n in self.new] + \
+                       [(req, n, req.slot) for req, n in self.held]
+        return pb.StepPlan(
+            step_id=self.step_id, dropped_slots=self.dropped, swap_out=self.swap_out,
+            swap_in=self.swap_in, copy=self.copy,
+            new_seqs=[pb.NewSeq(
+                seq_id=req.seq_id, slot=req.slot, token_ids=req.all_token_ids,
+                sampling=req.sampling, num_computed_tokens=req.num_computed_tokens - n,
+                block_ids=req.block_ids, num_new_tokens=n, num_prompt_tokens=req.num_prompt_tokens)
+                for req, n in self.new],
+            running_slots=pack([req.slot for req, _ in self.held]),
+            running_num_tokens=pack([n for _, n in self.held]),
+            new_block_slots=pack(self.new_block_slots), new_block_ids=pack(self.new_block_ids))
