@@ -93,10 +93,6 @@ class SchedulerClient:
     def add_info_listener(self, listener: InfoListener) -> None:
         self._listeners.append(listener)
 
-    @property
-    def num_workers(self) -> int:
-        return self.info.num_workers if self.info is not None else 0
-
     # ------------------------------------------------------------------ requests
 
     def new_request_id(self) -> str:

@@ -114,23 +114,18 @@ class BlockPool:
             if self.cached.get(h) == block:
                 del self.cached[h]
 
-    def reset_prefix_cache(self) -> None:
-        for block in list(self.free_blocks):
-            self._forget_hash(block)
-
     # -- checks -----------------------------------------------------------------------------
-    def check_invariant(self, tables: Iterable[Sequence[int]] = ()) -> None:
+    def check_invariant(self, tables: Iterable[Sequence[int]]) -> None:
         """free + referenced = total, and each refcount equals the number of tables holding it."""
         referenced = sum(1 for c in self.ref_cnt if c > 0)
         assert len(self.free_blocks) + referenced == self.num_blocks, \
             f"free {len(self.free_blocks)} + referenced {referenced} != total {self.num_blocks}"
         for block in self.free_blocks:
             assert self.ref_cnt[block] == 0, f"free block {block} has refcount {self.ref_cnt[block]}"
-        if tables is not None:
-            counts = [0] * self.num_blocks
-            for table in tables:
-                for block in table:
-                    counts[block] += 1
-            assert counts == self.ref_cnt, "refcounts differ from the block tables that hold them"
+        counts = [0] * self.num_blocks
+        for table in tables:
+            for block in table:
+                counts[block] += 1
+        assert counts == self.ref_cnt, "refcounts differ from the block tables that hold them"
         for h, block in self.cached.items():
             assert self.block_hash[block] == h

@@ -214,6 +214,11 @@ class FakeScheduler:
         self._ctx.term()
 
 
+def workers_of(client: SchedulerClient) -> int:
+    """Workers the gateway's client knows of (0 before the scheduler answered)."""
+    return client.info.num_workers if client.info is not None else 0
+
+
 async def until(predicate: Callable[[], object], timeout: float = 5.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not predicate():
@@ -252,7 +257,7 @@ async def local_gateway(tok: TextTokenizer, wait_ready: bool = True,
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
         if wait_ready:
-            await until(lambda: gateway.client.num_workers >= 1)
+            await until(lambda: workers_of(gateway.client) >= 1)
         yield Harness(scheduler, gateway, channel)
     finally:
         await channel.close()

@@ -47,6 +47,14 @@ class PlanDriver:
         self.chunk_size = chunk_size
         self.step_id = 0
         self.plans: list[internal_pb2.StepPlan] = []
+        # The logits each step samples from: the model's last compute_logits call of the step
+        # (prompt logprobs, when asked, come before it).
+        compute = runner.model.compute_logits
+
+        def capture(hidden):
+            self.sampled_logits = compute(hidden)
+            return self.sampled_logits
+        runner.model.compute_logits = capture
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  sampling: internal_pb2.SamplingConfig | None = None) -> list[_Seq]:
@@ -81,7 +89,7 @@ class PlanDriver:
                 s = seqs[slot]
                 s.token_ids.append(token)
                 s.output.append(token)
-                s.logits.append(self.runner.last_logits[row].clone())
+                s.logits.append(self.sampled_logits[row].clone())
             for s, n in scheduled:
                 s.num_computed += n
                 if s.done:

@@ -20,7 +20,8 @@ from gateway.app import Gateway
 from gateway.scheduler_client import SchedulerClient
 from gateway.tokenizer import load_tokenizer
 from proto import internal_pb2 as ipb, pagoda_pb2 as pb
-from tests.fake_scheduler import DEFAULT_REPLY as REPLY, FakeScheduler, local_gateway, reply_plan, until
+from tests.fake_scheduler import (DEFAULT_REPLY as REPLY, FakeScheduler, local_gateway, reply_plan,
+                                  until, workers_of)
 
 TOK = load_tokenizer("")
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -187,7 +188,7 @@ def test_health_and_unavailable_until_workers(run):
             assert info.num_workers == 0 and info.vocab_size == TOK.vocab_size
 
             await h.scheduler.set_workers(2)
-            await until(lambda: h.gateway.client.num_workers == 2)
+            await until(lambda: workers_of(h.gateway.client) == 2)
             for service in ("", "pagoda.v1.Generation"):
                 assert await h.health_of(service) == SERVING
             info = await h.stub.GetModelInfo(pb.GetModelInfoRequest())
@@ -268,7 +269,7 @@ def test_scheduler_started_after_the_gateway(run):
             assert client.info is None
             scheduler = FakeScheduler(TOK, address=address)
             try:
-                await until(lambda: client.num_workers == 1)
+                await until(lambda: workers_of(client) == 1)
                 assert len(scheduler.peers) == 1
             finally:
                 await scheduler.close()

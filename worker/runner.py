@@ -93,7 +93,6 @@ class ModelRunner:
 
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(args.seed))
         self.seqs: dict[int, SeqState] = {}  # by slot
-        self.last_logits: torch.Tensor | None = None  # the latest step's sampled rows, for tests
         logger.info("worker %s ready: %s %s on %s, %d blocks of %d (+%d cpu), load %.1fs, prefill %.0f tok/s",
                     self.worker_id, self.config.architecture, self.dtype, self.device, num_blocks,
                     self.block_size, num_cpu_blocks, self.load_seconds, self.prefill_tokens_per_s)
@@ -171,7 +170,6 @@ class ModelRunner:
         tokens: list[int] = []
         if sampling_rows:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            self.last_logits = logits
             states = [state for _, state in sampling_rows]
             sampled = self.sampler(logits, [s.sampling for s in states], inputs.sample_positions,
                                    [s.token_ids for s in states], [s.num_prompt_tokens for s in states])
