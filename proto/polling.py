@@ -12,6 +12,18 @@ import time
 
 import zmq
 
+# Spinning pays only where a core is free for it: on a machine with fewer cores the spinner takes
+# one from the worker's forward (torch uses every core) or from ZeroMQ's I/O thread.
+SPIN_MIN_CORES = 4
+DEFAULT_BUSY_POLL_US = 500.0
+
+
+def resolve_busy_poll_us(flag: float | None) -> float:
+    """The --busy-poll-us flag, or when unset: spin where there are cores to spare."""
+    if flag is not None:
+        return flag
+    return DEFAULT_BUSY_POLL_US if len(os.sched_getaffinity(0)) >= SPIN_MIN_CORES else 0.0
+
 
 def poll(target: zmq.Socket | zmq.Poller, timeout_ms: float, busy_us: float = 0.0):
     """target.poll(timeout_ms), spinning with non-blocking polls for the first busy_us."""

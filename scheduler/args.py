@@ -26,8 +26,9 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="seconds without a message before a worker is dropped and its "
                         "sequences recomputed elsewhere")
     g.add_argument("--max-message-bytes", type=int, default=64 << 20)
-    g.add_argument("--busy-poll-us", type=float, default=500.0,
-                   help="after sending a message, poll without sleeping this long for the reply "
-                        "(lower step latency for a little CPU; 0 = always sleep)")
+    g.add_argument("--busy-poll-us", type=float, default=None,
+                   help="after sending, poll without sleeping this long for the reply (lower step "
+                        "latency for a little CPU; 0 = always sleep; default: 500 with 4 or more "
+                        "cores, else 0)")
     g.add_argument("--log-level", default="INFO")
     return parser

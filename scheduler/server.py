@@ -13,7 +13,7 @@ import time
 import zmq
 
 from proto import internal_pb2 as pb
-from proto.polling import poll
+from proto.polling import poll, resolve_busy_poll_us
 from scheduler.router import Rejected, Router, RouterConfig
 
 log = logging.getLogger("pagoda.scheduler")
@@ -31,6 +31,7 @@ class SchedulerServer:
         self.gateways = self._bind(args.scheduler_gateway_address)
         self.workers = self._bind(args.scheduler_worker_address)
         self.known_gateways: set[bytes] = set()
+        self.busy_poll_us = resolve_busy_poll_us(args.busy_poll_us)
         self.running = True
 
     def _bind(self, address: str) -> zmq.Socket:
@@ -53,7 +54,7 @@ class SchedulerServer:
         while self.running:
             # A result is due when a worker is busy: spin for it rather than sleep.
             busy = any(w.scheduler.in_flight for w in self.router.workers.values())
-            events = dict(poll(poller, 200, self.args.busy_poll_us if busy else 0))
+            events = dict(poll(poller, 200, self.busy_poll_us if busy else 0))
             if self.gateways in events:
                 self._drain(self.gateways, self._on_gateway)
             if self.workers in events:

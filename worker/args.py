@@ -49,9 +49,10 @@ def add_worker_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-message-bytes", type=int, default=64 << 20,
                    help="largest ZeroMQ message accepted from the scheduler")
     g.add_argument("--log-level", default="INFO")
-    g.add_argument("--busy-poll-us", type=float, default=500.0,
-                   help="after sending a result, poll without sleeping this long for the next "
-                        "plan (lower step latency for a little CPU; 0 = always sleep)")
+    g.add_argument("--busy-poll-us", type=float, default=None,
+                   help="after sending, poll without sleeping this long for the reply (lower step "
+                        "latency for a little CPU; 0 = always sleep; default: 500 with 4 or more "
+                        "cores, else 0)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="GPUs one model is split across; only 1 is supported so far")
     return parser

@@ -15,7 +15,7 @@ import time
 import zmq
 
 from proto import internal_pb2
-from proto.polling import poll
+from proto.polling import poll, resolve_busy_poll_us
 from worker.args import add_worker_args
 
 logger = logging.getLogger("pagoda.worker")
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sock.connect(args.scheduler_worker_address)
         logger.info("worker %s connected to %s", runner.worker_id, args.scheduler_worker_address)
-        return serve(runner, sock, args.busy_poll_us)
+        return serve(runner, sock, resolve_busy_poll_us(args.busy_poll_us))
     finally:
         sock.close(0)
         ctx.term()
