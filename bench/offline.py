@@ -27,12 +27,19 @@ per token and is left out), P_i / O_i the prompt / output length of request i, M
              over the requests still running at t (O_i > t): flops_t = 2 (N + H) + 4 L h d
              (P_i + t) each, bytes_t = the weights + each one's KV cache (P_i + t tokens).
 
-Both assume prefill and decode do not overlap and that R (a large GEMM) is reachable by every
-matmul, so both are below what any engine can do; `brief` ignores decode compute and KV reads,
-which on a CPU with many sequences running dominate, so `roofline` is the tighter of the two.
+Both are optimistic models, not measurements: every matmul at R, no time outside matmuls and
+memory traffic, all requests decoding together from the first step; only adding prefill and
+decode, as if they never overlapped, errs the other way. `brief` leaves out decode compute and KV
+reads, which on a CPU with many sequences running cost more than the weight reads, so
+`roofline` is the tighter of the two.
 
     .venv/bin/python bench/offline.py [--num-requests 64] [--seed 0] [--dtype float32]
         [--skip cb,static] [--pagoda-flags "--num-gpu-blocks-override 512"] [--json out.json]
+
+On a loaded machine prefix OMP_NUM_THREADS=1: every peer (the pagoda worker inherits the
+environment) then runs one torch thread. With more threads than free cores, each parallel op
+waits at a barrier for a descheduled thread: transformers `generate` ran 6-9x slower with 2
+threads than with 1 on this 2-core VM at load 6.
 """
 from __future__ import annotations
 
@@ -41,6 +48,7 @@ import asyncio
 import json
 import os
 import platform
+import random
 import shlex
 import sys
 import time
@@ -49,7 +57,7 @@ from pathlib import Path
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.workloads import Request, load_hf_model, offline_workload  # noqa: E402
+from bench.workloads import Request, load_hf_model, offline_workload, random_ids  # noqa: E402
 from proto import pagoda_pb2 as pb, pagoda_pb2_grpc  # noqa: E402
 from tests.cluster import Cluster  # noqa: E402
 
@@ -57,6 +65,8 @@ PEERS = ("pagoda", "static", "cb")
 LABELS = {"pagoda": "pagoda (gRPC, all at once)", "static": "transformers generate, static batches of 16",
           "cb": "transformers continuous batching"}
 KV_CACHE_BYTES = 1 << 30  # pagoda's --kv-cache-memory default on CPU: CB gets the same budget
+# Warm-up prompts share no prefix with the workload, so no peer's prefix cache starts ahead.
+WARM_UP = Request(random_ids(random.Random("warm-up"), 16), 4)
 
 
 def machine_rates(dtype: str) -> tuple[float, float]:
@@ -115,7 +125,7 @@ async def _pagoda_all(target: str, reqs: list[Request]) -> tuple[list[list[int]]
                 stopping=pb.StoppingCriteria(max_tokens=r.max_tokens, ignore_eos=True)), timeout=3600)
             return list(msg.token_ids)
 
-        await one(Request(reqs[0].prompt_ids[:16], 4))  # warm-up: first-step allocations, channel
+        await one(WARM_UP)  # first-step allocations, the channel
         t0 = time.perf_counter()
         outs = await asyncio.gather(*(one(r) for r in reqs))
         return outs, time.perf_counter() - t0
@@ -147,7 +157,7 @@ def run_static(model, reqs: list[Request], batch: int = 16) -> tuple[list[list[i
     # eos_token_id=-1 works but warns on every call.
     saved, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
     try:
-        generate([Request(reqs[0].prompt_ids[:16], 4)])
+        generate([WARM_UP])
         t0 = time.perf_counter()
         outs = [o for i in range(0, len(reqs), batch) for o in generate(reqs[i:i + batch])]
         return outs, time.perf_counter() - t0
@@ -163,7 +173,10 @@ def run_cb(model, reqs: list[Request]) -> tuple[list[list[int]], float, dict]:
     cfg = model.config
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_tokens = KV_CACHE_BYTES // (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * hd * model.dtype.itemsize)
-    cb_cfg = ContinuousBatchingConfig(num_blocks=-(-kv_tokens // 256), max_batch_tokens=2048)
+    # pagoda's KV budget and its --max-num-batched-tokens default, rather than CB's own sizing
+    # from free RAM (it would take 90% of what this shared machine has free).
+    cb_cfg = ContinuousBatchingConfig(max_batch_tokens=2048)
+    cb_cfg.num_blocks = -(-kv_tokens // cb_cfg.page_size)
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(r.max_tokens for r in reqs))
     hints = WorkloadHints(max_prompt_length=max(len(r.prompt_ids) for r in reqs),
                           max_generated_length=gen.max_new_tokens, num_requests=len(reqs))
@@ -185,7 +198,7 @@ def run_cb(model, reqs: list[Request]) -> tuple[list[list[int]], float, dict]:
     with torch.inference_mode(), model.continuous_batching_context_manager(
             generation_config=gen, continuous_batching_config=cb_cfg, workload_hints=hints) as m:
         # eos_token_id=-1 per request too: add_request falls back to the config's value only on None.
-        wait(m, {m.add_request(reqs[0].prompt_ids[:16], "warmup", max_new_tokens=4, eos_token_id=-1)})
+        wait(m, {m.add_request(WARM_UP.prompt_ids, "warm-up", max_new_tokens=4, eos_token_id=-1)})
         t0 = time.perf_counter()
         ids = [m.add_request(r.prompt_ids, f"r{i}", max_new_tokens=r.max_tokens, eos_token_id=-1)
                for i, r in enumerate(reqs)]
@@ -221,6 +234,8 @@ def main() -> None:
     useful = sum(O)
     print(f"workload: {len(reqs)} requests, seed {opts.seed}, prompts {min(P)}-{max(P)} tokens "
           f"(sum {sum(P)}), outputs {min(O)}-{max(O)} (sum {useful}), dtype {opts.dtype}", flush=True)
+    import torch
+    threads, load0 = torch.get_num_threads(), os.getloadavg()[0]
     rates = [machine_rates(opts.dtype)]
 
     results: dict[str, dict] = {}
@@ -270,7 +285,8 @@ def main() -> None:
             n, where = mismatches(outputs[name], ref, opts.check)
             results[name].update(mismatches_vs_static=n, mismatch_at=where)
 
-    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cpus, {platform.processor() or platform.platform()} "
+    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cpus, {platform.processor() or platform.platform()}, "
+          f"torch threads {threads}, load average {load0:.1f} at start and {os.getloadavg()[0]:.1f} at end "
           f"(shared: figures are noisy)")
     print(f"measured: {opts.dtype} GEMM 512x576x1536 {flops / 1e9:.1f} GFLOP/s, copy {bw / 1e9:.1f} GB/s "
           f"(read + write; best of before and after: {', '.join(f'{a / 1e9:.0f}/{b / 1e9:.1f}' for a, b in rates)})")
@@ -278,15 +294,17 @@ def main() -> None:
           f"params, prefill {floor['prefill_s']:.2f} s, {floor['decode_steps']} decode steps; "
           f"brief {floor['brief_s']:.2f} s ({useful / floor['brief_s']:.0f} tok/s), "
           f"roofline {floor['roofline_s']:.2f} s ({useful / floor['roofline_s']:.0f} tok/s)")
-    print(f"\n| peer | wall s | useful tok/s | of brief floor | of roofline floor | greedy mismatches "
-          f"(first {opts.check}, vs static) |\n|---|---|---|---|---|---|")
+    print(f"\n| peer | setup s | wall s | useful tok/s | of brief floor | of roofline floor | greedy mismatches "
+          f"(first {opts.check}, vs static) |\n|---|---|---|---|---|---|---|")
     for name, r in results.items():
         mm = r.get("mismatches_vs_static")
-        print(f"| {LABELS[name]} | {r['wall_s']:.1f} | {r['tok_per_s']:.1f} | {r['vs_brief_floor']:.1%} | "
-              f"{r['vs_roofline_floor']:.1%} | {'-' if mm is None else f'{mm}/{min(opts.check, len(reqs))}'} |")
+        print(f"| {LABELS[name]} | {r['setup_s']:.1f} | {r['wall_s']:.1f} | {r['tok_per_s']:.1f} | "
+              f"{r['vs_brief_floor']:.1%} | {r['vs_roofline_floor']:.1%} | "
+              f"{'-' if mm is None else f'{mm}/{min(opts.check, len(reqs))}'} |")
     ratios = {f"pagoda/{k}": results["pagoda"]["tok_per_s"] / results[k]["tok_per_s"]
               for k in ("cb", "static") if "pagoda" in results and k in results}
-    print("\n" + ", ".join(f"{k}: {v:.2f}x" for k, v in ratios.items()))
+    if ratios:
+        print("\n" + ", ".join(f"{k}: {v:.2f}x" for k, v in ratios.items()))
     for name in ("pagoda", "cb"):
         if results.get(name, {}).get("mismatch_at"):
             print(f"{name} differs from static at (request, first token): {results[name]['mismatch_at']}")
@@ -295,7 +313,8 @@ def main() -> None:
             "workload": {"num_requests": len(reqs), "seed": opts.seed, "dtype": opts.dtype,
                          "prompt_tokens": sum(P), "output_tokens": useful, "max_output": max(O)},
             "pagoda_flags": opts.pagoda_flags, "machine": {"gemm_flops": flops, "copy_bytes_per_s": bw,
-                                                          "cpus": os.cpu_count()},
+                                                          "cpus": os.cpu_count(),
+                                                          "torch_threads": threads},
             "floor": {**floor, "brief_tok_per_s": useful / floor["brief_s"],
                       "roofline_tok_per_s": useful / floor["roofline_s"]},
             "peers": results, "ratios": ratios}, indent=2))

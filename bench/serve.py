@@ -22,7 +22,7 @@ import random
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -135,7 +135,8 @@ async def bench(target: str, reqs: list[Request], rate: float, burstiness: float
             outs = await asyncio.gather(*tasks)
             duration = time.perf_counter() - t0
     res = summarize(outs, duration, slos)
-    res.update(request_rate=rate, burstiness=burstiness, max_concurrency=max_concurrency,
+    # "inf" as a string: json.dumps would write Infinity, which strict JSON parsers refuse.
+    res.update(request_rate="inf" if math.isinf(rate) else rate, burstiness=burstiness, max_concurrency=max_concurrency,
                input_lens=[o.prompt_len for o in outs], output_lens=[o.output_len for o in outs],
                ttfts=[o.ttft for o in outs], e2els=[o.e2el for o in outs], itls=[o.itl for o in outs])
     return res
@@ -168,7 +169,7 @@ def plot(runs: list[dict], path: Path) -> None:
 
     # inf has no place on a numeric axis: rates are drawn as evenly spaced categories.
     x = list(range(len(runs)))
-    labels = [("inf" if math.isinf(r["request_rate"]) else f"{r['request_rate']:g}") for r in runs]
+    labels = [f"{float(r['request_rate']):g}" for r in runs]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     ax1.plot(x, [r["output_throughput"] for r in runs], "o-", label="output tok/s")
     ax1.set_ylabel("output tokens/s")
@@ -177,6 +178,10 @@ def plot(runs: list[dict], path: Path) -> None:
     if "request_goodput" in runs[0]:
         ax1b.plot(x, [r["request_goodput"] for r in runs], "^:", color="tab:green", label="goodput req/s")
     ax1b.set_ylabel("requests/s")
+    # From zero (a rise from 2.74 to 2.91 must not look like a doubling), with room for legends;
+    # different headroom, or with fixed output lengths the two lines would coincide exactly.
+    ax1.set_ylim(0, 1.3 * max(r["output_throughput"] for r in runs) or 1)
+    ax1b.set_ylim(0, 1.6 * max(r["request_throughput"] for r in runs) or 1)
     ax1.legend(loc="upper left")
     ax1b.legend(loc="lower right")
     ax1.set_title("throughput")
