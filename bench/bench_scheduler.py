@@ -4,7 +4,7 @@
    encoding, a ZeroMQ round trip to a null worker in another process, decoding the result,
    updating state and encoding the gateway's tokens.
 2. The step period with one plan ahead: the real scheduler loop (scheduler/server.py) against a
-   null worker whose forward is a fixed spin of --forward-ms, standing in for a GPU. With the
+   null worker whose forward is a fixed sleep of --forward-ms, standing in for a GPU. With the
    plan ahead, the scheduler's work hides behind the forward and the period approaches
    max(forward, the scheduler's own time).
 
@@ -85,9 +85,9 @@ def null_worker(address: str, busy_poll_us: float, forward_s: float = 0.0, stamp
         num_tokens[sampled] += 1
         result = pb.StepResult(step_id=plan.step_id, slots=pack(sampled),
                                token_ids=pack(sevens[:len(sampled)]))
-        while time.perf_counter() - start < forward_s:
-            pass  # the forward: a GPU busy for forward_s, which this process waits on
         reply = pb.WorkerMessage(result=result).SerializeToString()
+        if forward_s:  # the forward: a GPU busy for forward_s from the plan's arrival
+            time.sleep(max(0.0, forward_s - (time.perf_counter() - start)))
         sock.send(reply)
 
 
@@ -191,16 +191,14 @@ def gateway(address: str, seqs: int, prompt_len: int) -> None:
 
 
 def run_pipelined(opts, forward_s: float) -> dict:
-    """The real scheduler loop, one plan ahead, against a worker that spins forward_s per step."""
+    """The real scheduler loop, one plan ahead, against a worker that sleeps forward_s per step."""
     import argparse as ap
     import threading
 
     from scheduler.server import SchedulerServer
 
-    ports = []
-    for _ in range(2):
-        with zmq.Context().socket(zmq.REP) as probe:
-            ports.append(probe.bind_to_random_port("tcp://127.0.0.1"))
+    from tests.cluster import free_port
+    ports = [free_port(), free_port()]
     args = ap.Namespace(
         scheduler_gateway_address=f"tcp://127.0.0.1:{ports[0]}",
         scheduler_worker_address=f"tcp://127.0.0.1:{ports[1]}", max_num_seqs=opts.seqs,

@@ -154,10 +154,13 @@ class SchedulerServer:
             self._broadcast_info()
 
     def _send_plans(self) -> None:
-        for ident, plan in self.router.plans():
-            if not self._send(self.workers, ident, pb.SchedulerToWorker(plan=plan)):
-                self.router.remove(ident, "unreachable")
-                self._broadcast_info()
+        # Again until no worker takes one more: a worker with no plan out gets the plan after
+        # too, so the pipeline fills at once rather than one result later.
+        while plans := self.router.plans():
+            for ident, plan in plans:
+                if not self._send(self.workers, ident, pb.SchedulerToWorker(plan=plan)):
+                    self.router.remove(ident, "unreachable")
+                    self._broadcast_info()
 
     # -- plumbing -----------------------------------------------------------------------------
     def _send(self, sock: zmq.Socket, ident: bytes, msg) -> bool:
