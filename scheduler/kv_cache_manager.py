@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from scheduler.request import Request
 
 
+_NONE: list[int] = []  # "no new blocks", shared: callers only read it
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  num_cpu_blocks: int = 0) -> None:
@@ -50,7 +53,9 @@ class KVCacheManager:
 
     def cache_blocks(self, req: "Request") -> None:
         """Make req's full blocks findable once their tokens are known and computed."""
-        full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
+        if req.num_computed_tokens // self.block_size <= req.num_cached_blocks:
+            return  # the usual step: no block filled
+        full = min(req.num_computed_tokens, len(req.all_token_ids)) // self.block_size
         if not self.pool.enable_prefix_caching or full <= req.num_cached_blocks:
             return
         hashes = self._hash_up_to(req, full)
@@ -65,8 +70,16 @@ class KVCacheManager:
         block ids, or None, changing nothing, when the pool cannot hold them."""
         pool = self.pool
         if computed_blocks is None:
-            have, computed = len(req.block_ids), req.num_computed_tokens
-            reviving = 0
+            # The common case, a decode within its last block, costs one comparison.
+            need = (req.num_computed_tokens + num_new_tokens + self.block_size - 1) // self.block_size \
+                - len(req.block_ids)
+            if need <= 0:
+                return _NONE
+            if need > len(pool.free_blocks):
+                return None
+            new = pool.allocate(need)
+            req.block_ids += new
+            return new
         else:
             have, computed = len(computed_blocks), len(computed_blocks) * self.block_size
             # A cached block nobody references sits on the free list: taking it uses a free slot.

@@ -23,6 +23,13 @@ class Outbox:
         self.num_tokens.append(len(token_ids))
         self.token_ids += token_ids
 
+    def add_one(self, request_id: str, index: int, token_id: int) -> None:
+        """A decode's token: the common case, without a list per token."""
+        self.request_ids.append(request_id)
+        self.indices.append(index)
+        self.num_tokens.append(1)
+        self.token_ids.append(token_id)
+
     def to_message(self) -> pb.SchedulerMessage:
         return pb.SchedulerMessage(deltas=self.deltas, logprobs=self.logprobs,
                                    request_ids=self.request_ids, indices=pack(self.indices),

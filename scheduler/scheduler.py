@@ -132,7 +132,7 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING:
                 continue  # a victim earlier in this loop
-            known = req.num_tokens + req.num_pending
+            known = len(req.all_token_ids) + req.num_pending
             if known >= req.length_limit:
                 continue  # its last token is on the way; it ends when that arrives
             n = min(known - req.num_computed_tokens, step.budget)

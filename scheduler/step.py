@@ -39,8 +39,8 @@ class Step:
         count moves now, before the step runs, so the next plan can follow this one; a step that
         reaches the end of its known tokens samples one, which the worker feeds back itself."""
         self.budget -= n
-        req.num_computed_tokens += n
-        if req.num_computed_tokens == req.num_tokens + req.num_pending:
+        computed = req.num_computed_tokens = req.num_computed_tokens + n
+        if computed == len(req.all_token_ids) + req.num_pending:
             req.num_pending += 1
         if req.on_worker:
             self.held.append((req, n))
