@@ -48,7 +48,7 @@ fi
 if "$PY" -c 'import pytest' 2>/dev/null; then
     log "1. pytest tests/test_kernels.py (CUDA, bf16 included)"
     # --noconftest: other test folders' fixtures (and their dependencies) are not needed here.
-    timeout 240 "$PY" -m pytest -q -rs --noconftest -p no:cacheprovider tests/test_kernels.py \
+    timeout 240 "$PY" -m pytest -q -rs --noconftest -p no:cacheprovider tests/test_kernels.py tests/test_kernels_cuda.py \
         -o addopts="" 2>&1 | tee "$OUT/test_kernels.txt" | tail -25
     status=${PIPESTATUS[0]}
     [ "$status" -eq 0 ] || { log "FAIL: kernel tests (exit $status)"; failed=$((failed + 1)); }

@@ -1,4 +1,5 @@
-"""Plain torch twins of the Triton kernels: the definition of what they compute, and the CPU path.
+"""Plain torch twins of the Triton kernels: the definition of what they compute, which the tests
+hold kernels/triton_attention.py and kernels/cpu_attention.py to.
 
 Shapes, shared with the Triton versions in kernels/triton_attention.py:
   key, value     [num_tokens, num_kv_heads, head_dim]
@@ -30,8 +31,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 @dataclass
 class Layout:
-    """Where each sequence's queries and keys sit in the padded batch. It depends only on the
-    step's metadata, so a model builds it once per step and every layer reuses it."""
+    """Where each sequence's queries and keys sit in the padded batch."""
     num_seqs: int
     max_q: int
     max_ctx: int
@@ -73,13 +73,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, *,
                     max_seq_len: int | None = None, max_query_len: int | None = None,
-                    out: torch.Tensor | None = None, layout: Layout | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context.
 
     The batch is padded to [num_seqs, max_query_len] queries and [num_seqs, max_context] keys so
     that one SDPA call serves every sequence; the mask hides padding and future tokens. The
-    hints, when given, spare a device-to-host read (the Triton twin takes the same ones); a
-    `layout` from prepare_layout spares rebuilding the indices in every layer.
+    hints, when given, spare a device-to-host read (the Triton twin takes the same ones).
     Rows of q past query_start_loc[-1] (padding) are left as they are in `out`.
     """
     num_tokens, num_q_heads, head_dim = q.shape
@@ -88,9 +87,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out = torch.zeros_like(q)
     if num_tokens == 0 or seq_lens.shape[0] == 0:
         return out
-    if layout is None:
-        layout = prepare_layout(num_tokens, block_size, block_tables, seq_lens, query_start_loc,
-                                max_seq_len, max_query_len)
+    layout = prepare_layout(num_tokens, block_size, block_tables, seq_lens, query_start_loc,
+                            max_seq_len, max_query_len)
     num_seqs, max_q, max_ctx = layout.num_seqs, layout.max_q, layout.max_ctx
 
     # Gather every sequence's context: [num_seqs, max_ctx, num_kv_heads, head_dim]. Masked

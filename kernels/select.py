@@ -1,21 +1,62 @@
-"""Picks the attention functions for a device: --attention-backend auto|triton|torch."""
+"""The attention backends: --attention-backend auto|triton|torch.
+
+A backend is an object with one method, forward(q, k, v, kv_cache, meta, scale): it writes the
+step's new keys and values into the layer's cache and returns the attention of every new token.
+The model calls it without knowing which one it has. Whatever a backend derives from the step's
+metadata alone it builds in the first layer and keeps in meta.plan for the others.
+"""
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from kernels import cpu_attention
+
+if TYPE_CHECKING:
+    from worker.attention import AttentionMetadata
 
 
-class AttentionBackend(NamedTuple):
+class AttentionBackend(Protocol):
     name: str
-    write_kv: Callable
-    paged_attention: Callable
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                scale: float) -> torch.Tensor: ...
+
+
+class TritonBackend:
+    """The GPU kernels of kernels/triton_attention.py; the host-side hints spare a device sync."""
+    name = "triton"
+
+    def __init__(self) -> None:
+        from kernels import triton_attention  # imported late: Triton is heavy and GPU-bound
+        self.kernels = triton_attention
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        k_cache, v_cache = kv_cache
+        self.kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                            meta.query_start_loc, scale, max_seq_len=meta.max_seq_len,
+                                            max_query_len=meta.max_query_len)
+
+
+class TorchBackend:
+    """Plain torch (kernels/cpu_attention.py): the CPU path, K blocks in its own layout."""
+    name = "torch"
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        k_cache, v_cache = kv_cache
+        cpu_attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.plan is None:
+            meta.plan = cpu_attention.plan_attention(meta.block_tables, meta.seq_lens,
+                                                     meta.query_start_loc, k_cache, q.shape[1])
+        return cpu_attention.paged_attention(q, k_cache, v_cache, meta.plan, scale)
 
 
 def select_backend(name: str, device_type: str) -> AttentionBackend:
     if name not in ("auto", "triton", "torch"):
         raise ValueError(f"--attention-backend must be auto, triton or torch, not {name!r}")
-    use_triton = name == "triton" or (name == "auto" and device_type == "cuda")
-    if use_triton:
-        from kernels import triton_attention as t  # imported late: Triton is heavy and GPU-bound
-        return AttentionBackend("triton", t.write_kv, t.paged_attention)
-    from kernels import reference as r
-    return AttentionBackend("torch", r.write_kv, r.paged_attention)
+    if name == "triton" or (name == "auto" and device_type == "cuda"):
+        return TritonBackend()
+    return TorchBackend()

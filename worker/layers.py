@@ -1,4 +1,9 @@
-"""Building blocks of the Llama family, numerically matched to transformers' implementations."""
+"""Building blocks of the Llama family, numerically matched to transformers' implementations.
+
+On a CPU a decode step's activations are small ([num_seqs, hidden]), so each elementwise torch op
+costs its dispatch and, with several threads, a parallel region, and each new tensor its
+allocation: these blocks use as few ops and new tensors as give the same numbers.
+"""
 from __future__ import annotations
 
 import math
@@ -15,21 +20,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """With residual: adds it first and also returns the sum, the next layer's residual
-        (vLLM's fused add + norm, which saves one pass over the activations)."""
+        """With residual: adds it into x in place and also returns the sum, the next layer's
+        residual (vLLM's fused add + norm). x must be a fresh activation that nothing else holds,
+        as the output of a projection is."""
         if residual is not None:
-            x = x + residual
-            residual = x
-        dtype = x.dtype
-        # Statistics in fp32 even for bf16 activations, cast back before the weight as HF does.
+            x = x.add_(residual)
+        # HF's arithmetic (statistics in fp32, rounded to the dtype before the weight), with the
+        # temporaries updated in place. (F.rms_norm is no help: on a CPU it runs the same ops.)
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(dtype)
-        return out if residual is None else (out, residual)
+        rstd = h.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        out = (h * rstd).to(x.dtype).mul_(self.weight)
+        return out if residual is None else (out, x)
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin for every position up to max_positions, computed once; forward indexes them by
+    """cos + i sin for every position up to max_positions, computed once; forward indexes them by
     the flat positions of the batch, so chunked prefill and decode need nothing special."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
@@ -40,23 +45,23 @@ class RotaryEmbedding(nn.Module):
         if scaling is not None:
             inv_freq = _scale_inv_freq(inv_freq, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float, device="cpu"), inv_freq)
-        # Plain attributes, not buffers: module-wide .to(dtype) must not round them to bf16.
-        self.cos = freqs.cos().to(device)  # [max_positions, head_dim / 2], fp32
-        self.sin = freqs.sin().to(device)
+        # A plain attribute, not a buffer: module-wide .to(dtype) must not touch it.
+        self.cis = torch.complex(freqs.cos(), freqs.sin()).to(device)  # [max_positions, D / 2]
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, D/2] for the batch's positions: looked up once per step, used by every layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q [T, Hq, D], k [T, Hkv, D]: rotate halves (i, i + D/2), HF's rotate_half convention."""
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """cos + i sin [T, 1, D/2] for the batch's positions: looked up once per step, used by
+        every layer."""
+        return self.cis[positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def apply_rotary(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]: queries and keys whose heads hold each rotated pair (i, i + D/2) of HF's
+    rotate_half convention side by side, at (2i, 2i + 1), which is how LlamaForCausalLM loads
+    q_proj and k_proj. Each pair is then a complex number and the rotation one product for all
+    heads: the same multiplications and sums as HF's x * cos + rotate_half(x) * sin, so in fp32
+    the same bits. Lower precisions rotate in fp32 and round once."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * cis).flatten(-2).to(x.dtype)
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -82,4 +87,4 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return F.silu(gate).mul_(up)

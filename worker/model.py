@@ -37,14 +37,15 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.attn = PagedAttention(backend, self.head_dim ** -0.5)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: KVCache,
+    def forward(self, rope: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, *rope)
+        qkv = self.qkv_proj(x)
+        qk_size = self.q_size + self.kv_size
+        # q and k heads side by side in qkv: one rotary call turns both.
+        qk = apply_rotary(qkv[:, :qk_size].view(T, -1, self.head_dim), rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, qk_size:].view(T, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(T, self.q_size))
 
@@ -89,7 +90,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, meta, kv_caches):
         x, residual = self.embed_tokens(input_ids), None
-        rope = self.rotary(positions, x.dtype)
+        rope = self.rotary(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(rope, x, residual, kv_cache, meta)
         x, _ = self.norm(x, residual)
@@ -140,6 +141,8 @@ class LlamaForCausalLM(nn.Module):
             owner = ".".join(parts[:-2])
             sizes = self.get_submodule(owner).shard_sizes
             fused_name = f"{owner}.{fused}.{parts[-1]}"
+            if fused == "qkv_proj" and shard < 2:
+                tensor = _pair_rotary_halves(tensor, self.config.head_dim)
             _copy(params[fused_name].narrow(0, sum(sizes[:shard]), sizes[shard]), tensor, name)
             loaded.add(f"{fused_name}#{shard}")
         expected = set()
@@ -152,6 +155,14 @@ class LlamaForCausalLM(nn.Module):
         missing = expected - loaded
         if missing:
             raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+def _pair_rotary_halves(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """q_proj / k_proj rows (weight or bias) with each head's dims i and i + head_dim/2 made
+    adjacent, the layout apply_rotary takes. Attention only ever uses q . k, which the same
+    permutation of q and k leaves as it was (the cached keys are permuted too; only this model
+    reads them)."""
+    return t.unflatten(0, (-1, 2, head_dim // 2)).transpose(1, 2).flatten(0, 2)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

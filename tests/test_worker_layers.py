@@ -1,0 +1,97 @@
+"""worker.layers against transformers' own functions, bit for bit where the arithmetic is the same,
+and the attention backend as an interface the model calls without asking which one it is."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+import worker.runner
+from kernels.select import TorchBackend
+from tests.plan_driver import PlanDriver
+from tests.worker_tiny_models import make_hf_model, runner_args, save_model
+from worker.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
+from worker.model import _pair_rotary_halves
+from worker.runner import ModelRunner
+
+GEN = torch.Generator().manual_seed(0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rms_norm_with_residual_is_hf_bit_for_bit(dtype):
+    hidden = 96
+    ours, hf = RMSNorm(hidden, 1e-5), LlamaRMSNorm(hidden, eps=1e-5)
+    with torch.no_grad():
+        ours.weight.copy_(1 + 0.1 * torch.randn(hidden, generator=GEN))
+        hf.weight.copy_(ours.weight)
+    ours, hf = ours.to(dtype), hf.to(dtype)
+    x = torch.randn(7, hidden, generator=GEN).to(dtype)
+    residual = torch.randn(7, hidden, generator=GEN).to(dtype)
+    want_sum = x + residual
+    with torch.no_grad():
+        assert torch.equal(ours(x.clone()), hf(x))
+        fresh = x.clone()
+        out, new_residual = ours(fresh, residual)
+        assert torch.equal(new_residual, want_sum) and new_residual is fresh  # summed in place
+        assert torch.equal(out, hf(want_sum))
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("scaling", [None, LLAMA3], ids=["plain", "llama3"])
+def test_rotary_on_paired_heads_is_hf_rotate_half_bit_for_bit(scaling):
+    heads, head_dim = 5, 64
+    rotary = RotaryEmbedding(head_dim, 256, 10000.0, scaling)
+    positions = torch.tensor([0, 1, 2, 17, 100, 3, 255, 40, 41])
+    x = torch.randn(len(positions), heads, head_dim, generator=GEN)  # HF's layout: halves
+    cis = rotary.cis[positions]
+    cos, sin = torch.cat([cis.real] * 2, -1)[None], torch.cat([cis.imag] * 2, -1)[None]
+    want, _ = apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos, sin)
+
+    def paired(t):  # each head's dims as load_weights lays out q_proj and k_proj rows
+        return _pair_rotary_halves(t.reshape(-1, head_dim).T, head_dim).T.reshape(t.shape).contiguous()
+
+    got = apply_rotary(paired(x), rotary(positions))
+    assert torch.equal(got, paired(want[0].transpose(0, 1)))
+
+
+def test_rotary_keeps_the_dtype_and_a_strided_input():
+    rotary = RotaryEmbedding(32, 64, 10000.0)
+    qkv = torch.randn(4, 7 * 32, generator=GEN)
+    qk = qkv[:, :5 * 32].view(4, 5, 32)                              # a view into a fused output
+    exact = apply_rotary(qk, rotary(torch.arange(4)))
+    half = apply_rotary(qk.bfloat16(), rotary(torch.arange(4)))
+    assert half.dtype == torch.bfloat16 and (half.float() - exact).abs().max() < 0.05
+
+
+def test_silu_and_mul_is_hf_bit_for_bit():
+    x = torch.randn(6, 2 * 48, generator=GEN)
+    gate, up = x.chunk(2, -1)
+    assert torch.equal(SiluAndMul()(x), F.silu(gate) * up)
+
+
+class SpyBackend:
+    """Any object with forward() is a backend: this one counts calls and hands them on."""
+    name = "spy"
+
+    def __init__(self) -> None:
+        self.inner, self.calls = TorchBackend(), 0
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        self.calls += 1
+        return self.inner.forward(q, k, v, kv_cache, meta, scale)
+
+
+def test_the_model_calls_the_backend_only_through_forward(tmp_path, monkeypatch):
+    folder = save_model(make_hf_model("llama"), tmp_path)
+    want = PlanDriver(ModelRunner(runner_args(folder))).generate([[5, 6, 7, 8], [9]], 3)
+    spy = SpyBackend()
+    monkeypatch.setattr(worker.runner, "select_backend", lambda name, device_type: spy)
+    runner = ModelRunner(runner_args(folder))
+    calls_at_start = spy.calls                                       # start-up measurements
+    got = PlanDriver(runner).generate([[5, 6, 7, 8], [9]], 3)
+    assert [s.output for s in got] == [s.output for s in want]
+    assert spy.calls - calls_at_start == 3 * runner.config.num_layers  # 3 steps x 2 layers
