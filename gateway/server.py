@@ -25,7 +25,7 @@ from gateway import metrics
 from gateway.scheduler_client import SchedulerClient, SchedulerUnavailable
 from gateway.stream import ResponseBuilder
 from gateway.tokenizer import TextTokenizer
-from gateway.validate import Limits, ValidationError, _check_ids, prompt_offsets, validate
+from gateway.validate import Limits, ValidationError, check_ids, prompt_offsets, validate
 from proto import internal_pb2, pagoda_pb2, pagoda_pb2_grpc
 
 log = logging.getLogger("pagoda.gateway")
@@ -140,14 +140,11 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
                 async for response in responses:
                     if response.token_ids and not out.token_ids:
                         metrics.TIME_TO_FIRST_TOKEN.observe(time.monotonic() - started)
-                    text, ids = out.text + response.text, [*out.token_ids, *response.token_ids]
-                    logprobs = [*out.logprobs, *response.logprobs]
-                    # The last message's scalars (finish, usage, seed, ...) win; lists append.
+                    # MergeFrom appends the lists and lets the last message's scalars (finish,
+                    # usage, seed, ...) win; only the text must be joined by hand.
+                    text = out.text + response.text
                     out.MergeFrom(response)
                     out.text = text
-                    del out.token_ids[:], out.logprobs[:]
-                    out.token_ids.extend(ids)
-                    out.logprobs.extend(logprobs)
             return out
         except RpcFailed as e:
             code = e.code
@@ -220,7 +217,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
 
     @_unary
     async def Detokenize(self, request, context) -> pagoda_pb2.DetokenizeResponse:
-        _check_ids(request.token_ids, self._vocab_size, "token_ids")
+        check_ids(request.token_ids, self._vocab_size, "token_ids")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         text = await _off_loop_if_large(request, self.tokenizer.decode, request.token_ids, skip)
         return pagoda_pb2.DetokenizeResponse(text=text)

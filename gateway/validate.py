@@ -75,7 +75,7 @@ class Validated:
     public_id: str = ""  # the client's request_id, else the internal id
 
 
-def _check_ids(ids: Sequence[int], vocab_size: int, name: str) -> None:
+def check_ids(ids: Sequence[int], vocab_size: int, name: str) -> None:
     # max() runs in C: a long, valid list (the common case) costs no Python loop.
     if not ids or max(ids) < vocab_size:
         return
@@ -173,7 +173,7 @@ def prompt_ids(req, tokenizer: TextTokenizer, vocab_size: int, *,
     source = _source(req)
     if source == "prompt_token_ids":
         ids = list(req.prompt_token_ids)
-        _check_ids(ids, vocab_size, "prompt_token_ids")
+        check_ids(ids, vocab_size, "prompt_token_ids")
     else:
         text = _prompt_text(req, source, tokenizer, limits)
         ids = tokenizer.encode(text, add_special_tokens=_add_special(req, source, add_special_tokens))
@@ -287,7 +287,7 @@ def _stopping(stopping: pagoda_pb2.StoppingCriteria, limits: Limits) -> None:
     if len(ids) > limits.max_stop_token_ids:
         raise ValidationError("stopping.stop_token_ids", f"stopping.stop_token_ids has {len(ids)} "
                                                          f"ids, at most {limits.max_stop_token_ids} are allowed")
-    _check_ids(ids, limits.vocab_size, "stopping.stop_token_ids")
+    check_ids(ids, limits.vocab_size, "stopping.stop_token_ids")
     if stopping.min_tokens < 0:
         raise ValidationError("stopping.min_tokens",
                               f"stopping.min_tokens must be >= 0, got {stopping.min_tokens}")

@@ -127,7 +127,7 @@ class Scheduler:
     def _schedule_running(self, step: Step) -> None:
         """The next token, or the next prefill chunk, for every running sequence."""
         self.running = [r for r in self.running if r.status is Status.RUNNING]
-        for req in list(self.running):
+        for req in self.running:  # preemption and forks leave the list itself alone
             if step.budget == 0:
                 break
             if req.status is not Status.RUNNING:
@@ -135,15 +135,15 @@ class Scheduler:
             known = len(req.all_token_ids) + req.num_pending
             if known >= req.length_limit:
                 continue  # its last token is on the way; it ends when that arrives
-            n = min(known - req.num_computed_tokens, step.budget)
+            todo = known - req.num_computed_tokens
             if req.fork_children:
-                if known - req.num_computed_tokens > 1:
-                    n = min(n, known - req.num_computed_tokens - 1)  # forks at the last token
-                else:
+                if todo == 1:
                     self._fork(req, step)
                     continue
-            if n <= 0:
+                todo -= 1  # the children fork at the prompt's last token
+            if todo <= 0:
                 continue
+            n = min(todo, step.budget)
             blocks = self.kv.allocate_slots(req, n)
             while blocks is None and self._preempt_for(req, step):
                 blocks = self.kv.allocate_slots(req, n)

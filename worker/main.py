@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker.runner import ModelRunner  # torch is imported only after the flags parse
 
     if args.tensor_parallel_size != 1:
-        # A worker group over torch.distributed is planned (shared/DESIGN.md); refuse rather
+        # A worker group over torch.distributed is planned (docs/design.md); refuse rather
         # than silently run on one device.
         raise SystemExit(f"--tensor-parallel-size {args.tensor_parallel_size}: only 1 is supported")
     runner = ModelRunner(args)
