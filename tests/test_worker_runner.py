@@ -90,8 +90,8 @@ def test_hand_built_plans_with_prefix_hit(checkpoint, runner):
     b_out = [tokens[2][0], tokens[3][1]]
     assert a_out == reference_logits(hf_model, a, a_out).argmax(-1).tolist()
     assert b_out == reference_logits(hf_model, b, b_out).argmax(-1).tolist()
-    assert runner.seqs[A].token_ids == a + a_out          # the worker appends sampled tokens itself
-    assert runner.seqs[A].num_computed_tokens == 23
+    assert runner.batch.tokens(A).tolist() == a + a_out  # the worker appends sampled tokens itself
+    assert runner.batch.num_computed[A] == 23
 
 
 def run_with_recompute(runner, prompt, sampling, first, total):
@@ -100,7 +100,7 @@ def run_with_recompute(runner, prompt, sampling, first, total):
     driver = PlanDriver(runner)
     out = driver.generate([prompt], first, sampling)[0].output
     runner.execute(internal_pb2.StepPlan(step_id=99, dropped_slots=[0]))
-    assert 0 not in runner.seqs
+    assert not runner.batch.held[0] and 0 not in runner.batch.sampling
     driver = PlanDriver(runner, block_order=list(range(63, -1, -1)))
     rest = driver.generate([prompt + out], total - first, sampling)
     return out + rest[0].output

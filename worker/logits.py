@@ -8,9 +8,9 @@ Rows are processed together, so a row's result does not depend on what shares th
 """
 from __future__ import annotations
 
-from itertools import chain
 from typing import Protocol, Sequence
 
+import numpy as np
 import torch
 
 
@@ -68,14 +68,14 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[LogitsParams],
     a positive logit is divided by r, any other multiplied by it. Then, from output tokens only,
     logit -= frequency_penalty * count + presence_penalty * (count > 0).
     token_ids[i] is row i's sequence so far; its first num_prompt_tokens[i] are the prompt."""
-    rows = [i for i, p in enumerate(params) if token_ids[i] and (
+    rows = [i for i, p in enumerate(params) if len(token_ids[i]) and (
         _repetition(p) != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)]
     if not rows:
         return logits
     dev, vocab = logits.device, logits.shape[1]
     seqs = [token_ids[i] for i in rows]
     lens = torch.tensor([len(s) for s in seqs], device=dev)
-    flat = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.int64, device=dev)
+    flat = torch.from_numpy(np.concatenate([np.asarray(s, np.int64) for s in seqs])).to(dev)
     row_of = torch.repeat_interleave(torch.arange(len(rows), device=dev), lens)
     # Index of each token within its own sequence, to tell prompt from output.
     starts = torch.cumsum(lens, 0) - lens

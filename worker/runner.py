@@ -1,26 +1,26 @@
 """ModelRunner: executes the scheduler's StepPlans against the model and the paged KV cache.
 
-The worker mirrors the scheduler's view of each sequence (tokens, blocks, computed count) so that
-a plan only has to carry the diff; see proto/internal.proto for the meaning of each field.
+The worker mirrors the scheduler's view of each sequence (tokens, blocks, computed count) in its
+persistent batch (worker/input_batch.py), so that a plan only has to carry the diff; see
+proto/internal.proto for the meaning of each field.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import time
-from dataclasses import dataclass
-from itertools import chain
-
+import numpy as np
 import torch
 
 from kernels.select import select_backend
 from launch.models import model_display_name, resolve_model
 from proto import internal_pb2
-from proto.columns import pack, pack_f32, unpack_list
+from proto.columns import pack, pack_f32, unpack
 from worker.args import default_worker_id
 from worker.attention import AttentionMetadata
 from worker.cache import CacheEngine, bytes_per_block, num_device_blocks
 from worker.eos import eos_token_ids
+from worker.input_batch import InputBatch, StepInputs
 from worker.loader import load_weights
 from worker.model import build_model
 from worker.platform import resolve_device, resolve_dtype
@@ -33,24 +33,6 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2**30
 MAX_DEFAULT_MODEL_LEN = 8192
 # Prompt logprobs take a [rows, vocab] logits tensor: bound it (49152 x 512 floats = 100 MB).
 PROMPT_LOGPROBS_ROWS = 512
-
-
-@dataclass
-class SeqState:
-    token_ids: list[int]
-    block_ids: list[int]
-    num_computed_tokens: int
-    sampling: internal_pb2.SamplingConfig
-    num_prompt_tokens: int = 0
-
-
-@dataclass
-class ModelInputs:
-    input_ids: torch.Tensor        # int64 [T]
-    positions: torch.Tensor        # int64 [T]
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor   # int64 [num_sampling_seqs], rows of the hidden states to sample
-    sample_positions: list[int]    # index in its sequence of each token to be sampled
 
 
 class ModelRunner:
@@ -92,7 +74,7 @@ class ModelRunner:
         self.prefill_tokens_per_s = self._measure_prefill()
 
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(args.seed))
-        self.seqs: dict[int, SeqState] = {}  # by slot
+        self.batch = InputBatch(self.max_model_len, self.block_size)
         logger.info("worker %s ready: %s %s on %s, %d blocks of %d (+%d cpu), load %.1fs, prefill %.0f tok/s",
                     self.worker_id, self.config.architecture, self.dtype, self.device, num_blocks,
                     self.block_size, num_cpu_blocks, self.load_seconds, self.prefill_tokens_per_s)
@@ -137,134 +119,97 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
 
     def _execute(self, plan: internal_pb2.StepPlan, result: internal_pb2.StepResult) -> None:
-        for slot in plan.dropped_slots:
-            self.seqs.pop(slot, None)
+        batch = self.batch
+        batch.drop(plan.dropped_slots)
         self.cache.swap_out(plan.swap_out)
         self.cache.swap_in(plan.swap_in)
         self.cache.copy(plan.copy)
-
-        scheduled: list[tuple[int, SeqState, int]] = []
         for new in plan.new_seqs:
             sampling = internal_pb2.SamplingConfig()
             sampling.CopyFrom(new.sampling)
-            state = SeqState(list(new.token_ids), list(new.block_ids), new.num_computed_tokens,
-                             sampling, new.num_prompt_tokens)
-            self.seqs[new.slot] = state
-            if new.num_new_tokens:
-                scheduled.append((new.slot, state, new.num_new_tokens))
-        seqs = self.seqs
-        for slot, block in zip(unpack_list(plan.new_block_slots), unpack_list(plan.new_block_ids)):
-            self._held(slot).block_ids.append(block)
-        for slot, n in zip(unpack_list(plan.running_slots), unpack_list(plan.running_num_tokens)):
-            if n:
-                scheduled.append((slot, seqs.get(slot) or self._held(slot), n))
-        if not scheduled:
+            batch.add(new.slot, new.token_ids, new.block_ids, new.num_computed_tokens,
+                      new.num_prompt_tokens, sampling)
+        batch.append_blocks(unpack(plan.new_block_slots).astype(np.int64),
+                            unpack(plan.new_block_ids))
+        running = unpack(plan.running_slots).astype(np.int64)
+        batch.check_held(running)
+        # Plan order: new sequences first, then the held ones; the result follows it.
+        slots = np.concatenate([np.fromiter((n.slot for n in plan.new_seqs), np.int64,
+                                            len(plan.new_seqs)), running])
+        counts = np.concatenate([np.fromiter((n.num_new_tokens for n in plan.new_seqs), np.int64,
+                                             len(plan.new_seqs)),
+                                 unpack(plan.running_num_tokens).astype(np.int64)])
+        if len(slots) != len(counts) or len(np.unique(slots)) != len(slots):
+            raise ValueError("a plan names a slot twice, or slots and counts differ in number")
+        work = counts > 0
+        slots, counts = slots[work], counts[work]
+        if not len(slots):
             return
 
-        seqs = [(state, n) for _, state, n in scheduled]
-        inputs = self.prepare_inputs(seqs)
+        inputs = self.prepare_inputs(slots, counts)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.cache.kv_caches)
-        sampling_rows = [(slot, state) for slot, state, n in scheduled
-                         if state.num_computed_tokens + n == len(state.token_ids)]
-        self._prompt_logprobs(scheduled, hidden, result)
-        tokens: list[int] = []
-        if sampling_rows:
+        self._prompt_logprobs(slots, counts, hidden, result)
+        sampled_slots = inputs.sampled_slots
+        tokens = np.zeros(0, np.int64)
+        if len(sampled_slots):
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            states = [state for _, state in sampling_rows]
-            sampled = self.sampler(logits, [s.sampling for s in states], inputs.sample_positions,
-                                   [s.token_ids for s in states], [s.num_prompt_tokens for s in states])
-            self._sampled_logprobs(sampling_rows, logits, sampled, inputs.sample_positions, result)
-            tokens = sampled.tolist()
-        for _, state, n in scheduled:
-            state.num_computed_tokens += n
-        for (slot, state), token in zip(sampling_rows, tokens):
-            state.token_ids.append(token)  # the scheduler appends the same token on its side
-        result.slots = pack([slot for slot, _ in sampling_rows])
+            params = [batch.sampling[s] for s in sampled_slots.tolist()]
+            history = [batch.tokens(s) for s in sampled_slots.tolist()]
+            sampled = self.sampler(logits, params, inputs.sample_positions, history,
+                                   batch.num_prompt[sampled_slots].tolist())
+            self._sampled_logprobs(sampled_slots, params, logits, sampled, inputs.sample_positions,
+                                   result)
+            tokens = sampled.cpu().numpy()
+        batch.advance(slots, counts)
+        batch.append_tokens(sampled_slots, tokens)
+        result.slots = pack(sampled_slots)
         result.token_ids = pack(tokens)
 
-    def _sampled_logprobs(self, rows, logits, sampled, positions, result) -> None:
+    def _sampled_logprobs(self, slots, params, logits, sampled, positions, result) -> None:
         """Logprobs of the sampled tokens, for the sequences that asked."""
-        asking = [i for i, (_, s) in enumerate(rows) if s.sampling.HasField("logprobs")]
+        asking = [i for i, p in enumerate(params) if p.HasField("logprobs")]
         if not asking:
             return
         index = torch.tensor(asking, device=logits.device)
-        ks = [rows[i][1].sampling.logprobs for i in asking]
+        ks = [params[i].logprobs for i in asking]
         chosen = sampled[index]
         lps = compute_logprobs(logits[index], chosen, max(ks))
         for j, (i, k) in enumerate(zip(asking, ks)):
             result.logprobs.append(
-                logprobs_message(rows[i][0], False, positions[i], chosen, lps, j, j + 1, k))
+                logprobs_message(int(slots[i]), False, positions[i], chosen, lps, j, j + 1, k))
 
-    def _prompt_logprobs(self, scheduled, hidden, result) -> None:
+    def _prompt_logprobs(self, slots, counts, hidden, result) -> None:
         """Logprobs of the prompt tokens this step computed, for the sequences that asked: the
         row of position p scores the prompt token at p + 1. The last prompt position scores the
         first output token instead, which is sampled, not scored here."""
+        batch = self.batch
         offset = 0
-        for slot, state, n in scheduled:
-            start, stop = state.num_computed_tokens, state.num_computed_tokens + n
-            if state.sampling.HasField("prompt_logprobs"):
-                k = state.sampling.prompt_logprobs
-                for lo in range(start, min(stop, state.num_prompt_tokens - 1), PROMPT_LOGPROBS_ROWS):
-                    hi = min(lo + PROMPT_LOGPROBS_ROWS, stop, state.num_prompt_tokens - 1)
+        for slot, n in zip(slots.tolist(), counts.tolist()):
+            sampling = batch.sampling[slot]
+            if sampling.HasField("prompt_logprobs"):
+                k = sampling.prompt_logprobs
+                start, stop = int(batch.num_computed[slot]), int(batch.num_computed[slot]) + n
+                last = int(batch.num_prompt[slot]) - 1
+                for lo in range(start, min(stop, last), PROMPT_LOGPROBS_ROWS):
+                    hi = min(lo + PROMPT_LOGPROBS_ROWS, stop, last)
                     logits = self.model.compute_logits(hidden[offset + lo - start:offset + hi - start])
-                    targets = torch.tensor(state.token_ids[lo + 1:hi + 1], device=logits.device)
-                    lps = compute_logprobs(logits, targets, k)
+                    targets = torch.from_numpy(batch.tokens(slot, lo + 1, hi + 1).astype(np.int64))
+                    lps = compute_logprobs(logits, targets.to(logits.device), k)
                     result.logprobs.append(
                         logprobs_message(slot, True, lo + 1, targets, lps, 0, hi - lo, k))
             offset += n
 
-    def _held(self, slot: int) -> SeqState:
-        state = self.seqs.get(slot)
-        if state is None:
-            raise KeyError(f"running slot {slot} is unknown to this worker")
-        return state
-
-    def prepare_inputs(self, seqs: list[tuple[SeqState, int]]) -> ModelInputs:
-        """Flatten the step: each sequence contributes tokens [num_computed, num_computed + n)."""
-        bs = self.block_size
-        starts, lens, sample_rows, sample_positions = [], [], [], []
-        end = 0
-        for state, n in seqs:
-            start = state.num_computed_tokens
-            if start + n > len(state.token_ids):
-                raise ValueError(f"{n} new tokens from {start} run past the "
-                                 f"{len(state.token_ids)} tokens known")
-            if start + n > len(state.block_ids) * bs:
-                raise ValueError(f"{start + n} tokens do not fit in {len(state.block_ids)} blocks")
-            if start + n > self.max_model_len:
-                raise ValueError(f"{start + n} tokens exceed max_model_len {self.max_model_len}")
-            starts.append(start)
-            lens.append(n)
-            end += n
-            if start + n == len(state.token_ids):
-                sample_rows.append(end - 1)
-                sample_positions.append(start + n)
-        ids = list(chain.from_iterable(s.token_ids[st:st + n] for (s, n), st in zip(seqs, starts)))
-        width = max(len(s.block_ids) for s, _ in seqs)
-        tables = [s.block_ids + [0] * (width - len(s.block_ids)) for s, _ in seqs]
-
-        input_ids = torch.tensor(ids, dtype=torch.int64)
-        block_tables = torch.tensor(tables, dtype=torch.int32)
-        query_lens = torch.tensor(lens, dtype=torch.int64)
-        start_pos = torch.tensor(starts, dtype=torch.int64)
-        query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int64)
-        torch.cumsum(query_lens, 0, out=query_start_loc[1:])
-        # Token t of sequence s sits at position start_s + (t - query_start_s).
-        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), query_lens)
-        positions = torch.arange(len(ids)) + (start_pos - query_start_loc[:-1])[seq_of_token]
-        slot_mapping = block_tables[seq_of_token, positions // bs].long() * bs + positions % bs
-
+    def prepare_inputs(self, slots: np.ndarray, counts: np.ndarray,
+                       batch: InputBatch | None = None) -> StepInputs:
+        inputs = (batch or self.batch).prepare(slots, counts)
+        if self.device.type == "cpu":
+            return inputs
         to = self._to_device
-        meta = AttentionMetadata(
-            slot_mapping=to(slot_mapping),
-            block_tables=to(block_tables),
-            seq_lens=to((start_pos + query_lens).int()),
-            query_start_loc=to(query_start_loc.int()),
-            max_seq_len=max(st + n for st, n in zip(starts, lens)),
-            max_query_len=max(lens),
-        )
-        return ModelInputs(to(input_ids), to(positions), meta,
-                           to(torch.tensor(sample_rows, dtype=torch.int64)), sample_positions)
+        m = inputs.meta
+        meta = AttentionMetadata(to(m.slot_mapping), to(m.block_tables), to(m.seq_lens),
+                                 to(m.query_start_loc), m.max_seq_len, m.max_query_len)
+        return StepInputs(to(inputs.input_ids), to(inputs.positions), meta,
+                          to(inputs.logits_indices), inputs.sampled_slots, inputs.sample_positions)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -276,18 +221,20 @@ class ModelRunner:
     def _dummy_forward(self, num_tokens: int, kv_caches, num_blocks: int) -> int:
         """A prefill of num_tokens through the real step path, split into sequences that fit
         max_model_len and the given cache; every sequence samples so the logits path runs too."""
-        seqs, left, block = [], num_tokens, 0
+        batch = InputBatch(self.max_model_len, self.block_size)
+        counts, left, block = [], num_tokens, 0
         while left > 0:
             n = min(left, self.max_model_len)
             need = -(-n // self.block_size)
             if block + need > num_blocks:
                 break
-            sampling = internal_pb2.SamplingConfig()
-            seqs.append((SeqState([0] * n, list(range(block, block + need)), 0, sampling), n))
+            batch.add(len(counts), [0] * n, range(block, block + need), 0, n,
+                      internal_pb2.SamplingConfig())
+            counts.append(n)
             block, left = block + need, left - n
-        if not seqs:
+        if not counts:
             return 0
-        inputs = self.prepare_inputs(seqs)
+        inputs = self.prepare_inputs(np.arange(len(counts)), np.array(counts), batch)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, kv_caches)
         self.model.compute_logits(hidden[inputs.logits_indices]).argmax(-1).tolist()
         return num_tokens - left
