@@ -55,6 +55,7 @@ import time
 from pathlib import Path
 
 import grpc
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.workloads import Request, load_hf_model, offline_workload, random_ids  # noqa: E402
@@ -126,9 +127,20 @@ async def _pagoda_all(target: str, reqs: list[Request]) -> tuple[list[list[int]]
             return list(msg.token_ids)
 
         await one(WARM_UP)  # first-step allocations, the channel
-        t0 = time.perf_counter()
-        outs = await asyncio.gather(*(one(r) for r in reqs))
-        return outs, time.perf_counter() - t0
+        with progress(reqs, "pagoda") as bar:
+            async def counted(r: Request) -> list[int]:
+                out = await one(r)
+                bar.update()
+                return out
+
+            t0 = time.perf_counter()
+            outs = await asyncio.gather(*(counted(r) for r in reqs))
+            return outs, time.perf_counter() - t0
+
+
+def progress(reqs: list[Request], peer: str) -> tqdm:
+    """Requests finished, on stderr (the table goes to stdout); off where stderr is no terminal."""
+    return tqdm(total=len(reqs), desc=peer, unit="req", disable=None, leave=False)
 
 
 def run_pagoda(reqs: list[Request], dtype: str, flags: list[str]) -> tuple[list[list[int]], float]:
@@ -158,9 +170,13 @@ def run_static(model, reqs: list[Request], batch: int = 16) -> tuple[list[list[i
     saved, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
     try:
         generate([WARM_UP])
-        t0 = time.perf_counter()
-        outs = [o for i in range(0, len(reqs), batch) for o in generate(reqs[i:i + batch])]
-        return outs, time.perf_counter() - t0
+        outs: list[list[int]] = []
+        with progress(reqs, "static") as bar:
+            t0 = time.perf_counter()
+            for i in range(0, len(reqs), batch):
+                outs += generate(reqs[i:i + batch])
+                bar.update(len(reqs[i:i + batch]))
+            return outs, time.perf_counter() - t0
     finally:
         model.generation_config.eos_token_id = saved
 
@@ -181,7 +197,7 @@ def run_cb(model, reqs: list[Request]) -> tuple[list[list[int]], float, dict]:
     hints = WorkloadHints(max_prompt_length=max(len(r.prompt_ids) for r in reqs),
                           max_generated_length=gen.max_new_tokens, num_requests=len(reqs))
 
-    def wait(m, ids: set[str]) -> dict[str, list[int]]:
+    def wait(m, ids: set[str], bar=None) -> dict[str, list[int]]:
         done: dict[str, list[int]] = {}
         while len(done) < len(ids):
             res = m.get_result(timeout=1)
@@ -193,17 +209,20 @@ def run_cb(model, reqs: list[Request]) -> tuple[list[list[int]], float, dict]:
                 if res.error:
                     raise RuntimeError(f"CB request {res.request_id} failed: {res.error}")
                 done[res.request_id] = list(res.generated_tokens)
+                if bar is not None:
+                    bar.update()
         return done
 
     with torch.inference_mode(), model.continuous_batching_context_manager(
             generation_config=gen, continuous_batching_config=cb_cfg, workload_hints=hints) as m:
         # eos_token_id=-1 per request too: add_request falls back to the config's value only on None.
         wait(m, {m.add_request(WARM_UP.prompt_ids, "warm-up", max_new_tokens=4, eos_token_id=-1)})
-        t0 = time.perf_counter()
-        ids = [m.add_request(r.prompt_ids, f"r{i}", max_new_tokens=r.max_tokens, eos_token_id=-1)
-               for i, r in enumerate(reqs)]
-        done = wait(m, set(ids))
-        wall = time.perf_counter() - t0
+        with progress(reqs, "cb") as bar:
+            t0 = time.perf_counter()
+            ids = [m.add_request(r.prompt_ids, f"r{i}", max_new_tokens=r.max_tokens, eos_token_id=-1)
+                   for i, r in enumerate(reqs)]
+            done = wait(m, set(ids), bar)
+            wall = time.perf_counter() - t0
     return [done[i] for i in ids], wall, {"num_blocks": cb_cfg.num_blocks, "page_size": cb_cfg.page_size,
                                           "max_batch_tokens": cb_cfg.max_batch_tokens}
 

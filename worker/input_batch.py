@@ -17,6 +17,9 @@ from proto import internal_pb2
 from worker.attention import AttentionMetadata
 
 INITIAL_ROWS = 64
+# The scheduler numbers slots densely from 0 (at most --max-num-seqs plus those in flight); a
+# row costs about 4 bytes per token of max_model_len, so a bound keeps a bad plan from taking GBs.
+MAX_ROWS = 1 << 13
 
 
 @dataclass
@@ -53,8 +56,8 @@ class InputBatch:
         if len(token_ids) > self.width or len(block_ids) > self.max_blocks:
             raise ValueError(f"slot {slot}: {len(token_ids)} tokens in {len(block_ids)} blocks "
                              f"exceed max_model_len {self.max_model_len}")
-        if not 0 <= slot < 1 << 20:
-            raise ValueError(f"slot {slot} is out of range")
+        if not 0 <= slot < MAX_ROWS:
+            raise ValueError(f"slot {slot} is out of range [0, {MAX_ROWS})")
         self._grow(slot + 1)
         self.token_ids[slot, :len(token_ids)] = token_ids
         self.block_table[slot, :len(block_ids)] = block_ids

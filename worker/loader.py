@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from launch.models import cache_dir
 from worker.config import ModelConfig
@@ -84,7 +85,8 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     # rotates halves (i, i + d/2). Qwen2 is stored unpermuted because llama.cpp uses NEOX rope there.
     permuted = config.architecture in ("llama", "mistral")
     weights: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    # The first start converts the GGUF (tens of seconds on a small CPU); later ones read the cache.
+    for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", unit="tensor", disable=None):
         name = _hf_name(t.name)
         arr = dequantize(t.data, t.tensor_type)
         arr = arr.reshape(tuple(int(d) for d in reversed(t.shape)))  # GGUF lists dims innermost first

@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from kernels.select import select_backend
 from launch.models import model_display_name, resolve_model
@@ -44,8 +46,15 @@ class ModelRunner:
         self.block_size = args.block_size
         self.model_path = resolve_model(args.model)
 
+        # A progress bar where a person watches (a terminal); the log lines below say the same.
+        progress = tqdm(total=5, desc=f"worker {self.worker_id}", unit="stage", disable=None,
+                        bar_format="{desc}: {n}/{total} {postfix} [{elapsed}]")
+        stage = progress.set_postfix_str
+        stage("loading weights")
         start = time.perf_counter()
         self.config, weights = load_weights(self.model_path)
+        progress.update()
+        stage("building the model")
         trained_len = self.config.max_position_embeddings
         self.max_model_len = args.max_model_len or min(trained_len, MAX_DEFAULT_MODEL_LEN)
         if self.max_model_len > trained_len:
@@ -55,12 +64,14 @@ class ModelRunner:
         self.model = build_model(self.config, weights, self.backend, self.max_model_len, self.device,
                                  self.dtype)
         del weights
+        progress.update()
         self.load_seconds = time.perf_counter() - start
         self.eos_token_ids = eos_token_ids(self.model_path, self.config.eos_token_ids)
         if not self.eos_token_ids:
             logger.warning("%s names no end-of-sequence token: answers end only at max_tokens, "
                            "a stop id or a stop string", self.model_path)
 
+        stage("sizing the KV cache")
         block_bytes = bytes_per_block(self.config, self.block_size, self.dtype)
         peak = self._profile_peak_memory() if self.device.type == "cuda" else 0
         num_blocks = num_device_blocks(
@@ -70,8 +81,14 @@ class ModelRunner:
         num_cpu_blocks = int(args.swap_space * 2**30) // block_bytes
         self.cache = CacheEngine(self.config, num_blocks, num_cpu_blocks, self.block_size, self.dtype,
                                  self.device)
+        progress.update()
+        stage("measuring swap bandwidth")
         self.swap_bytes_per_s = self.cache.measure_swap_bandwidth()
+        progress.update()
+        stage("warming up (one prefill)")
         self.prefill_tokens_per_s = self._measure_prefill()
+        progress.update()
+        progress.close()
 
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(args.seed))
         self.batch = InputBatch(self.max_model_len, self.block_size)
