@@ -1,4 +1,5 @@
-"""Assembles one gateway: the gRPC server (Generation, Health, reflection) and its scheduler link.
+"""Assembles one gateway: the gRPC server (Generation, Health, reflection), the OpenAI-compatible
+HTTP server (gateway/http_server.py) and their shared scheduler link.
 
 Kept apart from main.py so tests can run a whole gateway inside their own event loop on an
 ephemeral port.
@@ -12,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway import metrics
+from gateway.http_server import HttpApi, HttpServer
 from gateway.scheduler_client import SchedulerClient
 from gateway.server import GenerationServicer
 from gateway.tokenizer import TextTokenizer
@@ -31,7 +33,8 @@ def _bind_address(host: str, port: int) -> str:
 class Gateway:
     def __init__(self, tokenizer: TextTokenizer, scheduler_address: str, host: str = "127.0.0.1",
                  port: int = 50051, max_message_bytes: int = 16 << 20,
-                 client: SchedulerClient | None = None, limits: Limits | None = None):
+                 client: SchedulerClient | None = None, limits: Limits | None = None,
+                 http_port: int = 0, max_http_body_bytes: int = 1 << 20):
         self.tokenizer = tokenizer
         self.host = host
         self.port = port
@@ -43,8 +46,12 @@ class Gateway:
             # Without this a second gateway on the same port would silently share it.
             ("grpc.so_reuseport", 0),
         ])
-        pagoda_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(tokenizer, self.client, limits), self.server)
+        self.servicer = GenerationServicer(tokenizer, self.client, limits)
+        pagoda_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
+        # OpenAI-compatible HTTP on the same host and loop (0 = off).
+        self.http_port = http_port
+        self.http = HttpServer(HttpApi(self.servicer, max_http_body_bytes), host, http_port) \
+            if http_port else None
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -61,14 +68,19 @@ class Gateway:
         await self._set_health(False)
         await self.client.start()
         await self.server.start()
-        log.info("gateway serving %s on %s:%d (scheduler %s)", self.tokenizer.name, self.host,
-                 bound, self.client.address)
+        if self.http is not None:
+            self.http_port = await self.http.start()
+        log.info("gateway serving %s on %s:%d (gRPC)%s (scheduler %s)", self.tokenizer.name,
+                 self.host, bound, f" and :{self.http_port} (HTTP)" if self.http else "",
+                 self.client.address)
         return bound
 
     async def stop(self, grace: float | None = 5.0) -> None:
         # Tell load balancers first, then let RPCs in flight finish (their finally blocks still
         # need the scheduler socket to send aborts), then close the socket.
         await self.health.enter_graceful_shutdown()
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(grace)
         await self.client.close()
 

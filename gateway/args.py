@@ -49,6 +49,11 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--host", default="127.0.0.1",
                    help="address the gRPC server binds; loopback unless told (default: %(default)s)")
     g.add_argument("--port", type=int, default=50051, help="gRPC port (default: %(default)s)")
+    g.add_argument("--http-port", type=int, default=8000,
+                   help="OpenAI-compatible HTTP port on the same host, 0 = off; must differ from "
+                        "--port (default: %(default)s)")
+    g.add_argument("--max-http-body-bytes", type=_int_at_least(1), default=1 << 20,
+                   help="largest HTTP request body; a larger one gets 413 (default: %(default)s)")
     g.add_argument("--scheduler-gateway-address", default="tcp://127.0.0.1:5555",
                    help="ZeroMQ address of the scheduler's gateway socket (default: %(default)s)")
     g.add_argument("--gateway-metrics-host", default="127.0.0.1",
@@ -67,4 +72,7 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 def parse_gateway_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m gateway.main",
                                      description="pagoda gateway: gRPC in, ZeroMQ to the scheduler")
-    return add_gateway_args(parser).parse_args(argv)
+    args = add_gateway_args(parser).parse_args(argv)
+    if args.http_port and args.http_port == args.port:
+        parser.error(f"--http-port and --port are both {args.port}: one port cannot serve both")
+    return args

@@ -26,7 +26,8 @@ async def run(args) -> None:
     tokenizer = load_tokenizer(args.model)
     gateway = Gateway(tokenizer, args.scheduler_gateway_address, host=args.host, port=args.port,
                       max_message_bytes=args.max_message_bytes,
-                      limits=limits_from_args(args, max_model_len=0, vocab_size=0))
+                      limits=limits_from_args(args, max_model_len=0, vocab_size=0),
+                      http_port=args.http_port, max_http_body_bytes=args.max_http_body_bytes)
     await gateway.start()
     metrics_server = start_metrics_server(args.gateway_metrics_port, args.gateway_metrics_host)
 

@@ -34,9 +34,10 @@ log = logging.getLogger("pagoda.gateway")
 class RpcFailed(Exception):
     """Ends an RPC with a status; raised inside the stream, turned into context.abort outside."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, field: str = ""):
         super().__init__(message)
         self.code = code
+        self.field = field  # the request field at fault, where one is (HTTP names it as `param`)
 
 
 def status_code(name: str) -> grpc.StatusCode:
@@ -110,8 +111,8 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         try:
             first = True
             # aclosing: a cancel that lands while this handler waits at `yield` must still run
-            # _generate's finally (the abort) now, not whenever the generator is collected.
-            async with aclosing(self._generate(request, started, unary=False)) as responses:
+            # responses' finally (the abort) now, not whenever the generator is collected.
+            async with aclosing(self.responses(request, started, unary=False)) as responses:
                 async for response in responses:
                     if first and response.token_ids:
                         metrics.TIME_TO_FIRST_TOKEN.observe(time.monotonic() - started)
@@ -136,7 +137,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         metrics.IN_FLIGHT.inc()
         try:
             out = pagoda_pb2.GenerateResponse()
-            async with aclosing(self._generate(request, started, unary=True)) as responses:
+            async with aclosing(self.responses(request, started, unary=True)) as responses:
                 async for response in responses:
                     if response.token_ids and not out.token_ids:
                         metrics.TIME_TO_FIRST_TOKEN.observe(time.monotonic() - started)
@@ -159,15 +160,17 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         finally:
             _record_end("Generate", code, started)
 
-    async def _generate(self, request: pagoda_pb2.GenerateRequest, started: float, unary: bool
+    async def responses(self, request: pagoda_pb2.GenerateRequest, started: float, unary: bool
                         ) -> AsyncIterator[pagoda_pb2.GenerateResponse]:
+        """The responses of one request, for GenerateStream, Generate and the HTTP API alike;
+        raises RpcFailed. Closing it early aborts the request at the scheduler."""
         limits = self._limits()
         internal_id = self.client.new_request_id()
         try:
             v = await _off_loop_if_large(request, validate, request, self.tokenizer, limits,
                                          internal_id, unary=unary)
         except ValidationError as e:
-            raise RpcFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            raise RpcFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
         metrics.PROMPT_TOKENS.inc(len(v.prompt_token_ids))
         builder = ResponseBuilder(self.tokenizer, v, v.public_id, started)
         queue = self.client.open(internal_id)

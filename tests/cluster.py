@@ -36,9 +36,11 @@ class Cluster:
         self.grpc_port = free_port()
         self.metrics_port = free_port()
         self.gateway_metrics_port = free_port()
+        self.http_port = free_port()
         self.flags = [
             "--num-workers", str(num_workers),
             "--port", str(self.grpc_port),
+            "--http-port", str(self.http_port),
             "--scheduler-gateway-address", f"tcp://127.0.0.1:{free_port()}",
             "--scheduler-worker-address", f"tcp://127.0.0.1:{free_port()}",
             "--scheduler-metrics-port", str(self.metrics_port),
@@ -51,6 +53,11 @@ class Cluster:
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI-compatible API, as the `openai` client takes it."""
+        return f"http://127.0.0.1:{self.http_port}/v1"
 
     def start(self, timeout: float = 300) -> "Cluster":
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL

@@ -1,0 +1,418 @@
+"""OpenAI-compatible HTTP, served by the gateway process next to gRPC on the same event loop.
+
+Every route goes through what gRPC uses: the same servicer core (validation, limits, the
+scheduler link, detokenizing, stop strings, aborts), so the two can never disagree. A request
+body is read up to --max-http-body-bytes, parsed by the pydantic models of
+gateway/openai_schema.py (unknown fields are refused) and translated into GenerateRequests.
+Errors take OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with the status
+codes OpenAI uses. Closing the connection cancels the request, which aborts it at the scheduler
+and frees its blocks, as a gRPC cancel does.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+import uuid
+from contextlib import aclosing
+from typing import AsyncIterator
+
+import grpc
+import pydantic
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway import metrics
+from gateway.openai_render import Collector, chat_delta, chat_logprobs, chunk, finish_reason, now
+from gateway.openai_schema import (BadField, ChatCompletionRequest, CompletionRequest, chat_request,
+                                   completion_requests, openai_param)
+from gateway.server import GenerationServicer, RpcFailed
+from gateway.validate import ValidationError
+from proto import pagoda_pb2
+
+log = logging.getLogger("pagoda.gateway")
+
+HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+               grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+               grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
+               grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+               grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+               grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+               grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error")}
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.type, self.param, self.code = status, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def from_rpc(e: RpcFailed, chat: bool) -> HttpError:
+    status, type_ = HTTP_STATUS.get(e.code, (500, "internal_error"))
+    param = openai_param(e.field, chat) if e.field else None
+    message = str(e).replace(e.field, param) if e.field and param else str(e)
+    return HttpError(status, message, type_, param, e.code.name.lower())
+
+
+def bad_request(message: str, param: str | None = None) -> HttpError:
+    return HttpError(400, message, "invalid_request_error", param)
+
+
+class HttpApi:
+    def __init__(self, servicer: GenerationServicer, max_body_bytes: int) -> None:
+        self.servicer = servicer
+        self.tokenizer = servicer.tokenizer
+        self.client = servicer.client
+        self.max_body_bytes = max_body_bytes
+        self.app = FastAPI(title="pagoda", docs_url=None, redoc_url=None, openapi_url=None)
+        self.app.add_exception_handler(HttpError, self._on_http_error)
+        route = self.app.add_api_route
+        route("/v1/completions", self.completions, methods=["POST"])
+        route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        route("/v1/models", self.models, methods=["GET"])
+        route("/tokenize", self.tokenize, methods=["POST"])
+        route("/detokenize", self.detokenize, methods=["POST"])
+        route("/health", self.health, methods=["GET"])
+        route("/metrics", self.metrics, methods=["GET"])
+
+    # ------------------------------------------------------------------ plumbing
+
+    @staticmethod
+    async def _on_http_error(_request: Request, e: HttpError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    async def _body(self, request: Request, model: type[pydantic.BaseModel]):
+        data = bytearray()
+        async for piece in request.stream():
+            data += piece
+            if len(data) > self.max_body_bytes:
+                raise HttpError(413, f"the request body exceeds {self.max_body_bytes} bytes "
+                                     "(--max-http-body-bytes)", "invalid_request_error")
+        try:
+            parsed = json.loads(data)
+        except ValueError as e:
+            raise bad_request(f"the body is not valid JSON: {e}") from None
+        try:
+            return model.model_validate(parsed)
+        except pydantic.ValidationError as e:
+            unknown = [".".join(map(str, err["loc"])) for err in e.errors()
+                       if err["type"] == "extra_forbidden"]
+            if unknown:
+                raise bad_request(f"unknown or unsupported field(s): {', '.join(unknown)}",
+                                  unknown[0]) from None
+            err = e.errors()[0]
+            param = ".".join(str(p) for p in err["loc"])
+            raise bad_request(f"{param}: {err['msg']}", param or None) from None
+
+    @property
+    def model_name(self) -> str:
+        info = self.client.info
+        return (info.model if info is not None and info.model else "") or self.tokenizer.name
+
+    def _check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise HttpError(404, f"The model `{name}` does not exist; this server serves "
+                                 f"`{self.model_name}`", "invalid_request_error", "model",
+                            "model_not_found")
+
+    async def _generations(self, reqs: list[pagoda_pb2.GenerateRequest]
+                           ) -> AsyncIterator[tuple[int, pagoda_pb2.GenerateResponse]]:
+        """The responses of every request, tagged with its position; one request is the usual
+        case, a completions batch runs its prompts side by side. Streamed inside even for a
+        whole response: n > 1 needs the stream (unary Generate carries one index)."""
+        started = time.monotonic()
+        gens = [self.servicer.responses(r, started, unary=False) for r in reqs]
+        if len(gens) == 1:
+            async with aclosing(gens[0]) as g:
+                async for response in g:
+                    yield 0, response
+            return
+        queue: asyncio.Queue = asyncio.Queue(maxsize=64)
+
+        async def pump(i: int, gen) -> None:
+            try:
+                async with aclosing(gen) as g:
+                    async for response in g:
+                        await queue.put((i, response, None))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+                await queue.put((i, None, e))
+                return
+            await queue.put((i, None, None))
+
+        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+        try:
+            left = len(tasks)
+            while left:
+                i, response, error = await queue.get()
+                if error is not None:
+                    raise error
+                if response is None:
+                    left -= 1
+                    continue
+                yield i, response
+        finally:  # a cancel, an error or the end: no generation outlives the HTTP request
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _first(self, gen, chat: bool):
+        """The first response, so that an invalid request gets a JSON error, not an event stream."""
+        try:
+            return await gen.__anext__()
+        except StopAsyncIteration:
+            return None
+        except RpcFailed as e:
+            await gen.aclose()
+            raise from_rpc(e, chat) from None
+
+    async def _until_disconnect(self, request: Request, coro):
+        """Runs coro; a client that hangs up cancels it (which aborts its requests)."""
+        task = asyncio.ensure_future(coro)
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        watch = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not task.done():
+                task.cancel()
+        if task.cancelled():
+            return Response(status_code=499)  # nobody is there to read it
+        return task.result()
+
+    # ------------------------------------------------------------------ generation
+
+    async def completions(self, request: Request):
+        body = await self._body(request, CompletionRequest)
+        return await self._generate(request, body, chat=False)
+
+    async def chat_completions(self, request: Request):
+        body = await self._body(request, ChatCompletionRequest)
+        return await self._generate(request, body, chat=True)
+
+    async def _generate(self, request: Request, body, chat: bool):
+        self._check_model(body.model)
+        try:
+            reqs = [chat_request(body)] if chat else completion_requests(body)
+        except BadField as e:
+            raise bad_request(str(e), e.param) from None
+        logprobs = body.logprobs if chat else body.logprobs is not None
+        echo = None if chat or not body.echo else [
+            r.prompt or self.tokenizer.decode(list(r.prompt_token_ids), False) for r in reqs]
+        collector = Collector(self.tokenizer, body.n, len(reqs), chat, bool(logprobs), echo)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = now()
+        gen = self._generations(reqs)
+        first = await self._first(gen, chat)
+        if not body.stream:
+            return await self._until_disconnect(request, self._whole(
+                gen, first, collector, rid, created, chat))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = self._events(gen, first, collector, rid, created, chat, include_usage)
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def _whole(self, gen, first, collector: Collector, rid, created, chat) -> dict:
+        async with aclosing(gen):
+            item = first
+            while item is not None:
+                collector.add(*item)
+                try:
+                    item = await gen.__anext__()
+                except StopAsyncIteration:
+                    item = None
+                except RpcFailed as e:
+                    raise from_rpc(e, chat) from None
+        return collector.response(rid, self.model_name, created)
+
+    async def _events(self, gen, first, collector: Collector, rid, created, chat,
+                      include_usage) -> AsyncIterator[str]:
+        model = self.model_name
+        waiting: dict[int, list] = {}  # prompt -> responses held until its echo is complete
+        sent: dict[int, int] = {}      # choice -> logprob entries sent
+
+        def event(payload: dict) -> str:
+            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+        def completion_chunk(i: int, response) -> dict:
+            index = i * collector.n + response.index
+            choice = collector.choices[index]
+            text = response.text
+            if not choice.echoed:
+                choice.echoed = True
+                text = collector.echo_part(i)[0] + text
+            start = sent.get(index, 0)
+            sent[index] = start + len(response.logprobs)
+            return {"index": index, "text": text, "finish_reason": finish_reason(response),
+                    "logprobs": collector.completion_logprobs(index, start, sent[index])}
+
+        async with aclosing(gen):
+            item = first
+            try:
+                while item is not None:
+                    i, response = item
+                    collector.add(i, response)
+                    if chat:
+                        index = i * collector.n + response.index
+                        if not collector.choices[index].echoed:  # the first chunk names the role
+                            collector.choices[index].echoed = True
+                            yield event(chunk(rid, model, created, True,
+                                              [chat_delta(index, "", None, None, role=True)]))
+                        lps = (chat_logprobs(response.logprobs, self.tokenizer)
+                               if collector.logprobs else None)
+                        yield event(chunk(rid, model, created, True, [chat_delta(
+                            index, response.text, lps, finish_reason(response))]))
+                    elif not collector.echo_ready(i):
+                        waiting.setdefault(i, []).append(response)
+                    else:
+                        for r in waiting.pop(i, []) + [response]:
+                            yield event(chunk(rid, model, created, False, [completion_chunk(i, r)]))
+                    item = await gen.__anext__()
+            except StopAsyncIteration:
+                pass
+            except RpcFailed as e:
+                yield event(from_rpc(e, chat).body())
+            if include_usage:
+                yield event(chunk(rid, model, created, chat, [], collector.usage()))
+            yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ the other routes
+
+    async def models(self) -> dict:
+        info = self.client.info
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": 0, "owned_by": "pagoda",
+            "max_model_len": info.max_model_len if info is not None else None}]}
+
+    async def tokenize(self, request: Request) -> dict:
+        data = await self._json(request)
+        msg = pagoda_pb2.TokenizeRequest()
+        if "model" in data:
+            self._check_model(data.pop("model"))
+        unknown = set(data) - {"prompt", "messages", "add_special_tokens"}
+        if unknown:
+            raise bad_request(f"unknown field(s): {', '.join(sorted(unknown))}", sorted(unknown)[0])
+        try:
+            if "prompt" in data:
+                msg.prompt = data["prompt"]
+            for m in data.get("messages") or []:
+                msg.messages.add(role=m["role"], content=m["content"])
+            if "add_special_tokens" in data:
+                msg.add_special_tokens = data["add_special_tokens"]
+        except (TypeError, KeyError, ValueError) as e:
+            raise bad_request(f"a malformed tokenize request: {e}") from None
+        reply = await self._unary(self.servicer.Tokenize, msg)
+        info = self.client.info
+        return {"count": len(reply.token_ids), "tokens": list(reply.token_ids),
+                "max_model_len": info.max_model_len if info is not None else None}
+
+    async def detokenize(self, request: Request) -> dict:
+        data = await self._json(request)
+        if "model" in data:
+            self._check_model(data.pop("model"))
+        tokens = data.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < 1 << 32
+                                                   for t in tokens):
+            raise bad_request("tokens must be a list of token ids", "tokens")
+        reply = await self._unary(self.servicer.Detokenize,
+                                  pagoda_pb2.DetokenizeRequest(token_ids=tokens))
+        return {"prompt": reply.text}
+
+    async def _json(self, request: Request) -> dict:
+        data = bytearray()
+        async for piece in request.stream():
+            data += piece
+            if len(data) > self.max_body_bytes:
+                raise HttpError(413, f"the request body exceeds {self.max_body_bytes} bytes",
+                                "invalid_request_error")
+        try:
+            parsed = json.loads(data)
+        except ValueError as e:
+            raise bad_request(f"the body is not valid JSON: {e}") from None
+        if not isinstance(parsed, dict):
+            raise bad_request("the body must be a JSON object")
+        return parsed
+
+    async def _unary(self, method, msg):
+        context = _Context()
+        try:
+            return await method(msg, context)
+        except _Aborted:
+            raise from_rpc(RpcFailed(context.code, context.details), chat=False) from None
+
+    async def health(self) -> Response:
+        info = self.client.info
+        ok = info is not None and info.num_workers >= 1
+        return Response(status_code=200 if ok else 503)
+
+    async def metrics(self) -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """Enough of a grpc.aio context for the servicer's unary handlers: abort raises."""
+    code = grpc.StatusCode.OK
+    details = ""
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.code, self.details = code, details
+        raise _Aborted()
+
+
+class HttpServer:
+    """uvicorn inside the gateway's loop; the gateway's own signal handlers stop it."""
+
+    def __init__(self, api: HttpApi, host: str, port: int) -> None:
+        config = uvicorn.Config(api.app, host=host, port=port, loop="none", lifespan="off",
+                                log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        self.server = _EmbeddedUvicorn(config)
+        self.host, self.port = host, port
+        self.task: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        # Bound here, so that a port in use raises OSError to the gateway (uvicorn would exit).
+        family, _, _, _, address = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError:
+            sock.close()
+            raise
+        self.task = asyncio.create_task(self.server.serve(sockets=[sock]))
+        while not self.server.started:
+            if self.task.done():
+                self.task.result()  # a bind error, raised here
+                raise OSError("the HTTP server stopped at start")
+            await asyncio.sleep(0.01)
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self.task is None:
+            return
+        self.server.should_exit = True
+        with contextlib.suppress(Exception):
+            await self.task
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    def capture_signals(self):
+        return contextlib.nullcontext()  # the gateway's handlers stop both servers

@@ -1,0 +1,206 @@
+"""The OpenAI request bodies (with vLLM's extra fields) as pydantic models, and their translation
+into pagoda.v1 GenerateRequests. Ranges are checked once, by gateway/validate.py, on the
+translated request; an error there names the pagoda field, which `openai_param` turns back into
+the name the client sent."""
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+from proto import pagoda_pb2
+
+# OpenAI's default for /v1/completions (vLLM's too); chat leaves it to what the context allows.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+class _Strict(BaseModel):
+    # Unknown fields are refused, so that a misspelt parameter is not silently ignored.
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+
+
+class _Common(_Strict):
+    """Fields both endpoints take."""
+    model: str
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: StrictInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: StrictInt | None = None
+    min_p: float | None = None
+    seed: StrictInt | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[StrictInt] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = 0
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool | None = None
+    truncate_prompt_tokens: StrictInt | None = None
+    priority: StrictInt = 0
+    request_id: str | None = None
+    user: str | None = None  # accepted and ignored, as vLLM does
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+    prompt_logprobs: StrictInt | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt of a batch: a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+
+
+def _sampling(body: _Common, logprobs: int | None) -> pagoda_pb2.SamplingParams:
+    s = pagoda_pb2.SamplingParams()
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty"):
+        value = getattr(body, name)
+        if value is not None:
+            setattr(s, name, value)
+    s.n = body.n
+    if logprobs is not None:
+        s.logprobs = logprobs
+    for key, value in (body.logit_bias or {}).items():
+        if not key.lstrip("-").isdigit():
+            raise BadField("logit_bias", f"logit_bias keys are token ids, got {key!r}")
+        token_id = int(key)
+        if not 0 <= token_id < 1 << 32:
+            raise BadField("logit_bias", f"logit_bias key {token_id} is not a token id")
+        s.logit_bias[token_id] = value
+    return s
+
+
+def _stopping(body: _Common, max_tokens: int | None) -> pagoda_pb2.StoppingCriteria:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    s = pagoda_pb2.StoppingCriteria(
+        ignore_eos=body.ignore_eos, stop=stop, min_tokens=body.min_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output)
+    for i, t in enumerate(body.stop_token_ids or []):
+        if not 0 <= t < 1 << 32:
+            raise BadField("stop_token_ids", f"stop_token_ids[{i}] = {t} is not a token id")
+        s.stop_token_ids.append(t)
+    if max_tokens is not None:
+        if not -(1 << 31) <= max_tokens < 1 << 31:
+            raise BadField("max_tokens", f"max_tokens must be >= 1, got {max_tokens}")
+        s.max_tokens = max_tokens
+    return s
+
+
+def _common(body: _Common, req: pagoda_pb2.GenerateRequest) -> None:
+    if body.request_id is not None:
+        req.request_id = body.request_id
+    req.priority = body.priority
+    if body.truncate_prompt_tokens is not None:
+        req.truncate_prompt_tokens = body.truncate_prompt_tokens
+    if body.skip_special_tokens is not None:
+        req.skip_special_tokens = body.skip_special_tokens
+
+
+def completion_requests(body: CompletionRequest) -> list[pagoda_pb2.GenerateRequest]:
+    """One GenerateRequest per prompt of the batch."""
+    prompts = body.prompts()
+    if not prompts:
+        raise BadField("prompt", "prompt must not be empty")
+    max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+    out = []
+    for i, prompt in enumerate(prompts):
+        req = pagoda_pb2.GenerateRequest(sampling=_sampling(body, body.logprobs),
+                                         stopping=_stopping(body, max_tokens))
+        _common(body, req)
+        if body.request_id is not None and len(prompts) > 1:
+            req.request_id = f"{body.request_id}-{i}"
+        if isinstance(prompt, str):
+            req.prompt = prompt
+        else:
+            if any(not 0 <= t < 1 << 32 for t in prompt):
+                raise BadField("prompt", f"prompt[{i}] holds a negative or too large token id")
+            req.prompt_token_ids.extend(prompt)
+        # echo returns the prompt; with logprobs, the prompt's logprobs too.
+        req.return_prompt_token_ids = body.echo
+        k = body.prompt_logprobs if body.prompt_logprobs is not None else (
+            body.logprobs if body.echo and body.logprobs is not None else None)
+        if k is not None:
+            req.sampling.prompt_logprobs = k
+        out.append(req)
+    return out
+
+
+def chat_request(body: ChatCompletionRequest) -> pagoda_pb2.GenerateRequest:
+    if body.max_tokens is not None and body.max_completion_tokens is not None \
+            and body.max_tokens != body.max_completion_tokens:
+        raise BadField("max_completion_tokens",
+                       "max_tokens and max_completion_tokens differ; send one of them")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if body.top_logprobs is not None and not body.logprobs:
+        raise BadField("top_logprobs", "top_logprobs needs logprobs: true")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    req = pagoda_pb2.GenerateRequest(sampling=_sampling(body, logprobs),
+                                     stopping=_stopping(body, max_tokens))
+    _common(body, req)
+    for m in body.messages:
+        req.messages.add(role="system" if m.role == "developer" else m.role, content=m.text())
+    return req
+
+
+class BadField(ValueError):
+    """A request the schema accepts but pagoda cannot take; becomes a 400 naming `param`."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def openai_param(field: str, chat: bool) -> str:
+    """The client's name for a pagoda field that failed validation."""
+    if field == "sampling.logprobs":
+        return "top_logprobs" if chat else "logprobs"
+    if field == "sampling.prompt_logprobs":
+        return "prompt_logprobs"
+    if field in ("prompt_token_ids", "prompt"):
+        return "prompt"
+    if field == "stopping.max_tokens" and chat:
+        return "max_completion_tokens"
+    for prefix in ("sampling.", "stopping."):
+        if field.startswith(prefix):
+            return field[len(prefix):]
+    return field
