@@ -13,7 +13,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway import metrics
-from gateway.http_server import HttpApi, HttpServer
+from gateway.http_listener import HttpServer
+from gateway.http_server import HttpApi
 from gateway.scheduler_client import SchedulerClient
 from gateway.server import GenerationServicer
 from gateway.tokenizer import TextTokenizer

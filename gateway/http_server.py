@@ -11,10 +11,8 @@ and frees its blocks, as a gRPC cancel does.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import socket
 import time
 import uuid
 from contextlib import aclosing
@@ -22,7 +20,6 @@ from typing import AsyncIterator
 
 import grpc
 import pydantic
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -329,7 +326,7 @@ class HttpApi:
                                                    for t in tokens):
             raise bad_request("tokens must be a list of token ids", "tokens")
         reply = await self._unary(self.servicer.Detokenize,
-                                  pagoda_pb2.DetokenizeRequest(token_ids=tokens))
+                                  pagoda_pb2.DetokenizeRequest(token_ids=tokens), "tokens")
         return {"prompt": reply.text}
 
     async def _json(self, request: Request) -> dict:
@@ -347,12 +344,17 @@ class HttpApi:
             raise bad_request("the body must be a JSON object")
         return parsed
 
-    async def _unary(self, method, msg):
+    async def _unary(self, method, msg, param: str | None = None):
+        """A unary gRPC handler of the servicer, its status turned into an HTTP error that
+        names param (the route's one input field) when the request was at fault."""
         context = _Context()
         try:
             return await method(msg, context)
         except _Aborted:
-            raise from_rpc(RpcFailed(context.code, context.details), chat=False) from None
+            error = from_rpc(RpcFailed(context.code, context.details), chat=False)
+            if error.status == 400:
+                error.param = param
+            raise error from None
 
     async def health(self) -> Response:
         info = self.client.info
@@ -375,44 +377,3 @@ class _Context:
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         self.code, self.details = code, details
         raise _Aborted()
-
-
-class HttpServer:
-    """uvicorn inside the gateway's loop; the gateway's own signal handlers stop it."""
-
-    def __init__(self, api: HttpApi, host: str, port: int) -> None:
-        config = uvicorn.Config(api.app, host=host, port=port, loop="none", lifespan="off",
-                                log_level="warning", access_log=False, timeout_graceful_shutdown=5)
-        self.server = _EmbeddedUvicorn(config)
-        self.host, self.port = host, port
-        self.task: asyncio.Task | None = None
-
-    async def start(self) -> int:
-        # Bound here, so that a port in use raises OSError to the gateway (uvicorn would exit).
-        family, _, _, _, address = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(address)
-        except OSError:
-            sock.close()
-            raise
-        self.task = asyncio.create_task(self.server.serve(sockets=[sock]))
-        while not self.server.started:
-            if self.task.done():
-                self.task.result()  # a bind error, raised here
-                raise OSError("the HTTP server stopped at start")
-            await asyncio.sleep(0.01)
-        return self.server.servers[0].sockets[0].getsockname()[1]
-
-    async def stop(self) -> None:
-        if self.task is None:
-            return
-        self.server.should_exit = True
-        with contextlib.suppress(Exception):
-            await self.task
-
-
-class _EmbeddedUvicorn(uvicorn.Server):
-    def capture_signals(self):
-        return contextlib.nullcontext()  # the gateway's handlers stop both servers

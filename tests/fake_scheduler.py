@@ -25,6 +25,7 @@ from gateway.scheduler_client import SchedulerClient
 from gateway.tokenizer import TextTokenizer, load_tokenizer
 from proto import internal_pb2 as ipb, pagoda_pb2 as pb, pagoda_pb2_grpc
 from proto.columns import pack, pack_f32
+from tests.cluster import free_port
 
 DEFAULT_REPLY = "Héllo 😀 wörld, 日本語 and 🇯🇵 done."
 
@@ -235,6 +236,11 @@ class Harness:
         self.stub = pagoda_pb2_grpc.GenerationStub(channel)
         self.health = health_pb2_grpc.HealthStub(channel)
 
+    @property
+    def base_url(self) -> str:
+        """The gateway's OpenAI-compatible API (local_gateway(http=True))."""
+        return f"http://127.0.0.1:{self.gateway.http_port}/v1"
+
     async def health_of(self, service: str = "") -> int:
         return (await self.health.Check(health_pb2.HealthCheckRequest(service=service))).status
 
@@ -245,14 +251,16 @@ class Harness:
 @contextlib.asynccontextmanager
 async def local_gateway(tok: TextTokenizer, wait_ready: bool = True,
                         client: SchedulerClient | None = None,
-                        scheduler: FakeScheduler | None = None, **fake_kw):
+                        scheduler: FakeScheduler | None = None, http: bool = False,
+                        max_http_body_bytes: int = 1 << 20, **fake_kw):
     """A gateway on an ephemeral loopback port, wired to a fresh FakeScheduler, or to `scheduler`
     (another harness's: two gateways of one cluster), which it then leaves running."""
     owned = scheduler is None
     scheduler = scheduler if scheduler is not None else FakeScheduler(tok, **fake_kw)
     if client is not None:
         client.address = scheduler.address
-    gateway = Gateway(tok, scheduler.address, port=0, client=client)
+    gateway = Gateway(tok, scheduler.address, port=0, client=client,
+                      http_port=free_port() if http else 0, max_http_body_bytes=max_http_body_bytes)
     port = await gateway.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
