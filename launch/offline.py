@@ -1,0 +1,193 @@
+"""The offline API: `LLM(model=..., **engine flags).generate(prompts, SamplingParams(...))`.
+
+An LLM starts a scheduler and workers as child processes (the ones `make run` starts) and
+talks to them over the same ZeroMQ contract as a gateway, with the gateway's own code in this
+process: the SchedulerClient, validation, detokenizing and stop strings of GenerationServicer,
+on an event loop in a background thread. Outputs are therefore exactly what the servers give.
+The children die with this process (PR_SET_PDEATHSIG), even when it is killed.
+"""
+from __future__ import annotations
+
+import asyncio
+import argparse
+import ctypes
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Sequence
+
+from tqdm import tqdm
+
+from launch.__main__ import ROOT, module_command, process_parsers, route_flags, shutdown
+from launch.outputs import RequestOutput, SamplingParams, collect, generate_request
+
+# The scheduler's waiting queue is bounded; this many requests are in flight at most.
+MAX_IN_FLIGHT = 512
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux; elsewhere a no-op)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _flags(engine: dict) -> list[str]:
+    argv: list[str] = []
+    for key, value in engine.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not False and value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+class LLM:
+    """Engine flags are the servers' own, as keywords: LLM(model=path, max_num_seqs=32,
+    dtype="float32", num_gpu_blocks_override=512). num_workers starts that many workers."""
+
+    def __init__(self, model: str = "", *, num_workers: int = 1, log_file: str | None = None,
+                 start_timeout: float = 600.0, **engine) -> None:
+        from gateway.args import add_gateway_args
+        from gateway.validate import limits_from_args
+
+        self._procs: list[subprocess.Popen] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        ports = [_free_port(), _free_port()]
+        argv = _flags({"model": model, **engine,
+                       "scheduler_gateway_address": f"tcp://127.0.0.1:{ports[0]}",
+                       "scheduler_worker_address": f"tcp://127.0.0.1:{ports[1]}",
+                       "scheduler_metrics_port": 0})
+        routed = route_flags(argv, process_parsers())
+        gateway_args = add_gateway_args(argparse.ArgumentParser()).parse_args(routed["gateway"])
+        self.log_path = Path(log_file or tempfile.mkstemp(prefix="pagoda-llm-", suffix=".log")[1])
+        log = open(self.log_path, "ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        commands = [module_command("scheduler.main", routed["scheduler"])]
+        commands += [module_command("worker.main", routed["worker"])] * num_workers
+        try:
+            for cmd in commands:
+                self._procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
+                                                    stderr=subprocess.STDOUT,
+                                                    preexec_fn=_die_with_parent))
+            self._start_loop(gateway_args, limits_from_args(gateway_args, 0, 0))
+            self._wait_ready(num_workers, start_timeout)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            log.close()
+
+    # ------------------------------------------------------------------ the public API
+
+    def generate(self, prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs in the order of the prompts: strings or token-id lists (one, or a list)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run([{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)}
+                          for p in prompts], sampling_params, use_tqdm)
+
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """One conversation ([{"role", "content"}, ...]) or a list of them, through the model's
+        chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self._run([{"messages": list(c)} for c in conversations], sampling_params, use_tqdm)
+
+    def close(self) -> None:
+        """Stops the children and the background loop; safe to call twice."""
+        if self._loop is not None:
+            loop, self._loop = self._loop, None
+            asyncio.run_coroutine_threadsafe(self._client.close(), loop).result(10)
+            loop.call_soon_threadsafe(loop.stop)
+            self._thread.join(10)
+        procs, self._procs = self._procs, []
+        shutdown(procs)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_procs", None):
+            self.close()
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _start_loop(self, gateway_args, limits) -> None:
+        from gateway.scheduler_client import SchedulerClient
+        from gateway.server import GenerationServicer
+        from gateway.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(gateway_args.model)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="pagoda-llm", daemon=True)
+        self._thread.start()
+
+        async def start():
+            client = SchedulerClient(gateway_args.scheduler_gateway_address,
+                                     gateway_args.max_message_bytes)
+            await client.start()
+            return client
+        self._client = asyncio.run_coroutine_threadsafe(start(), self._loop).result(30)
+        self._servicer = GenerationServicer(self.tokenizer, self._client, limits)
+
+    def _wait_ready(self, num_workers: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self._client.info
+            if info is not None and info.num_workers >= num_workers:
+                return
+            dead = [p for p in self._procs if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                tail = self.log_path.read_text(errors="replace")[-3000:]
+                why = f"exited with {dead[0].returncode}" if dead else f"not ready after {timeout:.0f}s"
+                raise RuntimeError(f"pagoda: a child process {why}; log {self.log_path}:\n{tail}")
+            time.sleep(0.2)
+
+    def _run(self, fields: list[dict], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        if self._loop is None:
+            raise RuntimeError("this LLM is closed")
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else \
+            [sampling_params or SamplingParams()] * len(fields)
+        if len(params) != len(fields):
+            raise ValueError(f"{len(params)} sampling_params for {len(fields)} prompts")
+        requests = [generate_request(f, p) for f, p in zip(fields, params)]
+        bar = tqdm(total=len(requests), desc="generating", unit="req", disable=not use_tqdm)
+        try:
+            return asyncio.run_coroutine_threadsafe(self._all(requests, bar), self._loop).result()
+        finally:
+            bar.close()
+
+    async def _all(self, requests, bar) -> list[RequestOutput]:
+        gate = asyncio.Semaphore(MAX_IN_FLIGHT)
+
+        async def one(i: int, request) -> RequestOutput:
+            async with gate:
+                out = await collect(self._servicer, self.tokenizer, request, str(i))
+            bar.update()
+            return out
+        tasks = [asyncio.ensure_future(one(i, r)) for i, r in enumerate(requests)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:  # one failure (or a KeyboardInterrupt upstream) aborts the rest
+            for t in tasks:
+                t.cancel()
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,6 @@
+"""`from pagoda import LLM, SamplingParams`: the offline API (launch/offline.py), by the name users
+import it under. The engine itself lives in the packages of the repository's top level."""
+from launch.offline import LLM
+from launch.outputs import CompletionOutput, GenerationError, Logprob, RequestOutput, SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "GenerationError"]
