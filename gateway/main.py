@@ -15,6 +15,7 @@ import uvloop
 from gateway.app import Gateway
 from gateway.args import parse_gateway_args
 from gateway.metrics import start_metrics_server
+from gateway.scheduler_client import SchedulerClient
 from gateway.tokenizer import load_tokenizer
 from gateway.validate import limits_from_args
 
@@ -24,9 +25,14 @@ log = logging.getLogger("pagoda.gateway")
 
 async def run(args) -> None:
     tokenizer = load_tokenizer(args.model)
+    client = SchedulerClient(args.scheduler_gateway_address, args.max_message_bytes,
+                             keepalive_interval=min(1.0, args.scheduler_timeout / 3),
+                             lost_after=args.scheduler_timeout,
+                             max_unread=args.max_unread_deltas, hwm=args.zmq_hwm)
     gateway = Gateway(tokenizer, args.scheduler_gateway_address, host=args.host, port=args.port,
-                      max_message_bytes=args.max_message_bytes,
-                      limits=limits_from_args(args, max_model_len=0, vocab_size=0))
+                      max_message_bytes=args.max_message_bytes, client=client,
+                      limits=limits_from_args(args, max_model_len=0, vocab_size=0),
+                      max_concurrent_rpcs=args.max_concurrent_rpcs)
     await gateway.start()
     metrics_server = start_metrics_server(args.gateway_metrics_port, args.gateway_metrics_host)
 
