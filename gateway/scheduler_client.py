@@ -180,6 +180,9 @@ class SchedulerClient:
                     future.set_result(reply)
             if msg.HasField("info"):
                 await self._set_info(msg.info)
+            # A ready message completes the next recv without a suspension: yield anyway, so
+            # the RPCs read their inboxes between messages instead of only after a burst.
+            await asyncio.sleep(0)
 
     async def _set_info(self, info: internal_pb2.ClusterInfo | None) -> None:
         changed = info != self.info

@@ -9,9 +9,9 @@ import time
 import grpc
 import pytest
 
-from proto import pagoda_pb2 as pb
+from proto import pagoda_pb2 as pb, pagoda_pb2_grpc
 from tests.cluster import wait_for
-from tests.fake_cluster import NOT_SERVING, SERVING, FakeCluster
+from tests.fake_cluster import NOT_SERVING, SERVING, FakeCluster, rss_bytes
 from tests.fake_worker import reference_output
 
 
@@ -84,3 +84,53 @@ def test_scheduler_killed_streams_end_unavailable_and_it_comes_back(cluster):
     print(f"scheduler restarted: first request served {took:.2f} s later")
     assert answer is not None and list(answer.token_ids) == expected(0, 16)
     assert cluster.health_status() == SERVING
+
+
+def test_gateway_killed_its_requests_are_aborted_and_blocks_freed(cluster):
+    cluster.start()
+    streams = [Stream(cluster.stub, request(i, 3000)) for i in range(8)]
+    assert wait_for(lambda: all(s.tokens for s in streams), 30), cluster.log_tail()
+    assert cluster.metric("pagoda_num_requests_running") == 8
+    killed = time.monotonic()
+    cluster.kill(cluster.gateway)
+    assert wait_for(cluster.idle_and_free, 10), cluster.scheduler_metrics()
+    took = time.monotonic() - killed
+    print(f"\ngateway killed: the scheduler ran 0 requests, every KV block free, {took:.2f} s later")
+    assert cluster.metric("pagoda_kv_blocks_free") == 4096
+
+
+def test_streams_nobody_reads_end_resource_exhausted_with_bounded_memory(tmp_path):
+    cluster = FakeCluster(tmp_path, gateway_flags=["--max-unread-deltas", "64"],
+                          worker_flags=["--num-blocks", "20000", "--step-delay", "0.005"])
+    try:
+        cluster.start()
+        before = rss_bytes(cluster.gateway.pid)
+        # A client that reads nothing and lets HTTP/2 flow control say so at once (no window
+        # growth), rather than after megabytes sit in its own receive buffers.
+        slow = grpc.insecure_channel(cluster.target, options=[
+            ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)])
+        unread = [pagoda_pb2_grpc.GenerationStub(slow).GenerateStream(request(i, 3000), timeout=120)
+                  for i in range(20)]
+        reader = Stream(cluster.stub, request(20, 600))  # the same bound, read as it comes
+        assert wait_for(cluster.idle_and_free, 90), cluster.scheduler_metrics()
+        grown = rss_bytes(cluster.gateway.pid) - before
+        reader.join(30)
+        codes, received = [], []
+        for i, call in enumerate(unread):
+            tokens = []
+            try:
+                for r in call:
+                    tokens += r.token_ids
+            except grpc.RpcError as e:
+                codes.append(e.code())
+            received.append(len(tokens))
+            assert tokens == expected(i, 3000)[:len(tokens)]
+        print(f"\n20 unread streams: gateway RSS grew {grown / 1e6:.1f} MB; they ended "
+              f"{codes[0].name if codes else 'OK'} after {min(received)}..{max(received)} "
+              f"of 3000 tokens; the stream read alongside got all {len(reader.tokens)}")
+        assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 20
+        assert max(received) < 3000 and grown < 50e6
+        assert reader.code == grpc.StatusCode.OK and reader.tokens == expected(20, 600)
+        slow.close()
+    finally:
+        cluster.stop()
