@@ -11,9 +11,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
+from gateway.app import Gateway
 from gateway.inbox import Inbox
 from gateway.tokenizer import load_tokenizer
-from proto import internal_pb2 as ipb, pagoda_pb2 as pb
+from proto import internal_pb2 as ipb, pagoda_pb2 as pb, pagoda_pb2_grpc
 from tests.fake_scheduler import local_gateway, until
 
 TOK = load_tokenizer("")
@@ -104,4 +105,28 @@ def test_inbox_merges_plain_tokens_and_bounds_the_rest(run):
         assert items[2].finish == ipb.ERROR and items[2].error.code == "RESOURCE_EXHAUSTED"
         assert items[2].error.message == ("the client read too slowly: 3 tokens were waiting "
                                           "unread (--max-unread-deltas 5)")
+    run(body())
+
+
+def test_rpcs_past_the_concurrency_bound_get_resource_exhausted(run):
+    async def body():
+        async with harness() as h:
+            h.scheduler.plan = lambda add: [None]  # streams that stay open
+            gateway = Gateway(TOK, h.scheduler.address, port=0, max_concurrent_rpcs=2)
+            port = await gateway.start()
+            try:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    stub = pagoda_pb2_grpc.GenerationStub(channel)
+                    await until(lambda: gateway.client.info is not None)
+                    open_calls = [stub.GenerateStream(pb.GenerateRequest(prompt="x")) for _ in range(2)]
+                    await until(lambda: len(h.scheduler.adds) == 2)
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await stub.Tokenize(pb.TokenizeRequest(prompt="hi"))
+                    print(f"\nthird RPC over --max-concurrent-rpcs 2: {e.value.code().name}: "
+                          f"{e.value.details()}")
+                    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    for call in open_calls:
+                        call.cancel()
+            finally:
+                await gateway.stop(0)
     run(body())
