@@ -112,7 +112,7 @@ def test_streams_nobody_reads_end_resource_exhausted_with_bounded_memory(tmp_pat
             ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)])
         unread = [pagoda_pb2_grpc.GenerationStub(slow).GenerateStream(request(i, 3000), timeout=120)
                   for i in range(20)]
-        reader = Stream(cluster.stub, request(20, 600))  # the same bound, read as it comes
+        reader = Stream(cluster.stub, request(20, 200))  # the same bound, read as it comes
         assert wait_for(cluster.idle_and_free, 90), cluster.scheduler_metrics()
         grown = rss_bytes(cluster.gateway.pid) - before
         reader.join(30)
@@ -131,7 +131,7 @@ def test_streams_nobody_reads_end_resource_exhausted_with_bounded_memory(tmp_pat
               f"of 3000 tokens; the stream read alongside got all {len(reader.tokens)}")
         assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 20
         assert max(received) < 3000 and grown < 50e6
-        assert reader.code == grpc.StatusCode.OK and reader.tokens == expected(20, 600)
+        assert reader.code == grpc.StatusCode.OK and reader.tokens == expected(20, 200)
         slow.close()
     finally:
         cluster.stop()
@@ -266,5 +266,23 @@ def test_overload_fills_the_queue_to_its_bound_and_refuses_the_rest(tmp_path):
                 list(storm_request(i, 1).prompt_token_ids), 10, seed=i)
         assert grown < 20e6
         assert wait_for(cluster.idle_and_free, 10)
+    finally:
+        cluster.stop()
+
+
+def test_a_step_longer_than_the_worker_timeout_does_not_drop_the_worker(tmp_path):
+    # Each step takes 2.5 s, longer than --worker-timeout (1.5 s): only the heartbeat thread
+    # keeps the worker registered while it runs.
+    cluster = FakeCluster(tmp_path, worker_flags=["--step-delay", "2.5"])
+    try:
+        cluster.start()
+        started = time.monotonic()
+        answer = cluster.stub.Generate(request(0, 2), timeout=30)
+        took = time.monotonic() - started
+        log = (tmp_path / "scheduler.log").read_text()
+        print(f"\n2 steps of 2.5 s each (--worker-timeout 1.5): answered in {took:.1f} s, "
+              f"worker kept")
+        assert list(answer.token_ids) == expected(0, 2) and took >= 5
+        assert "dropped" not in log and cluster.num_workers() == 1
     finally:
         cluster.stop()
