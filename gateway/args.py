@@ -55,11 +55,12 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="address /metrics binds; a container needs 0.0.0.0 (default: %(default)s)")
     g.add_argument("--gateway-metrics-port", type=int, default=9401,
                    help="Prometheus /metrics port, 0 = off (default: %(default)s)")
-    g.add_argument("--max-message-bytes", type=int, default=None,
-                   help="largest gRPC or ZeroMQ message sent or received (default: a gRPC "
-                        "request may be as large as the largest valid GenerateRequest, computed "
-                        f"from the request limits (gateway/sizes.py); anything else "
-                        f"{DEFAULT_MAX_MESSAGE_BYTES >> 20} MiB)")
+    g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
+                   help="largest gRPC response or ZeroMQ message sent or received "
+                        "(default: %(default)s)")
+    g.add_argument("--max-request-bytes", type=int, default=None,
+                   help="largest gRPC request received (default: the largest valid "
+                        "GenerateRequest, computed from the request limits in gateway/sizes.py)")
     g.add_argument("--scheduler-timeout", type=float, default=3.0,
                    help="seconds without any message from the scheduler (it answers a hello "
                         "sent every second) before requests in flight end UNAVAILABLE and "

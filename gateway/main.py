@@ -13,7 +13,7 @@ import sys
 import uvloop
 
 from gateway.app import Gateway
-from gateway.args import DEFAULT_MAX_MESSAGE_BYTES, parse_gateway_args
+from gateway.args import parse_gateway_args
 from gateway.metrics import start_metrics_server
 from gateway.scheduler_client import SchedulerClient
 from gateway.sizes import largest_generate_request
@@ -27,16 +27,14 @@ log = logging.getLogger("pagoda.gateway")
 async def run(args) -> None:
     tokenizer = load_tokenizer(args.model)
     limits = limits_from_args(args, max_model_len=0, vocab_size=0)
-    # Unless the flag says otherwise: receive what the largest valid request needs, send (and
-    # take from the scheduler) up to the old fixed bound.
-    max_message_bytes = args.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
-    max_request_bytes = args.max_message_bytes or largest_generate_request(limits)
-    client = SchedulerClient(args.scheduler_gateway_address, max_message_bytes,
+    # A client may send no more than the largest valid request needs.
+    max_request_bytes = args.max_request_bytes or largest_generate_request(limits)
+    client = SchedulerClient(args.scheduler_gateway_address, args.max_message_bytes,
                              keepalive_interval=min(1.0, args.scheduler_timeout / 3),
                              lost_after=args.scheduler_timeout,
                              max_unread=args.max_unread_deltas, hwm=args.zmq_hwm)
     gateway = Gateway(tokenizer, args.scheduler_gateway_address, host=args.host, port=args.port,
-                      max_message_bytes=max_message_bytes, client=client, limits=limits,
+                      max_message_bytes=args.max_message_bytes, client=client, limits=limits,
                       max_concurrent_rpcs=args.max_concurrent_rpcs,
                       max_request_bytes=max_request_bytes)
     log.info("largest gRPC request accepted: %d bytes", max_request_bytes)
