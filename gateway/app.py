@@ -35,14 +35,16 @@ class Gateway:
     def __init__(self, tokenizer: TextTokenizer, scheduler_address: str, host: str = "127.0.0.1",
                  port: int = 50051, max_message_bytes: int = 16 << 20,
                  client: SchedulerClient | None = None, limits: Limits | None = None,
-                 http_port: int = 0, max_http_body_bytes: int = 1 << 20):
+                 http_port: int = 0, max_http_body_bytes: int = 1 << 20,
+                 max_concurrent_rpcs: int | None = None, max_request_bytes: int | None = None):
         self.tokenizer = tokenizer
         self.host = host
         self.port = port
         self.client = client or SchedulerClient(scheduler_address, max_message_bytes)
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
+        # Past max_concurrent_rpcs gRPC itself answers RESOURCE_EXHAUSTED.
+        self.server = grpc.aio.server(maximum_concurrent_rpcs=max_concurrent_rpcs, options=[
+            ("grpc.max_receive_message_length", max_request_bytes or max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             # Without this a second gateway on the same port would silently share it.
             ("grpc.so_reuseport", 0),

@@ -61,7 +61,24 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--gateway-metrics-port", type=int, default=9401,
                    help="Prometheus /metrics port, 0 = off (default: %(default)s)")
     g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
-                   help="largest gRPC or ZeroMQ message sent or received (default: %(default)s)")
+                   help="largest gRPC response or ZeroMQ message sent or received "
+                        "(default: %(default)s)")
+    g.add_argument("--max-request-bytes", type=int, default=None,
+                   help="largest gRPC request received (default: the largest valid "
+                        "GenerateRequest, computed from the request limits in gateway/sizes.py)")
+    g.add_argument("--scheduler-timeout", type=float, default=3.0,
+                   help="seconds without any message from the scheduler (it answers a hello "
+                        "sent every second) before requests in flight end UNAVAILABLE and "
+                        "health turns NOT_SERVING (default: %(default)s)")
+    g.add_argument("--max-unread-deltas", type=_int_at_least(1), default=256,
+                   help="messages one stream may hold unread by its client; past it the request "
+                        "is aborted with RESOURCE_EXHAUSTED (default: %(default)s)")
+    g.add_argument("--max-concurrent-rpcs", type=_int_at_least(1), default=1024,
+                   help="RPCs one gateway serves at once; past it, RESOURCE_EXHAUSTED "
+                        "(default: %(default)s)")
+    g.add_argument("--zmq-hwm", type=int, default=1000,  # shared with the scheduler and workers
+                   help="ZeroMQ high-water mark: messages queued per socket and peer "
+                        "(default: %(default)s)")
     g.add_argument("--log-level", default="INFO")
     for dest, default, minimum, meaning in REQUEST_LIMITS:
         g.add_argument("--" + dest.replace("_", "-"), type=_int_at_least(minimum), default=default,

@@ -15,6 +15,8 @@ import uvloop
 from gateway.app import Gateway
 from gateway.args import parse_gateway_args
 from gateway.metrics import start_metrics_server
+from gateway.scheduler_client import SchedulerClient
+from gateway.sizes import largest_generate_request
 from gateway.tokenizer import load_tokenizer
 from gateway.validate import limits_from_args
 
@@ -24,10 +26,19 @@ log = logging.getLogger("pagoda.gateway")
 
 async def run(args) -> None:
     tokenizer = load_tokenizer(args.model)
+    limits = limits_from_args(args, max_model_len=0, vocab_size=0)
+    # A client may send no more than the largest valid request needs.
+    max_request_bytes = args.max_request_bytes or largest_generate_request(limits)
+    client = SchedulerClient(args.scheduler_gateway_address, args.max_message_bytes,
+                             keepalive_interval=min(1.0, args.scheduler_timeout / 3),
+                             lost_after=args.scheduler_timeout,
+                             max_unread=args.max_unread_deltas, hwm=args.zmq_hwm)
     gateway = Gateway(tokenizer, args.scheduler_gateway_address, host=args.host, port=args.port,
-                      max_message_bytes=args.max_message_bytes,
-                      limits=limits_from_args(args, max_model_len=0, vocab_size=0),
+                      max_message_bytes=args.max_message_bytes, client=client, limits=limits,
+                      max_concurrent_rpcs=args.max_concurrent_rpcs,
+                      max_request_bytes=max_request_bytes,
                       http_port=args.http_port, max_http_body_bytes=args.max_http_body_bytes)
+    log.info("largest gRPC request accepted: %d bytes", max_request_bytes)
     await gateway.start()
     metrics_server = start_metrics_server(args.gateway_metrics_port, args.gateway_metrics_host)
 

@@ -1,10 +1,16 @@
 """The gateway's one connection to the scheduler: a ZeroMQ DEALER speaking GatewayMessage up and
 SchedulerMessage down, one protobuf per frame.
 
-A single reader task owns the receive side and hands each TokenDelta to the queue of the request
+A single reader task owns the receive side and hands each TokenDelta to the inbox of the request
 it belongs to, so any number of concurrent RPCs share one socket without locks. Sends never wait:
 a request that cannot reach the scheduler should fail now with UNAVAILABLE rather than hang, and
 an abort sent from a cancellation handler must not block it.
+
+Liveness: a hello goes out every keepalive interval whether or not the last one could be sent,
+and the scheduler answers each; silence for `lost_after` seconds, a new scheduler epoch (a
+restart) or a gap in the link's sequence numbers fails every request in flight with UNAVAILABLE
+and turns health NOT_SERVING until the scheduler answers again. The same hellos are the
+gateway's lease at the scheduler, which aborts a silent gateway's requests.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from typing import Awaitable, Callable
 import zmq
 import zmq.asyncio
 
+from gateway.inbox import Inbox
 from proto import internal_pb2
 from proto.codec import expand_deltas
 
@@ -34,20 +41,23 @@ class SchedulerUnavailable(RuntimeError):
 
 class SchedulerClient:
     def __init__(self, address: str, max_message_bytes: int = 16 << 20, *,
-                 hello_interval: float = 1.0, keepalive_interval: float = 5.0,
-                 lost_after: float = 20.0):
+                 keepalive_interval: float = 1.0, lost_after: float = 3.0,
+                 max_unread: int = 256, hwm: int = 1000):
         # Internal ids are f"{gateway_id}-{n}": unique across gateway replicas without coordination.
         self.gateway_id = uuid.uuid4().hex
         self.address = address
         self.max_message_bytes = max_message_bytes
-        self.hello_interval = hello_interval
-        # After the first ClusterInfo a slow hello doubles as a liveness probe, and lets a
-        # restarted scheduler learn this gateway's routing id again.
+        # The hello is the liveness probe both ways, and lets a restarted scheduler learn this
+        # gateway's routing id again.
         self.keepalive_interval = keepalive_interval
         self.lost_after = lost_after
+        self.max_unread = max_unread
+        self.hwm = hwm
         self.info: internal_pb2.ClusterInfo | None = None
         self._counter = itertools.count()
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, Inbox] = {}
+        self._epoch = 0  # the scheduler's, from its messages; 0 = none heard yet
+        self._seq = 0    # the last message's sequence number on this link
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(1)
         self._listeners: list[InfoListener] = []
@@ -63,11 +73,12 @@ class SchedulerClient:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         # IMMEDIATE: queue nothing while disconnected, so a send fails at once instead of
-        # delivering a burst of stale requests when the scheduler comes back. No send HWM: while
-        # connected, a send only fails when the scheduler is really gone.
+        # delivering a burst of stale requests when the scheduler comes back. A full send queue
+        # fails the send (UNAVAILABLE for an add); a full receive queue makes the scheduler drop
+        # a message, which the link's sequence numbers reveal.
         sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.SNDHWM, self.hwm)
+        sock.setsockopt(zmq.RCVHWM, self.hwm)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         sock.setsockopt(zmq.ROUTING_ID, f"gateway-{self.gateway_id}".encode())
         sock.connect(self.address)
@@ -98,11 +109,11 @@ class SchedulerClient:
     def new_request_id(self) -> str:
         return f"{self.gateway_id}-{next(self._counter)}"
 
-    def open(self, request_id: str) -> asyncio.Queue:
+    def open(self, request_id: str) -> Inbox:
         """Registers a request before its AddRequest goes out, so no delta can arrive unrouted."""
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        return queue
+        inbox = Inbox(request_id, self.max_unread)
+        self._queues[request_id] = inbox
+        return inbox
 
     def release(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
@@ -156,17 +167,22 @@ class SchedulerClient:
             except Exception:  # noqa: BLE001 - one bad frame must not stop the gateway
                 log.exception("dropped a malformed SchedulerMessage (%d frames)", len(frames))
                 continue
+            self._check_sequence(msg)
             # Logprobs first: they describe tokens of this message or of earlier ones.
             for item in (*msg.logprobs, *deltas):
-                queue = self._queues.get(item.request_id)
-                if queue is not None:  # else: a request already answered or cancelled
-                    queue.put_nowait(item)
+                inbox = self._queues.get(item.request_id)
+                # None: a request already answered or cancelled.
+                if inbox is not None and not inbox.put(item):
+                    self.abort(item.request_id)
             for reply in msg.replies:
                 future = self._calls.get(reply.call_id)
                 if future is not None and not future.done():
                     future.set_result(reply)
             if msg.HasField("info"):
                 await self._set_info(msg.info)
+            # A ready message completes the next recv without a suspension: yield anyway, so
+            # the RPCs read their inboxes between messages instead of only after a burst.
+            await asyncio.sleep(0)
 
     async def _set_info(self, info: internal_pb2.ClusterInfo | None) -> None:
         changed = info != self.info
@@ -181,27 +197,36 @@ class SchedulerClient:
             except Exception:  # noqa: BLE001
                 log.exception("ClusterInfo listener failed")
 
+    def _check_sequence(self, msg: internal_pb2.SchedulerMessage) -> None:
+        """A new epoch (the scheduler restarted) or a gap in the link's numbering (a message was
+        dropped on the way) loses requests in flight: fail them rather than let them hang."""
+        if msg.epoch != self._epoch:
+            if self._epoch:
+                self._fail_all("the scheduler restarted and lost the requests in flight")
+            self._epoch = msg.epoch
+        elif msg.seq != self._seq + 1:
+            self._fail_all(f"{msg.seq - self._seq - 1} messages from the scheduler were lost"
+                           if msg.seq > self._seq else "a message from the scheduler repeated")
+        self._seq = msg.seq
+
+    def _fail_all(self, message: str) -> None:
+        if self._queues:
+            log.error("failing %d requests in flight: %s", len(self._queues), message)
+        for inbox in list(self._queues.values()):
+            inbox.fail("UNAVAILABLE", message)
+
     async def _hello_loop(self) -> None:
         hello = internal_pb2.GatewayMessage(hello=True)
         while True:
-            if not self._send(hello):
-                # Not connected yet (IMMEDIATE drops the message): retry soon, so the first
-                # hello goes out as soon as the connection is up rather than a second later.
-                await asyncio.sleep(_RECONNECT_POLL)
-                continue
-            await asyncio.sleep(self.hello_interval if self.info is None else self.keepalive_interval)
-            if self.info is not None and time.monotonic() - self._last_heard > self.lost_after:
-                await self._lose_scheduler()
-
-    async def _lose_scheduler(self) -> None:
-        """The scheduler stopped answering: its requests are gone with it, so fail them now
-        (UNAVAILABLE) instead of letting clients wait for tokens that will never come."""
-        log.error("no message from the scheduler for %.0f s", time.monotonic() - self._last_heard)
-        for request_id, queue in list(self._queues.items()):
-            queue.put_nowait(internal_pb2.TokenDelta(
-                request_id=request_id, finish=internal_pb2.ERROR,
-                error=internal_pb2.Error(code="UNAVAILABLE", message="lost contact with the scheduler")))
-        await self._set_info(None)
+            # A failed send (IMMEDIATE: not connected) retries soon, so the first hello goes out
+            # as soon as the connection is up; either way the silence check below runs.
+            sent = self._send(hello)
+            await asyncio.sleep(self.keepalive_interval if sent else _RECONNECT_POLL)
+            silent = time.monotonic() - self._last_heard
+            if self.info is not None and silent > self.lost_after:
+                log.error("no message from the scheduler for %.1f s", silent)
+                self._fail_all(f"lost contact with the scheduler (silent for {silent:.1f} s)")
+                await self._set_info(None)
 
 
 def _report_crash(task: asyncio.Task) -> None:

@@ -22,9 +22,18 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--scheduler-metrics-port", type=int, default=9400,
                    help="Prometheus /metrics on 127.0.0.1 (0 = off)")
     g.add_argument("--scheduler-metrics-host", default="127.0.0.1")
-    g.add_argument("--worker-timeout", type=float, default=60.0,
-                   help="seconds without a message before a worker is dropped and its "
-                        "sequences recomputed elsewhere")
+    g.add_argument("--worker-timeout", type=float, default=1.5,
+                   help="seconds without a heartbeat (sent every 0.25 s by a thread of the "
+                        "worker's own) before a worker is dropped and its sequences recomputed "
+                        "elsewhere")
+    g.add_argument("--gateway-timeout", type=float, default=5.0,
+                   help="seconds without a message from a gateway (it says hello every second) "
+                        "before its requests are aborted and their blocks freed")
+    g.add_argument("--no-worker-timeout", type=float, default=10.0,
+                   help="seconds with no worker registered after which requests waiting for "
+                        "one end UNAVAILABLE")
+    g.add_argument("--zmq-hwm", type=int, default=1000,
+                   help="ZeroMQ high-water mark: messages queued per socket and peer")
     g.add_argument("--max-message-bytes", type=int, default=64 << 20)
     g.add_argument("--busy-poll-us", type=float, default=None,
                    help="after sending, poll without sleeping this long for the reply (lower step "

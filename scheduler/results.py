@@ -54,7 +54,7 @@ def apply_result(sched: "Scheduler", step: Step, result: pb.StepResult,
             box = outboxes.get(req.gateway)
             if box is None:
                 box = outboxes[req.gateway] = Outbox()
-            box.add_one(req.request_id, req.index, token)
+            box.add_one(req.request_id, req.index, token, len(tokens) - req.num_prompt_tokens - 1)
             continue
         req.num_unstreamed += 1
         others.append(req)

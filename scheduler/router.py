@@ -206,6 +206,27 @@ class Router:
                 self._emit(req)
         return found
 
+    def abort_gateway(self, gateway: bytes, error: pb.Error) -> int:
+        """The gateway's lease lapsed: end every request it streams, freeing their blocks, each
+        with `error` (delivered should the gateway still be there). Returns how many."""
+        ids = [rid for rid, seqs in self.seqs.items() if seqs[0].gateway == gateway]
+        for rid in ids:
+            for req in self.seqs[rid]:
+                if not req.is_finished:
+                    self._end(req)
+                    req.finish_reason = FinishReason.ERROR
+                    self._emit(req, error=error)
+            self._forget(rid)
+        return len(ids)
+
+    def fail_pending(self, code: str, message: str) -> int:
+        """End the sequences no worker has taken (none is left to take them)."""
+        pending, self.pending = self.pending, []
+        for req in pending:
+            req.status, req.finish_reason = Status.FINISHED, FinishReason.ERROR
+            self._emit(req, error=pb.Error(code=code, message=message))
+        return len(pending)
+
     def _end(self, req: Request) -> None:
         state = self._worker_of(req)
         if state is not None:
@@ -326,7 +347,8 @@ class Router:
             box = self.outbox[req.gateway] = Outbox()
         first = not req.stream_started
         if req.num_unstreamed:
-            box.add(req.request_id, req.index, req.all_token_ids[-req.num_unstreamed:])
+            box.add(req.request_id, req.index, req.all_token_ids[-req.num_unstreamed:],
+                    req.num_tokens - req.num_prompt_tokens - req.num_unstreamed)
             req.num_unstreamed = 0
         req.stream_started = True
         if first or req.is_finished:
@@ -334,7 +356,8 @@ class Router:
                                   prompt_tokens=req.num_prompt_tokens,
                                   cached_prompt_tokens=max(0, req.num_cached_tokens),
                                   queue_time_s=max(0.0, req.queue_time),
-                                  num_preemptions=req.num_preemptions)
+                                  num_preemptions=req.num_preemptions,
+                                  offset=req.num_tokens - req.num_prompt_tokens)
             if req.is_finished:
                 delta.finish = int(req.finish_reason)
                 if error is not None:

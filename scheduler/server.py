@@ -3,10 +3,18 @@
 Gateways connect to one (AddRequest/AbortRequest up, TokenDeltas down), workers to the other
 (hello/results up, plans down). Every frame is one protobuf message. The loop is synchronous:
 a plan goes to a worker the moment its previous result is back.
+
+Liveness: every gateway says hello each second and gets an answer, which is its lease: a gateway
+silent for --gateway-timeout loses its requests (aborted, blocks freed). Every worker heartbeats
+from a thread of its own; one silent for --worker-timeout is dropped and its sequences are
+recomputed on the others. With no worker for --no-worker-timeout, requests still waiting for one
+end UNAVAILABLE. Messages to a gateway carry this scheduler's epoch and a per-link sequence
+number, so a gateway notices a restart or a dropped message.
 """
 from __future__ import annotations
 
 import logging
+import secrets
 import signal
 import time
 
@@ -17,6 +25,11 @@ from proto.polling import poll, resolve_busy_poll_us
 from scheduler.router import Rejected, Router, RouterConfig
 
 log = logging.getLogger("pagoda.scheduler")
+
+# How often leases and heartbeats are checked: well inside the 2 s a dead worker may take.
+_CHECK_INTERVAL = 0.1
+# A worker that was asked to say hello again is asked again only after this long.
+_REREGISTER_AGAIN_S = 3.0
 
 
 class SchedulerServer:
@@ -30,7 +43,11 @@ class SchedulerServer:
         self.ctx = zmq.Context()
         self.gateways = self._bind(args.scheduler_gateway_address)
         self.workers = self._bind(args.scheduler_worker_address)
-        self.known_gateways: set[bytes] = set()
+        self.epoch = secrets.randbits(63) + 1
+        self.gateway_seen: dict[bytes, float] = {}  # the gateways' leases: last message
+        self.gateway_seq: dict[bytes, int] = {}     # last sequence number sent on each link
+        self.no_workers_since: float | None = time.monotonic()
+        self.reregister_asked: dict[bytes, float] = {}
         self.busy_poll_us = resolve_busy_poll_us(args.busy_poll_us)
         self.running = True
 
@@ -38,6 +55,10 @@ class SchedulerServer:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.args.max_message_bytes)
+        # Past the high-water mark a send fails (ROUTER_MANDATORY) and is dropped: a gateway
+        # sees the gap in its sequence numbers, a worker is dropped as unreachable.
+        sock.setsockopt(zmq.SNDHWM, self.args.zmq_hwm)
+        sock.setsockopt(zmq.RCVHWM, self.args.zmq_hwm)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer raises instead of dropping silently
         sock.bind(address)
         return sock
@@ -60,8 +81,9 @@ class SchedulerServer:
             if self.workers in events:
                 self._drain(self.workers, self._on_worker)
             now = time.monotonic()
-            if now - last_check > 0.5:
+            if now - last_check > _CHECK_INTERVAL:
                 self._check_workers(now)
+                self._check_gateways(now)
                 last_check = now
             self._send_plans()
             self._flush_deltas()
@@ -90,7 +112,7 @@ class SchedulerServer:
         except Exception:  # noqa: BLE001 - a bad frame must not stop the scheduler
             log.warning("unparseable gateway message from %r", ident)
             return
-        self.known_gateways.add(ident)
+        self.gateway_seen[ident] = time.monotonic()
         kind = msg.WhichOneof("kind")
         if kind == "add":
             try:
@@ -112,8 +134,22 @@ class SchedulerServer:
 
     def _broadcast_info(self) -> None:
         info = self.router.cluster_info()
-        for ident in list(self.known_gateways):
+        for ident in list(self.gateway_seen):
             self._send(self.gateways, ident, pb.SchedulerMessage(info=info))
+
+    def _check_gateways(self, now: float) -> None:
+        """A gateway whose lease lapsed is gone (or cut off): its requests would run to
+        max_tokens for nobody, so end them now and free their blocks."""
+        for ident, seen in list(self.gateway_seen.items()):
+            if now - seen <= self.args.gateway_timeout:
+                continue
+            n = self.router.abort_gateway(ident, pb.Error(code="UNAVAILABLE", message=(
+                f"the scheduler heard nothing from this gateway for "
+                f"{self.args.gateway_timeout:g} s (--gateway-timeout)")))
+            log.warning("gateway %r silent for %.1f s: %d requests aborted", ident, now - seen, n)
+            self._flush_deltas()  # in case it is only slow: it learns why its streams ended
+            del self.gateway_seen[ident]
+            self.gateway_seq.pop(ident, None)
 
     def _flush_deltas(self) -> None:
         for ident, msg in self.router.take_outbox().items():
@@ -128,6 +164,13 @@ class SchedulerServer:
             log.warning("unparseable worker message from %r", ident)
             return
         kind = msg.WhichOneof("kind")
+        if kind == "heartbeat_of":
+            # From the worker's heartbeat socket, for its main one. An unknown worker learns
+            # that it must register again from its main socket (idle heartbeat or result).
+            state = self.router.workers.get(msg.heartbeat_of)
+            if state is not None:
+                state.last_seen = time.monotonic()
+            return
         state = self.router.workers.get(ident)
         if state is not None:
             state.last_seen = time.monotonic()
@@ -138,10 +181,15 @@ class SchedulerServer:
                 self._send(self.workers, ident, pb.SchedulerToWorker(refused=why))
                 return
             self.router.register(ident, msg.hello)
+            self.reregister_asked.pop(ident, None)
             self._broadcast_info()
         elif state is None:
-            # A worker from before a scheduler restart: have it register again.
-            self._send(self.workers, ident, pb.SchedulerToWorker(reregister=True))
+            # A worker from before a scheduler restart: have it register again, once (its stale
+            # results and heartbeats would otherwise each ask for another hello).
+            now = time.monotonic()
+            if now - self.reregister_asked.get(ident, 0.0) > _REREGISTER_AGAIN_S:
+                self.reregister_asked[ident] = now
+                self._send(self.workers, ident, pb.SchedulerToWorker(reregister=True))
         elif kind == "result":
             self.router.on_result(ident, msg.result)
 
@@ -149,9 +197,22 @@ class SchedulerServer:
         dead = [w for w, s in self.router.workers.items()
                 if now - s.last_seen > self.args.worker_timeout]
         for ident in dead:
-            self.router.remove(ident, f"silent for {self.args.worker_timeout:.0f}s")
+            self.router.remove(ident, f"silent for {self.args.worker_timeout:g} s")
         if dead:
             self._broadcast_info()
+        if self.reregister_asked:
+            self.reregister_asked = {w: t for w, t in self.reregister_asked.items()
+                                     if now - t <= _REREGISTER_AGAIN_S}
+        if self.router.workers:
+            self.no_workers_since = None
+            return
+        if self.no_workers_since is None:
+            self.no_workers_since = now
+        elif now - self.no_workers_since > self.args.no_worker_timeout and self.router.pending:
+            n = self.router.fail_pending("UNAVAILABLE", (
+                f"no worker has been registered with the scheduler for "
+                f"{self.args.no_worker_timeout:g} s (--no-worker-timeout)"))
+            log.error("no worker for %.1f s: %d waiting sequences failed", now - self.no_workers_since, n)
 
     def _send_plans(self) -> None:
         # Again until no worker takes one more: a worker with no plan out gets the plan after
@@ -164,12 +225,14 @@ class SchedulerServer:
 
     # -- plumbing -----------------------------------------------------------------------------
     def _send(self, sock: zmq.Socket, ident: bytes, msg) -> bool:
+        if sock is self.gateways:
+            # Numbered even if the send fails: the gap is how the gateway learns of the loss.
+            msg.epoch = self.epoch
+            msg.seq = self.gateway_seq[ident] = self.gateway_seq.get(ident, 0) + 1
         try:
             sock.send_multipart([ident, msg.SerializeToString()], zmq.NOBLOCK)
             return True
         except zmq.ZMQError as e:
-            if sock is self.gateways:
-                self.known_gateways.discard(ident)
             log.warning("cannot reach %r: %s", ident, e)
             return False
 

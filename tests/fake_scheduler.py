@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import random
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -102,6 +103,9 @@ class FakeScheduler:
         self.peers: set[bytes] = set()
         self.running: dict[str, _Running] = {}  # by internal request id
         self.public: dict[str, str] = {}  # public id -> internal id, while running
+        self.epoch = random.getrandbits(63) + 1
+        self.seqs: dict[bytes, int] = {}
+        self.sent_tokens: dict[tuple[str, int], int] = {}
         self._ctx = zmq.asyncio.Context()
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -116,6 +120,14 @@ class FakeScheduler:
         return cluster_info(self.tok, self.num_workers, self.max_model_len)
 
     async def send(self, peer: bytes, msg: ipb.SchedulerMessage) -> None:
+        """Numbers the message as the real scheduler does: epoch, the link's seq, and each
+        delta's offset (output tokens sent before it on its sequence)."""
+        msg.epoch = self.epoch
+        msg.seq = self.seqs[peer] = self.seqs.get(peer, 0) + 1
+        for d in msg.deltas:
+            key = (d.request_id, d.index)
+            d.offset = self.sent_tokens.get(key, 0)
+            self.sent_tokens[key] = d.offset + len(d.token_ids)
         await self.sock.send_multipart([peer, msg.SerializeToString()])
 
     async def set_workers(self, n: int) -> None:

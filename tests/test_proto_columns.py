@@ -30,15 +30,15 @@ def test_a_column_of_odd_length_is_an_error():
 def test_outbox_entries_arrive_in_order(entries):
     """The gateway must see a stream's tokens in the order the scheduler added them."""
     box = Outbox()
-    for rid, index, tokens in entries:
-        box.add(rid, index, tokens)
+    for offset, (rid, index, tokens) in enumerate(entries):
+        box.add(rid, index, tokens, offset)
     msg = pb.SchedulerMessage.FromString(box.to_message().SerializeToString())
-    got = [(d.request_id, d.index, list(d.token_ids)) for d in expand_deltas(msg)]
-    assert got == [(rid, index, tokens) for rid, index, tokens in entries]
+    got = [(d.request_id, d.index, list(d.token_ids), d.offset) for d in expand_deltas(msg)]
+    assert got == [(rid, index, tokens, offset) for offset, (rid, index, tokens) in enumerate(entries)]
 
 
 def test_misaligned_columns_are_refused():
     msg = pb.SchedulerMessage(request_ids=["a", "b"], indices=pack([0, 0]), num_tokens=pack([1, 2]),
-                              token_ids=pack([5, 6]))
+                              token_ids=pack([5, 6]), offsets=pack([0, 0]))
     with pytest.raises(ValueError, match="line up"):
         expand_deltas(msg)

@@ -48,7 +48,7 @@ def receive(sock: zmq.Socket, timeout_s: float = 60.0, skip_heartbeats: bool = T
         if sock.poll(int((deadline - time.monotonic()) * 1000) + 1):
             ident, data = sock.recv_multipart()
             msg = internal_pb2.WorkerMessage.FromString(data)
-            if skip_heartbeats and msg.WhichOneof("kind") == "heartbeat":
+            if skip_heartbeats and msg.WhichOneof("kind") in ("heartbeat", "heartbeat_of"):
                 continue
             return ident, msg
     raise TimeoutError("no message from the worker")
@@ -71,8 +71,10 @@ def test_hello_plan_heartbeat_reregister_shutdown(tiny_model, scheduler_socket):
         _, msg = receive(sock)
         assert msg.result.step_id == 3 and unpack_list(msg.result.slots) == [4] and not msg.result.error
 
-        _, msg = receive(sock, timeout_s=5, skip_heartbeats=False)  # idle: a heartbeat within ~1 s
-        assert msg.heartbeat
+        # Idle: the main socket heartbeats within ~1 s, the heartbeat thread every 0.25 s.
+        beats = [receive(sock, timeout_s=5, skip_heartbeats=False) for _ in range(8)]
+        assert any(i == ident and m.heartbeat for i, m in beats)
+        assert {m.heartbeat_of for i, m in beats if i != ident} == {ident}
 
         sock.send_multipart([ident, b"\xff\xfe not protobuf"])  # ignored, not fatal
         send(sock, ident, reregister=True)

@@ -48,6 +48,8 @@ def add_worker_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--worker-id", default=None, help="default: hostname-pid")
     g.add_argument("--max-message-bytes", type=int, default=64 << 20,
                    help="largest ZeroMQ message accepted from the scheduler")
+    g.add_argument("--zmq-hwm", type=int, default=1000,
+                   help="ZeroMQ high-water mark: messages queued per socket and peer")
     g.add_argument("--log-level", default="INFO")
     g.add_argument("--busy-poll-us", type=float, default=None,
                    help="after sending, poll without sleeping this long for the reply (lower step "

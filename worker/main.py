@@ -1,8 +1,10 @@
 """`python -m worker.main [flags]`: one worker process, a ZeroMQ DEALER facing the scheduler.
 
 It says hello once the model is loaded and the cache allocated, then answers every plan with a
-result, heartbeats while idle, and says hello again when the scheduler asks (after a restart).
-Every frame is one protobuf message.
+result, and says hello again when the scheduler asks (after a restart). A thread heartbeats on a
+socket of its own (worker/heartbeat.py), so a long forward never looks like a dead worker; the
+main socket heartbeats too while idle, which is how a restarted scheduler finds it to ask for a
+new hello. Every frame is one protobuf message.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import zmq
 from proto import internal_pb2
 from proto.polling import poll, resolve_busy_poll_us
 from worker.args import add_worker_args
+from worker.heartbeat import heartbeats, main_routing_id
 
 logger = logging.getLogger("pagoda.worker")
 
@@ -55,6 +58,7 @@ def serve(runner, sock: zmq.Socket, busy_poll_us: float = 0.0) -> int:
                 return 1
             elif kind == "reregister":
                 logger.info("the scheduler does not know this worker: saying hello again")
+                runner.seqs.clear()  # a scheduler that asks knows none of our sequences
                 send(internal_pb2.WorkerMessage(hello=runner.hello()))
                 last_sent = time.monotonic()
         if time.monotonic() - last_sent >= HEARTBEAT_S:
@@ -90,10 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, args.max_message_bytes)
+    sock.setsockopt(zmq.SNDHWM, args.zmq_hwm)
+    sock.setsockopt(zmq.RCVHWM, args.zmq_hwm)
+    routing_id = main_routing_id(runner.worker_id)
+    sock.setsockopt(zmq.ROUTING_ID, routing_id)
     try:
         sock.connect(args.scheduler_worker_address)
         logger.info("worker %s connected to %s", runner.worker_id, args.scheduler_worker_address)
-        return serve(runner, sock, resolve_busy_poll_us(args.busy_poll_us))
+        with heartbeats(ctx, args.scheduler_worker_address, routing_id, hwm=args.zmq_hwm):
+            return serve(runner, sock, resolve_busy_poll_us(args.busy_poll_us))
     finally:
         sock.close(0)
         ctx.term()

@@ -1,0 +1,141 @@
+"""The real scheduler and gateway processes around fake worker processes (tests/fake_worker.py),
+each started, killed and restarted on its own, on free loopback ports: for fault tests where the
+model is not the point."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto import pagoda_pb2_grpc
+from tests.cluster import ROOT, free_port, wait_for
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class FakeCluster:
+    def __init__(self, log_dir: Path, scheduler_flags=(), gateway_flags=(), worker_flags=()):
+        self.log_dir = log_dir
+        self.grpc_port, self.metrics_port = free_port(), free_port()
+        self.gateway_address = f"tcp://127.0.0.1:{free_port()}"
+        self.worker_address = f"tcp://127.0.0.1:{free_port()}"
+        self.scheduler_flags, self.gateway_flags = list(scheduler_flags), list(gateway_flags)
+        self.worker_flags = list(worker_flags)
+        self.scheduler: subprocess.Popen | None = None
+        self.gateway: subprocess.Popen | None = None
+        self.workers: list[subprocess.Popen] = []
+        self.channel = grpc.insecure_channel(self.target)
+        self.stub = pagoda_pb2_grpc.GenerationStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def _spawn(self, name: str, module: str, *flags: str) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "ab")
+        return subprocess.Popen([sys.executable, "-m", module, *flags], cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+    def start_scheduler(self) -> None:
+        self.scheduler = self._spawn(
+            "scheduler", "scheduler.main", "--scheduler-gateway-address", self.gateway_address,
+            "--scheduler-worker-address", self.worker_address,
+            "--scheduler-metrics-port", str(self.metrics_port), *self.scheduler_flags)
+
+    def start_gateway(self) -> None:
+        self.gateway = self._spawn(
+            "gateway", "gateway.main", "--port", str(self.grpc_port), "--gateway-metrics-port", "0",
+            "--scheduler-gateway-address", self.gateway_address, *self.gateway_flags)
+
+    def start_worker(self, *flags: str) -> subprocess.Popen:
+        proc = self._spawn(f"worker{len(self.workers)}", "tests.fake_worker",
+                           "--scheduler-worker-address", self.worker_address,
+                           *self.worker_flags, *flags)
+        self.workers.append(proc)
+        return proc
+
+    def start(self, num_workers: int = 1, timeout: float = 60) -> "FakeCluster":
+        self.start_scheduler()
+        for _ in range(num_workers):
+            self.start_worker()
+        self.start_gateway()
+        assert self.wait_health(SERVING, timeout), self.log_tail()
+        assert wait_for(lambda: self.num_workers() == num_workers, timeout), self.log_tail()
+        return self
+
+    def health_status(self) -> int | None:
+        try:
+            return self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
+        except grpc.RpcError:
+            return None
+
+    def wait_health(self, status: int, timeout: float) -> bool:
+        return wait_for(lambda: self.health_status() == status, timeout)
+
+    def scheduler_metrics(self) -> dict[str, float]:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def metric(self, name: str) -> float:
+        """Summed over workers."""
+        return sum(v for k, v in self.scheduler_metrics().items() if k.split("{")[0] == name)
+
+    def num_workers(self) -> int:
+        try:
+            return sum(1 for k in self.scheduler_metrics() if k.startswith("pagoda_kv_blocks_total{"))
+        except OSError:
+            return -1
+
+    def idle_and_free(self) -> bool:
+        """No sequence running or waiting anywhere, and every KV block free."""
+        m = self.scheduler_metrics()
+        total = lambda name: sum(v for k, v in m.items() if k.split("{")[0] == name)  # noqa: E731
+        return (total("pagoda_num_requests_running") == 0 and total("pagoda_num_requests_waiting") == 0
+                and total("pagoda_num_requests_swapped") == 0
+                and total("pagoda_kv_blocks_free") == total("pagoda_kv_blocks_total"))
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-chars:]}"
+                         for p in sorted(self.log_dir.glob("*.log")))
+
+    @staticmethod
+    def kill(proc: subprocess.Popen | None) -> None:
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+
+    def stop(self) -> None:
+        self.channel.close()
+        for proc in [self.gateway, *self.workers, self.scheduler]:
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in [self.gateway, *self.workers, self.scheduler]:
+            if proc is None:
+                continue
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill(proc)
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")

@@ -1,0 +1,53 @@
+"""The gateway's gRPC receive limit is the largest valid GenerateRequest, computed from the
+request limits (gateway/sizes.py): every valid request fits, and the bound is tight."""
+from __future__ import annotations
+
+import pytest
+
+from gateway.sizes import CONTEXT_BOUND, largest_generate_request
+from gateway.validate import Limits
+from proto import pagoda_pb2 as pb
+
+WIDE = "\U0010ffff"  # 4 bytes in UTF-8
+
+
+def worst_requests(limits: Limits) -> dict[str, pb.GenerateRequest]:
+    """Each of the three prompt forms with every field at its limit."""
+    chars = limits.max_prompt_chars
+    common = dict(
+        request_id="r" * limits.max_request_id_bytes, priority=-limits.max_priority,
+        truncate_prompt_tokens=2**31 - 1, skip_special_tokens=True, return_prompt_token_ids=True,
+        sampling=pb.SamplingParams(
+            temperature=1.5, top_p=0.5, top_k=2**31 - 1, min_p=0.5, presence_penalty=-2,
+            frequency_penalty=-2, repetition_penalty=1.5, seed=2**64 - 1, n=16,
+            logprobs=limits.max_logprobs, prompt_logprobs=limits.max_logprobs,
+            logit_bias={2**32 - 1 - i: -100.0 for i in range(limits.max_logit_bias)}),
+        stopping=pb.StoppingCriteria(
+            max_tokens=2**31 - 1, min_tokens=2**31 - 1, ignore_eos=True,
+            include_stop_str_in_output=True,
+            stop=["s" * limits.max_stop_string_bytes] * limits.max_stop_strings,
+            stop_token_ids=[2**32 - 1] * limits.max_stop_token_ids))
+    return {
+        "prompt": pb.GenerateRequest(prompt=WIDE * chars, **common),
+        "prompt_token_ids": pb.GenerateRequest(prompt_token_ids=[2**32 - 1] * limits.max_model_len,
+                                               **common),
+        "messages": pb.GenerateRequest(messages=[pb.ChatMessage(role="assistant", content=WIDE * chars)] + [
+            pb.ChatMessage(role="assistant")] * (limits.max_messages - 1), **common),
+    }
+
+
+@pytest.mark.parametrize("max_model_len", [64, 4096])
+def test_every_valid_request_fits_the_computed_limit_and_the_limit_is_tight(max_model_len):
+    limits = Limits(max_model_len=max_model_len, vocab_size=0)
+    bound = largest_generate_request(limits, max_model_len)
+    sizes = {form: req.ByteSize() for form, req in worst_requests(limits).items()}
+    print(f"\nmax_model_len {max_model_len}: limit {bound} bytes; largest valid: {sizes}")
+    assert max(sizes.values()) <= bound < max(sizes.values()) + 4096
+
+
+def test_the_default_limit_is_far_below_the_old_64_mib():
+    bound = largest_generate_request(Limits(max_model_len=0, vocab_size=0))
+    print(f"\ndefault gRPC receive limit (context bound {CONTEXT_BOUND}): {bound / 2**20:.1f} MiB")
+    assert bound == largest_generate_request(Limits(max_model_len=CONTEXT_BOUND, vocab_size=0),
+                                             CONTEXT_BOUND)
+    assert bound < 17 * 2**20
