@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway import metrics
+from gateway.auth import ApiKeyInterceptor, server_credentials
 from gateway.scheduler_client import SchedulerClient
 from gateway.server import GenerationServicer
 from gateway.tokenizer import TextTokenizer
@@ -31,20 +32,25 @@ def _bind_address(host: str, port: int) -> str:
 class Gateway:
     def __init__(self, tokenizer: TextTokenizer, scheduler_address: str, host: str = "127.0.0.1",
                  port: int = 50051, max_message_bytes: int = 16 << 20,
-                 client: SchedulerClient | None = None, limits: Limits | None = None):
+                 client: SchedulerClient | None = None, limits: Limits | None = None,
+                 keys_dir: str | None = None, api_keys: tuple[str, ...] = (),
+                 ssl: tuple[str, str] | None = None):
         self.tokenizer = tokenizer
         self.host = host
         self.port = port
-        self.client = client or SchedulerClient(scheduler_address, max_message_bytes)
+        self.client = client or SchedulerClient(scheduler_address, max_message_bytes,
+                                                keys_dir=keys_dir, model=tokenizer.name)
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=[
+        self.ssl = ssl  # (certfile, keyfile): TLS on the gRPC port
+        interceptors = [ApiKeyInterceptor(api_keys)] if api_keys else []
+        self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             # Without this a second gateway on the same port would silently share it.
             ("grpc.so_reuseport", 0),
         ])
         pagoda_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(tokenizer, self.client, limits), self.server)
+            GenerationServicer(tokenizer, self.client, limits, api_keys), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -54,7 +60,9 @@ class Gateway:
 
     async def start(self) -> int:
         """Binds and starts serving; returns the bound port (useful with port 0)."""
-        bound = self.server.add_insecure_port(_bind_address(self.host, self.port))
+        address = _bind_address(self.host, self.port)
+        bound = (self.server.add_secure_port(address, server_credentials(*self.ssl)) if self.ssl
+                 else self.server.add_insecure_port(address))
         if not bound:
             raise OSError(f"cannot bind the gateway to {_bind_address(self.host, self.port)}")
         self.port = bound

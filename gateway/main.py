@@ -13,10 +13,12 @@ import sys
 import uvloop
 
 from gateway.app import Gateway
+from gateway.auth import api_keys_from
 from gateway.args import parse_gateway_args
 from gateway.metrics import start_metrics_server
 from gateway.tokenizer import load_tokenizer
 from gateway.validate import limits_from_args
+from proto.auth import check_auth_args
 
 GRACE_SECONDS = 5.0
 log = logging.getLogger("pagoda.gateway")
@@ -26,7 +28,9 @@ async def run(args) -> None:
     tokenizer = load_tokenizer(args.model)
     gateway = Gateway(tokenizer, args.scheduler_gateway_address, host=args.host, port=args.port,
                       max_message_bytes=args.max_message_bytes,
-                      limits=limits_from_args(args, max_model_len=0, vocab_size=0))
+                      limits=limits_from_args(args, max_model_len=0, vocab_size=0),
+                      keys_dir=args.zmq_keys_dir, api_keys=api_keys_from(args),
+                      ssl=(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None)
     await gateway.start()
     metrics_server = start_metrics_server(args.gateway_metrics_port, args.gateway_metrics_host)
 
@@ -45,6 +49,7 @@ async def run(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_gateway_args(argv)
+    check_auth_args(args, args.scheduler_gateway_address)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s gateway: %(message)s")
     uvloop.run(run(args))

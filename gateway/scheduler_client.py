@@ -19,6 +19,7 @@ import zmq
 import zmq.asyncio
 
 from proto import internal_pb2
+from proto.auth import PROTOCOL_VERSION, secure_client
 from proto.codec import expand_deltas
 
 log = logging.getLogger("pagoda.gateway")
@@ -35,11 +36,14 @@ class SchedulerUnavailable(RuntimeError):
 class SchedulerClient:
     def __init__(self, address: str, max_message_bytes: int = 16 << 20, *,
                  hello_interval: float = 1.0, keepalive_interval: float = 5.0,
-                 lost_after: float = 20.0):
+                 lost_after: float = 20.0, keys_dir: str | None = None, model: str = ""):
         # Internal ids are f"{gateway_id}-{n}": unique across gateway replicas without coordination.
         self.gateway_id = uuid.uuid4().hex
         self.address = address
         self.max_message_bytes = max_message_bytes
+        self.keys_dir = keys_dir  # CURVE keys (proto/auth.py); None: plain, for loopback tests
+        self.model = model  # named in the hello: a scheduler serving another model refuses it
+        self.refused = ""   # why the scheduler refused this gateway's hello, if it did
         self.hello_interval = hello_interval
         # After the first ClusterInfo a slow hello doubles as a liveness probe, and lets a
         # restarted scheduler learn this gateway's routing id again.
@@ -70,6 +74,7 @@ class SchedulerClient:
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         sock.setsockopt(zmq.ROUTING_ID, f"gateway-{self.gateway_id}".encode())
+        secure_client(sock, self.keys_dir, "gateway")
         sock.connect(self.address)
         self._sock = sock
         self._last_heard = time.monotonic()
@@ -165,7 +170,15 @@ class SchedulerClient:
                 future = self._calls.get(reply.call_id)
                 if future is not None and not future.done():
                     future.set_result(reply)
+            if msg.refused and msg.refused != self.refused:
+                log.error("the scheduler refused this gateway: %s", msg.refused)
+            self.refused = msg.refused
             if msg.HasField("info"):
+                if msg.info.protocol_version != PROTOCOL_VERSION:
+                    self.refused = (f"the scheduler speaks protocol version "
+                                    f"{msg.info.protocol_version}, this gateway {PROTOCOL_VERSION}")
+                    log.error("ignoring the scheduler: %s", self.refused)
+                    continue
                 await self._set_info(msg.info)
 
     async def _set_info(self, info: internal_pb2.ClusterInfo | None) -> None:
@@ -182,7 +195,8 @@ class SchedulerClient:
                 log.exception("ClusterInfo listener failed")
 
     async def _hello_loop(self) -> None:
-        hello = internal_pb2.GatewayMessage(hello=True)
+        hello = internal_pb2.GatewayMessage(hello=internal_pb2.GatewayHello(
+            protocol_version=PROTOCOL_VERSION, model=self.model))
         while True:
             if not self._send(hello):
                 # Not connected yet (IMMEDIATE drops the message): retry soon, so the first

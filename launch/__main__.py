@@ -3,7 +3,8 @@ loopback, until Ctrl-C stops all of them.
 
 Each flag goes to every process whose parser knows it, so `--max-num-seqs 8` reaches the
 scheduler, `--num-gpu-blocks-override 64` the workers, and an address flag both ends of its
-socket. The launcher itself owns only --num-workers.
+socket. The launcher itself owns only --num-workers. Unless --zmq-keys-dir or --insecure is
+given, it creates a CURVE key set in .cache/zmq-keys on first use and hands it to every process.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_KEYS_DIR = ROOT / ".cache" / "zmq-keys"
 
 
 def process_parsers() -> dict[str, argparse.ArgumentParser]:
@@ -63,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     own.add_argument("--num-workers", type=int, default=1)
     opts, rest = own.parse_known_args(argv)
+    if not any(f.split("=")[0] in ("--zmq-keys-dir", "--insecure") for f in rest):
+        from proto.auth import create_keys
+        rest += ["--zmq-keys-dir", str(create_keys(DEFAULT_KEYS_DIR))]
     routed = route_flags(rest, process_parsers())
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")

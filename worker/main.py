@@ -15,6 +15,7 @@ import time
 import zmq
 
 from proto import internal_pb2
+from proto.auth import check_auth_args, secure_client
 from proto.polling import poll, resolve_busy_poll_us
 from worker.args import add_worker_args
 
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     args = add_worker_args(argparse.ArgumentParser("pagoda worker", description=__doc__)).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    check_auth_args(args, args.scheduler_worker_address)
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
 
@@ -90,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, args.max_message_bytes)
+    secure_client(sock, args.zmq_keys_dir, "worker")
     try:
         sock.connect(args.scheduler_worker_address)
         logger.info("worker %s connected to %s", runner.worker_id, args.scheduler_worker_address)

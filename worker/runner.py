@@ -16,6 +16,7 @@ import torch
 from kernels.select import select_backend
 from launch.models import model_display_name, resolve_model
 from proto import internal_pb2
+from proto.auth import PROTOCOL_VERSION
 from proto.columns import pack, pack_f32, unpack_list
 from worker.args import default_worker_id
 from worker.attention import AttentionMetadata
@@ -118,6 +119,7 @@ class ModelRunner:
             eos_token_ids=self.eos_token_ids,
             no_eos=not self.eos_token_ids,
             max_num_batched_tokens=self.args.max_num_batched_tokens,
+            protocol_version=PROTOCOL_VERSION,
         )
 
     def execute(self, plan: internal_pb2.StepPlan) -> internal_pb2.StepResult:
