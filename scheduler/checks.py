@@ -56,8 +56,8 @@ def _first(*whys: str | None) -> str | None:
 
 def check_version(who: str, version: int) -> str | None:
     if version != PROTOCOL_VERSION:
-        return (f"{who} speaks protocol version {version}, this scheduler {PROTOCOL_VERSION}: "
-                "upgrade both to the same release")
+        return (f"protocol_version: {who} speaks version {version}, this scheduler "
+                f"{PROTOCOL_VERSION}; run the same release on both")
     return None
 
 
