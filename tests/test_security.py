@@ -136,6 +136,31 @@ def test_a_result_with_tokens_outside_the_vocabulary_is_refused():
         ipb.StepResult(step_id=1, slots=b"abc", token_ids=b""), vocab_size=1000)
 
 
+def test_a_plan_with_ids_outside_the_cache_or_vocabulary_is_refused_by_the_worker():
+    from proto.columns import pack
+    from worker.checks import check_plan
+    ok = ipb.StepPlan(step_id=1, new_seqs=[ipb.NewSeq(seq_id="s", token_ids=[1, 2, 3], block_ids=[0],
+                                                      num_new_tokens=3)],
+                      running_slots=pack([4]), running_num_tokens=pack([1]),
+                      new_block_slots=pack([4]), new_block_ids=pack([7]))
+    assert check_plan(ok, num_blocks=8, num_cpu_blocks=0, vocab_size=100) is None
+    bad = {"new_block_ids": dict(new_block_ids=pack([8])),
+           "copy": dict(copy=[ipb.BlockCopy(src=0, dst=9)]),
+           "swap_out.dst": dict(swap_out=[ipb.BlockCopy(src=0, dst=0)]),
+           "new_seqs[t].token_ids": dict(new_seqs=[ipb.NewSeq(seq_id="t", token_ids=[100])]),
+           "new_seqs[u] computes": dict(new_seqs=[ipb.NewSeq(seq_id="u", token_ids=[1],
+                                                             num_new_tokens=2)]),
+           "running or new-block": dict(running_num_tokens=pack([1, 1]))}
+    for field, change in bad.items():
+        plan = ipb.StepPlan()
+        plan.CopyFrom(ok)
+        for k, v in change.items():
+            plan.ClearField(k)
+            getattr(plan, k).extend(v) if isinstance(v, list) else setattr(plan, k, v)
+        why = check_plan(plan, num_blocks=8, num_cpu_blocks=0, vocab_size=100)
+        assert why is not None and why.startswith(field), (field, why)
+
+
 # ---------------------------------------------------------------------------- prefix-cache keys
 
 def test_block_hashes_are_sha256_with_a_root_drawn_per_process():

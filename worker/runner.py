@@ -17,6 +17,7 @@ from kernels.select import select_backend
 from launch.models import model_display_name, resolve_model
 from proto import internal_pb2
 from proto.auth import PROTOCOL_VERSION
+from worker.checks import check_plan
 from proto.columns import pack, pack_f32, unpack_list
 from worker.args import default_worker_id
 from worker.attention import AttentionMetadata
@@ -125,6 +126,11 @@ class ModelRunner:
     def execute(self, plan: internal_pb2.StepPlan) -> internal_pb2.StepResult:
         result = internal_pb2.StepResult(step_id=plan.step_id)
         start = time.perf_counter()
+        if why := check_plan(plan, self.cache.num_blocks, self.cache.num_cpu_blocks,
+                             self.config.vocab_size):
+            logger.error("refused step %d: %s", plan.step_id, why)
+            result.error = f"bad plan: {why}"
+            return result
         try:
             with torch.inference_mode():
                 self._execute(plan, result)
