@@ -55,6 +55,15 @@ def route_flags(argv: list[str], parsers: dict[str, argparse.ArgumentParser]) ->
     return routed
 
 
+def with_keys(argv: list[str], keys_dir: Path = DEFAULT_KEYS_DIR) -> list[str]:
+    """argv with --zmq-keys-dir added (the key set created on first use) unless it chooses its
+    own keys or --insecure."""
+    if any(f.split("=")[0] in ("--zmq-keys-dir", "--insecure") for f in argv):
+        return argv
+    from proto.auth import create_keys
+    return [*argv, "--zmq-keys-dir", str(create_keys(keys_dir))]
+
+
 def module_command(module: str, args: list[str]) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
@@ -65,10 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     own.add_argument("--num-workers", type=int, default=1)
     opts, rest = own.parse_known_args(argv)
-    if not any(f.split("=")[0] in ("--zmq-keys-dir", "--insecure") for f in rest):
-        from proto.auth import create_keys
-        rest += ["--zmq-keys-dir", str(create_keys(DEFAULT_KEYS_DIR))]
-    routed = route_flags(rest, process_parsers())
+    routed = route_flags(with_keys(rest), process_parsers())
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     commands = [("scheduler", module_command("scheduler.main", routed["scheduler"]))]

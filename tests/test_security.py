@@ -70,6 +70,19 @@ def test_only_authorized_keys_reach_a_curve_socket(tmp_path):
         ctx.term()
 
 
+def test_the_launcher_makes_a_key_set_once_and_hands_it_to_every_process(tmp_path):
+    from launch.__main__ import process_parsers, route_flags, with_keys
+    routed = route_flags(with_keys(["--port", "6000"], tmp_path / "keys"), process_parsers())
+    for name in ("scheduler", "worker", "gateway"):
+        assert routed[name][-2:] == ["--zmq-keys-dir", str(tmp_path / "keys")]
+    secret = (tmp_path / "keys" / "scheduler.key_secret").read_bytes()
+    assert sorted(p.name for p in (tmp_path / "keys" / "authorized").iterdir()) == ["gateway.key", "worker.key"]
+    with_keys([], tmp_path / "keys")
+    assert (tmp_path / "keys" / "scheduler.key_secret").read_bytes() == secret  # kept, not remade
+    assert with_keys(["--insecure"], tmp_path / "other") == ["--insecure"]
+    assert not (tmp_path / "other").exists()
+
+
 def _args(**kw):
     return argparse.Namespace(**{"zmq_keys_dir": None, "insecure": False, **kw})
 
