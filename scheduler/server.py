@@ -34,6 +34,7 @@ class SchedulerServer:
         self.gateways = self._bind(args.scheduler_gateway_address)
         self.workers = self._bind(args.scheduler_worker_address)
         self.known_gateways: set[bytes] = set()
+        self.refused_gateways: set[bytes] = set()  # until a hello of theirs is accepted
         self.busy_poll_us = resolve_busy_poll_us(args.busy_poll_us)
         self.running = True
 
@@ -105,12 +106,20 @@ class SchedulerServer:
                     request_id=msg.add.request_id, finish=pb.ERROR,
                     error=pb.Error(code="INVALID_ARGUMENT", message=why))]))
             return
-        if kind == "hello" and (why := checks.check_gateway_hello(
-                msg.hello, self.router.cluster_info().model)):
-            log.error("refused gateway %r: %s", ident[:64], why)
-            self.known_gateways.discard(ident)
-            self._send(self.gateways, ident, pb.SchedulerMessage(refused=why))
-            return
+        if kind == "hello":
+            if why := checks.check_gateway_hello(msg.hello, self.router.cluster_info().model):
+                # Once per gateway: it says hello again every second while refused.
+                if ident not in self.refused_gateways:
+                    log.error("refused gateway %r: %s", ident[:64], why)
+                if len(self.refused_gateways) >= 4096:
+                    self.refused_gateways.clear()  # bounded; a forgotten one is refused again
+                self.refused_gateways.add(ident)
+                self.known_gateways.discard(ident)
+                self._send(self.gateways, ident, pb.SchedulerMessage(refused=why))
+                return
+            self.refused_gateways.discard(ident)
+        elif ident in self.refused_gateways:
+            return  # an incompatible gateway's requests could mean anything
         self.known_gateways.add(ident)
         if kind == "add":
             try:

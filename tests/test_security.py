@@ -98,6 +98,39 @@ def test_insecure_is_explicit_and_loopback_only(tmp_path):
     check_auth_args(_args(zmq_keys_dir=str(create_keys(tmp_path / "k"))), "tcp://0.0.0.0:5555")
 
 
+def test_a_refused_gateway_says_why_and_stays_without_a_cluster(caplog):
+    from gateway.scheduler_client import SchedulerClient
+
+    async def body():
+        ctx = zmq.asyncio.Context()
+        router = ctx.socket(zmq.ROUTER)
+        address = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+        client = SchedulerClient(address, model="SmolLM2-135M-Instruct", hello_interval=0.05)
+        await client.start()
+        try:
+            peer, data = await asyncio.wait_for(router.recv_multipart(), 5)
+            hello = ipb.GatewayMessage.FromString(data).hello
+            await router.send_multipart([peer, ipb.SchedulerMessage(
+                refused="protocol_version: the gateway speaks version 1, this scheduler 2"
+            ).SerializeToString()])
+            await until(lambda: client.refused)
+            # An answer from a scheduler of another version is not believed either.
+            await router.send_multipart([peer, ipb.SchedulerMessage(info=ipb.ClusterInfo(
+                num_workers=1, protocol_version=2)).SerializeToString()])
+            await until(lambda: "version 2" in client.refused)
+            return hello, client.info
+        finally:
+            await client.close()
+            router.close(0)
+            ctx.term()
+
+    import zmq.asyncio
+    hello, info = asyncio.run(body())
+    assert (hello.protocol_version, hello.model) == (1, "SmolLM2-135M-Instruct")
+    assert info is None
+    assert "the scheduler refused this gateway: protocol_version" in caplog.text
+
+
 # ---------------------------------------------------------------------------- range checks
 
 @pytest.mark.parametrize("field,value", [
