@@ -227,7 +227,7 @@ def test_fuzzed_public_requests_get_proper_statuses(cluster, stub):
 
     async def one(stub, req, sem, codes):
         async with sem:
-            call = stub.GenerateStream(req, timeout=30)
+            call = stub.GenerateStream(req, timeout=10)  # DEADLINE_EXCEEDED is a proper answer too
             try:
                 async for _ in call:
                     break  # an accepted request: its first answer is enough
