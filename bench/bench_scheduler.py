@@ -51,7 +51,7 @@ def null_worker(address: str, busy_poll_us: float, forward_s: float = 0.0, stamp
     sevens = np.full(1 << 16, 7, dtype=np.int32)
     sock.send(pb.WorkerMessage(hello=pb.WorkerHello(
         worker_id="null", model="null", num_blocks=65536, block_size=16, max_model_len=8192,
-        vocab_size=50000, eos_token_ids=[0])).SerializeToString())
+        vocab_size=50000, eos_token_ids=[0], protocol_version=1)).SerializeToString())
     busy_us, reply, times = 0.0, b"", []
     while True:
         if not poll(sock, 1000, busy_us):
@@ -205,7 +205,7 @@ def run_pipelined(opts, forward_s: float) -> dict:
         scheduler_worker_address=f"tcp://127.0.0.1:{ports[1]}", max_num_seqs=opts.seqs,
         max_num_batched_tokens=8192, enable_prefix_caching=True, async_scheduling=not opts.sync,
         max_waiting_requests=1 << 20, max_message_bytes=64 << 20, busy_poll_us=opts.busy_poll_us,
-        worker_timeout=60.0)
+        worker_timeout=60.0, zmq_keys_dir=None)  # loopback, unauthenticated: a measurement
     server = SchedulerServer(args)
     spawn = mp.get_context("spawn")
     stamps = spawn.Queue()

@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 from gateway import metrics
 from gateway.http_listener import HttpServer
 from gateway.http_server import HttpApi
+from gateway.auth import ApiKeyInterceptor, server_credentials
 from gateway.scheduler_client import SchedulerClient
 from gateway.server import GenerationServicer
 from gateway.tokenizer import TextTokenizer
@@ -36,22 +37,28 @@ class Gateway:
                  port: int = 50051, max_message_bytes: int = 16 << 20,
                  client: SchedulerClient | None = None, limits: Limits | None = None,
                  http_port: int = 0, max_http_body_bytes: int = 1 << 20,
-                 max_concurrent_rpcs: int | None = None, max_request_bytes: int | None = None):
+                 max_concurrent_rpcs: int | None = None, max_request_bytes: int | None = None,
+                 keys_dir: str | None = None, api_keys: tuple[str, ...] = (),
+                 ssl: tuple[str, str] | None = None):
         self.tokenizer = tokenizer
         self.host = host
         self.port = port
-        self.client = client or SchedulerClient(scheduler_address, max_message_bytes)
+        self.client = client or SchedulerClient(scheduler_address, max_message_bytes,
+                                                keys_dir=keys_dir, model=tokenizer.name)
         self.health = health.aio.HealthServicer()
+        self.ssl = ssl  # (certfile, keyfile): TLS on the gRPC port
+        interceptors = [ApiKeyInterceptor(api_keys)] if api_keys else []
         # Past max_concurrent_rpcs gRPC itself answers RESOURCE_EXHAUSTED.
-        self.server = grpc.aio.server(maximum_concurrent_rpcs=max_concurrent_rpcs, options=[
+        self.server = grpc.aio.server(interceptors=interceptors,
+                                      maximum_concurrent_rpcs=max_concurrent_rpcs, options=[
             ("grpc.max_receive_message_length", max_request_bytes or max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             # Without this a second gateway on the same port would silently share it.
             ("grpc.so_reuseport", 0),
         ])
-        self.servicer = GenerationServicer(tokenizer, self.client, limits)
+        self.servicer = GenerationServicer(tokenizer, self.client, limits, api_keys)
         pagoda_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
-        # OpenAI-compatible HTTP on the same host and loop (0 = off).
+        # OpenAI-compatible HTTP on the same host and loop (0 = off), behind the same keys.
         self.http_port = http_port
         self.http = HttpServer(HttpApi(self.servicer, max_http_body_bytes), host, http_port) \
             if http_port else None
@@ -64,7 +71,9 @@ class Gateway:
 
     async def start(self) -> int:
         """Binds and starts serving; returns the bound port (useful with port 0)."""
-        bound = self.server.add_insecure_port(_bind_address(self.host, self.port))
+        address = _bind_address(self.host, self.port)
+        bound = (self.server.add_secure_port(address, server_credentials(*self.ssl)) if self.ssl
+                 else self.server.add_insecure_port(address))
         if not bound:
             raise OSError(f"cannot bind the gateway to {_bind_address(self.host, self.port)}")
         self.port = bound

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from proto.auth import add_auth_args
+
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the same default as the scheduler's and workers'.
 
 # Bounds on one GenerateRequest (gateway.validate.Limits has a field per entry, same name and
@@ -83,6 +85,12 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     for dest, default, minimum, meaning in REQUEST_LIMITS:
         g.add_argument("--" + dest.replace("_", "-"), type=_int_at_least(minimum), default=default,
                        help=f"{meaning} (default: %(default)s)")
+    g.add_argument("--api-key", action="append", default=None,
+                   help="require `authorization: Bearer <key>` on every Generation RPC; repeat "
+                        "for several keys, each its own tenant (also env PAGODA_API_KEY)")
+    g.add_argument("--ssl-certfile", default=None, help="TLS certificate (PEM) for the gRPC port")
+    g.add_argument("--ssl-keyfile", default=None, help="its private key (PEM)")
+    add_auth_args(parser)
     return parser
 
 
@@ -92,4 +100,6 @@ def parse_gateway_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = add_gateway_args(parser).parse_args(argv)
     if args.http_port and args.http_port == args.port:
         parser.error(f"--http-port and --port are both {args.port}: one port cannot serve both")
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        parser.error("--ssl-certfile and --ssl-keyfile go together")
     return args

@@ -13,12 +13,14 @@ import sys
 import uvloop
 
 from gateway.app import Gateway
+from gateway.auth import api_keys_from
 from gateway.args import parse_gateway_args
 from gateway.metrics import start_metrics_server
 from gateway.scheduler_client import SchedulerClient
 from gateway.sizes import largest_generate_request
 from gateway.tokenizer import load_tokenizer
 from gateway.validate import limits_from_args
+from proto.auth import check_auth_args
 
 GRACE_SECONDS = 5.0
 log = logging.getLogger("pagoda.gateway")
@@ -32,12 +34,15 @@ async def run(args) -> None:
     client = SchedulerClient(args.scheduler_gateway_address, args.max_message_bytes,
                              keepalive_interval=min(1.0, args.scheduler_timeout / 3),
                              lost_after=args.scheduler_timeout,
-                             max_unread=args.max_unread_deltas, hwm=args.zmq_hwm)
+                             max_unread=args.max_unread_deltas, hwm=args.zmq_hwm,
+                             keys_dir=args.zmq_keys_dir, model=tokenizer.name)
     gateway = Gateway(tokenizer, args.scheduler_gateway_address, host=args.host, port=args.port,
                       max_message_bytes=args.max_message_bytes, client=client, limits=limits,
                       max_concurrent_rpcs=args.max_concurrent_rpcs,
                       max_request_bytes=max_request_bytes,
-                      http_port=args.http_port, max_http_body_bytes=args.max_http_body_bytes)
+                      http_port=args.http_port, max_http_body_bytes=args.max_http_body_bytes,
+                      keys_dir=args.zmq_keys_dir, api_keys=api_keys_from(args),
+                      ssl=(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None)
     log.info("largest gRPC request accepted: %d bytes", max_request_bytes)
     await gateway.start()
     metrics_server = start_metrics_server(args.gateway_metrics_port, args.gateway_metrics_host)
@@ -57,6 +62,7 @@ async def run(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_gateway_args(argv)
+    check_auth_args(args, args.scheduler_gateway_address)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s gateway: %(message)s")
     uvloop.run(run(args))

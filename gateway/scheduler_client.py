@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from gateway.inbox import Inbox
 from proto import internal_pb2
+from proto.auth import PROTOCOL_VERSION, secure_client
 from proto.codec import expand_deltas
 
 log = logging.getLogger("pagoda.gateway")
@@ -42,11 +43,15 @@ class SchedulerUnavailable(RuntimeError):
 class SchedulerClient:
     def __init__(self, address: str, max_message_bytes: int = 16 << 20, *,
                  keepalive_interval: float = 1.0, lost_after: float = 3.0,
-                 max_unread: int = 256, hwm: int = 1000):
+                 max_unread: int = 256, hwm: int = 1000, keys_dir: str | None = None,
+                 model: str = ""):
         # Internal ids are f"{gateway_id}-{n}": unique across gateway replicas without coordination.
         self.gateway_id = uuid.uuid4().hex
         self.address = address
         self.max_message_bytes = max_message_bytes
+        self.keys_dir = keys_dir  # CURVE keys (proto/auth.py); None: plain, for loopback tests
+        self.model = model  # named in the hello: a scheduler serving another model refuses it
+        self.refused = ""   # why the scheduler refused this gateway's hello, if it did
         # The hello is the liveness probe both ways, and lets a restarted scheduler learn this
         # gateway's routing id again.
         self.keepalive_interval = keepalive_interval
@@ -81,6 +86,7 @@ class SchedulerClient:
         sock.setsockopt(zmq.RCVHWM, self.hwm)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         sock.setsockopt(zmq.ROUTING_ID, f"gateway-{self.gateway_id}".encode())
+        secure_client(sock, self.keys_dir, "gateway")
         sock.connect(self.address)
         self._sock = sock
         self._last_heard = time.monotonic()
@@ -178,7 +184,15 @@ class SchedulerClient:
                 future = self._calls.get(reply.call_id)
                 if future is not None and not future.done():
                     future.set_result(reply)
+            if msg.refused and msg.refused != self.refused:
+                log.error("the scheduler refused this gateway: %s", msg.refused)
+            self.refused = msg.refused
             if msg.HasField("info"):
+                if msg.info.protocol_version != PROTOCOL_VERSION:
+                    self.refused = (f"the scheduler speaks protocol version "
+                                    f"{msg.info.protocol_version}, this gateway {PROTOCOL_VERSION}")
+                    log.error("ignoring the scheduler: %s", self.refused)
+                    continue
                 await self._set_info(msg.info)
             # A ready message completes the next recv without a suspension: yield anyway, so
             # the RPCs read their inboxes between messages instead of only after a burst.
@@ -216,7 +230,8 @@ class SchedulerClient:
             inbox.fail("UNAVAILABLE", message)
 
     async def _hello_loop(self) -> None:
-        hello = internal_pb2.GatewayMessage(hello=True)
+        hello = internal_pb2.GatewayMessage(hello=internal_pb2.GatewayHello(
+            protocol_version=PROTOCOL_VERSION, model=self.model))
         while True:
             # A failed send (IMMEDIATE: not connected) retries soon, so the first hello goes out
             # as soon as the connection is up; either way the silence check below runs.

@@ -22,6 +22,7 @@ from typing import AsyncIterator
 import grpc
 
 from gateway import metrics
+from gateway.auth import tenant_of
 from gateway.scheduler_client import SchedulerClient, SchedulerUnavailable
 from gateway.stream import ResponseBuilder
 from gateway.tokenizer import TextTokenizer
@@ -82,9 +83,10 @@ def _unary(method):
 
 class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: TextTokenizer, client: SchedulerClient,
-                 limits: Limits | None = None):
+                 limits: Limits | None = None, api_keys: tuple[str, ...] = ()):
         self.tokenizer = tokenizer
         self.client = client
+        self.api_keys = api_keys  # each one a tenant: its request ids are its own (gateway/auth.py)
         # The flags' bounds; max_model_len and vocab_size come from the scheduler per request.
         self.base_limits = limits or Limits(max_model_len=0, vocab_size=0)
 
@@ -112,7 +114,8 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
             first = True
             # aclosing: a cancel that lands while this handler waits at `yield` must still run
             # responses' finally (the abort) now, not whenever the generator is collected.
-            async with aclosing(self.responses(request, started, unary=False)) as responses:
+            async with aclosing(self.responses(request, started, unary=False,
+                                               tenant=self._tenant(context))) as responses:
                 async for response in responses:
                     if first and response.token_ids:
                         metrics.TIME_TO_FIRST_TOKEN.observe(time.monotonic() - started)
@@ -137,7 +140,8 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         metrics.IN_FLIGHT.inc()
         try:
             out = pagoda_pb2.GenerateResponse()
-            async with aclosing(self.responses(request, started, unary=True)) as responses:
+            async with aclosing(self.responses(request, started, unary=True,
+                                               tenant=self._tenant(context))) as responses:
                 async for response in responses:
                     if response.token_ids and not out.token_ids:
                         metrics.TIME_TO_FIRST_TOKEN.observe(time.monotonic() - started)
@@ -160,10 +164,14 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         finally:
             _record_end("Generate", code, started)
 
-    async def responses(self, request: pagoda_pb2.GenerateRequest, started: float, unary: bool
-                        ) -> AsyncIterator[pagoda_pb2.GenerateResponse]:
+    def _tenant(self, context) -> str:
+        return tenant_of(context.invocation_metadata(), self.api_keys) if self.api_keys else ""
+
+    async def responses(self, request: pagoda_pb2.GenerateRequest, started: float, unary: bool,
+                        tenant: str = "") -> AsyncIterator[pagoda_pb2.GenerateResponse]:
         """The responses of one request, for GenerateStream, Generate and the HTTP API alike;
-        raises RpcFailed. Closing it early aborts the request at the scheduler."""
+        raises RpcFailed. Closing it early aborts the request at the scheduler. tenant
+        namespaces the public request id by API key."""
         limits = self._limits()
         internal_id = self.client.new_request_id()
         try:
@@ -171,6 +179,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
                                          internal_id, unary=unary)
         except ValidationError as e:
             raise RpcFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
+        v.add.public_id = tenant + v.add.public_id  # the client's own id stays in v.public_id
         metrics.PROMPT_TOKENS.inc(len(v.prompt_token_ids))
         builder = ResponseBuilder(self.tokenizer, v, v.public_id, started)
         queue = self.client.open(internal_id)
@@ -234,9 +243,11 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
                 raise ValidationError(
                     f"request_ids[{i}]", f"request_ids[{i}] must be 1 to "
                                          f"{self.base_limits.max_request_id_bytes} bytes")
-        reply = await self.client.call(internal_pb2.Call(
-            abort=pagoda_pb2.AbortRequest(request_ids=request.request_ids)))
-        return reply.abort
+        tenant = self._tenant(context)
+        reply = await self.client.call(internal_pb2.Call(abort=pagoda_pb2.AbortRequest(
+            request_ids=[tenant + rid for rid in request.request_ids])))
+        return pagoda_pb2.AbortResponse(
+            request_ids=[rid[len(tenant):] for rid in reply.abort.request_ids])
 
     @_unary
     async def GetLoads(self, request, context) -> pagoda_pb2.GetLoadsResponse:

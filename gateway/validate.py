@@ -18,6 +18,7 @@ from gateway.tokenizer import ROLES, TextTokenizer
 from proto import internal_pb2, pagoda_pb2
 
 MAX_N = 16
+MAX_CACHE_SALT_BYTES = 256
 DEFAULT_MAX_TOKENS = 256
 MAX_PENALTY = 2.0        # presence and frequency, either sign
 MAX_LOGIT_BIAS = 100.0   # either sign
@@ -303,6 +304,10 @@ def validate(req: pagoda_pb2.GenerateRequest, tokenizer: TextTokenizer, limits: 
     sampling, n = _sampling(req, limits, unary)
     stopping = req.stopping
     _stopping(stopping, limits)
+    salt_bytes = len(req.cache_salt.encode())
+    if salt_bytes > MAX_CACHE_SALT_BYTES:
+        raise ValidationError("cache_salt", f"cache_salt is {salt_bytes} bytes, at most "
+                                            f"{MAX_CACHE_SALT_BYTES} are allowed")
     truncate = req.truncate_prompt_tokens if req.HasField("truncate_prompt_tokens") else None
     if truncate is not None and truncate < 1:
         raise ValidationError("truncate_prompt_tokens",
@@ -343,7 +348,8 @@ def validate(req: pagoda_pb2.GenerateRequest, tokenizer: TextTokenizer, limits: 
     add = internal_pb2.AddRequest(
         request_id=internal_id, prompt_token_ids=ids, sampling=sampling, n=n,
         max_tokens=max_tokens, ignore_eos=stopping.ignore_eos,
-        stop_token_ids=stopping.stop_token_ids, priority=req.priority, public_id=public_id)
+        stop_token_ids=stopping.stop_token_ids, priority=req.priority, public_id=public_id,
+        cache_salt=req.cache_salt)
     s = req.sampling
     return Validated(
         add=add, prompt_token_ids=ids, n=n, stop=list(stopping.stop),

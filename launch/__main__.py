@@ -3,7 +3,8 @@ loopback, until Ctrl-C stops all of them.
 
 Each flag goes to every process whose parser knows it, so `--max-num-seqs 8` reaches the
 scheduler, `--num-gpu-blocks-override 64` the workers, and an address flag both ends of its
-socket. The launcher itself owns only --num-workers.
+socket. The launcher itself owns only --num-workers. Unless --zmq-keys-dir or --insecure is
+given, it creates a CURVE key set in .cache/zmq-keys on first use and hands it to every process.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_KEYS_DIR = ROOT / ".cache" / "zmq-keys"
 
 
 def process_parsers() -> dict[str, argparse.ArgumentParser]:
@@ -53,6 +55,15 @@ def route_flags(argv: list[str], parsers: dict[str, argparse.ArgumentParser]) ->
     return routed
 
 
+def with_keys(argv: list[str], keys_dir: Path = DEFAULT_KEYS_DIR) -> list[str]:
+    """argv with --zmq-keys-dir added (the key set created on first use) unless it chooses its
+    own keys or --insecure."""
+    if any(f.split("=")[0] in ("--zmq-keys-dir", "--insecure") for f in argv):
+        return argv
+    from proto.auth import create_keys
+    return [*argv, "--zmq-keys-dir", str(create_keys(keys_dir))]
+
+
 def module_command(module: str, args: list[str]) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
@@ -63,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     own.add_argument("--num-workers", type=int, default=1)
     opts, rest = own.parse_known_args(argv)
-    routed = route_flags(rest, process_parsers())
+    routed = route_flags(with_keys(rest), process_parsers())
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     commands = [("scheduler", module_command("scheduler.main", routed["scheduler"]))]

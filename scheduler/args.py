@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from proto.auth import add_auth_args
+
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("scheduler")
@@ -40,4 +42,5 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "latency for a little CPU; 0 = always sleep; default: 500 with 4 or more "
                         "cores, else 0)")
     g.add_argument("--log-level", default="INFO")
+    add_auth_args(parser)
     return parser

@@ -5,21 +5,33 @@ physical block numbers; the pool never sees tensors.
 """
 from __future__ import annotations
 
+import hashlib
+import os
+from array import array
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
-
-def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra: int = 0) -> int:
-    """A full block's identity: its tokens, everything before it (through the parent's hash) and
-    extra keys (a LoRA, a cache salt) so that different contexts never share a block."""
-    return hash((parent_hash, tuple(token_ids), extra))
+# The first block's parent, drawn at each start (vLLM's NONE_HASH): nobody outside this process
+# can compute a block's hash, so nobody can aim a collision at one.
+_ROOT = os.urandom(32)
 
 
-def full_block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int) -> list[int]:
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
+    """A full block's identity, sha256 over everything before it (the parent's hash), its tokens
+    and extra keys (the request's cache salt, on the first block) so that different contexts
+    never share a block: a hit hands one request's KV to another, so it must never collide."""
+    tokens = array("I", token_ids).tobytes()
+    return hashlib.sha256(b"".join((parent_hash or _ROOT, len(tokens).to_bytes(4, "little"),
+                                    tokens, extra))).digest()
+
+
+def full_block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int,
+                      cache_salt: str = "") -> list[bytes]:
     """The chained hashes of the first num_blocks full blocks of a token sequence."""
     out, parent = [], None
     for i in range(num_blocks):
-        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size],
+                            cache_salt.encode() if i == 0 else b"")
         out.append(parent)
     return out
 
@@ -29,11 +41,11 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
         # Free blocks, least recently freed first. An OrderedDict gives O(1) removal of a cached
         # block that gets a new reference while still on the free list.
         self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.cached: dict[bytes, int] = {}  # block hash -> block id
         # Prefix cache statistics, in tokens (see scheduler/metrics.py).
         self.queries = 0
         self.hits = 0
@@ -85,7 +97,7 @@ class BlockPool:
                     self.free_blocks[block] = None
 
     # -- prefix cache -----------------------------------------------------------------------
-    def cache_blocks(self, blocks: Sequence[int], block_hashes: Sequence[int]) -> None:
+    def cache_blocks(self, blocks: Sequence[int], block_hashes: Sequence[bytes]) -> None:
         """Make full, computed blocks findable by their hashes."""
         if not self.enable_prefix_caching:
             return
@@ -96,7 +108,7 @@ class BlockPool:
                 block_hash[block] = h
                 cached[h] = block
 
-    def find_cached(self, block_hashes: Sequence[int]) -> list[int]:
+    def find_cached(self, block_hashes: Sequence[bytes]) -> list[int]:
         """The longest run of leading blocks already in the cache (no references taken)."""
         hits = []
         if self.enable_prefix_caching:

@@ -34,12 +34,14 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     # -- prefix cache ---------------------------------------------------------------------------
-    def _hash_up_to(self, req: "Request", num_blocks: int) -> list[int]:
-        """req's block hashes for its first num_blocks full blocks, extending what it holds."""
+    def _hash_up_to(self, req: "Request", num_blocks: int) -> list[bytes]:
+        """req's block hashes for its first num_blocks full blocks, extending what it holds.
+        The salt enters the first block, and through the chain every later one."""
         hashes, tokens, bs = req.block_hashes, req.all_token_ids, self.block_size
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_blocks):
-            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs])
+            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs],
+                                req.cache_salt.encode() if i == 0 else b"")
             hashes.append(parent)
         return hashes
 

@@ -6,6 +6,7 @@ import logging
 
 from prometheus_client import REGISTRY, start_http_server
 
+from proto.auth import check_auth_args
 from scheduler.args import add_scheduler_args
 from scheduler.metrics import RouterCollector
 from scheduler.server import SchedulerServer
@@ -15,6 +16,7 @@ def main(argv: list[str] | None = None) -> None:
     args = add_scheduler_args(argparse.ArgumentParser("pagoda-scheduler")).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s scheduler %(levelname)s %(name)s: %(message)s")
+    check_auth_args(args, args.scheduler_gateway_address, args.scheduler_worker_address)
     server = SchedulerServer(args)
     if args.scheduler_metrics_port:
         REGISTRY.register(RouterCollector(server.router))

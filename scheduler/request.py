@@ -40,6 +40,7 @@ class Request:
     priority: int = 0
     arrival: int = 0                # a global counter: FCFS order within a priority
     public_id: str = ""             # the client's request id, unique in the cluster in flight
+    cache_salt: str = ""            # prefix-cache hits only among requests with the same salt
     arrival_time: float = 0.0       # time.monotonic() at the scheduler
     queue_time: float = -1.0        # arrival to first scheduled, once known
 
@@ -47,7 +48,7 @@ class Request:
     num_computed_tokens: int = 0    # including those of plans still on the worker
     num_pending: int = 0            # tokens sampled by plans in flight, not yet received
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # of its full blocks' tokens, once each
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks' tokens, once each
     num_cached_blocks: int = 0      # leading blocks registered in the prefix cache
     num_cached_tokens: int = -1     # the prefix hit at first admission (-1 = not admitted yet)
     status: Status = Status.WAITING

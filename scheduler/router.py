@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from proto import internal_pb2 as pb, pagoda_pb2
+from proto.auth import PROTOCOL_VERSION
 from scheduler.outbox import Outbox
 from scheduler.request import FinishReason, Request, Status
 from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -69,6 +70,9 @@ class Router:
                     "(no_eos): a worker that cannot tell where answers end would run every "
                     "answer to max_tokens")
         others = [w.hello for w in self.workers.values() if w.worker_id != worker_id]
+        if others and hello.model != others[0].model:
+            return (f"it serves model {hello.model!r}, the cluster {others[0].model!r} "
+                    f"(worker {others[0].worker_id})")
         if others and hello.block_size != others[0].block_size:
             # Prefix-cache routing compares a request's block hashes across workers.
             return (f"its block_size {hello.block_size} differs from the cluster's "
@@ -115,14 +119,14 @@ class Router:
 
     def cluster_info(self) -> pb.ClusterInfo:
         if not self.workers:
-            return pb.ClusterInfo(num_workers=0)
+            return pb.ClusterInfo(num_workers=0, protocol_version=PROTOCOL_VERSION)
         hellos = [w.hello for w in self.workers.values()]
         return pb.ClusterInfo(
             model=hellos[0].model, num_workers=len(hellos),
             max_model_len=min(h.max_model_len for h in hellos),
             block_size=hellos[0].block_size, vocab_size=hellos[0].vocab_size,
             total_blocks=max(h.num_blocks for h in hellos),
-            eos_token_ids=sorted(hellos[0].eos_token_ids))
+            eos_token_ids=sorted(hellos[0].eos_token_ids), protocol_version=PROTOCOL_VERSION)
 
     # -- requests -----------------------------------------------------------------------------
     def add(self, gateway: bytes, add: pb.AddRequest) -> None:
@@ -165,7 +169,8 @@ class Router:
                 prompt_token_ids=list(add.prompt_token_ids), sampling=sampling,
                 max_tokens=add.max_tokens, ignore_eos=add.ignore_eos,
                 stop_token_ids=frozenset(add.stop_token_ids), priority=add.priority,
-                arrival=arrival, public_id=add.public_id, arrival_time=now))
+                arrival=arrival, public_id=add.public_id, arrival_time=now,
+                cache_salt=add.cache_salt))
         self.seqs[add.request_id] = reqs
         if add.public_id:
             self.public[add.public_id] = add.request_id

@@ -21,7 +21,9 @@ import time
 import zmq
 
 from proto import internal_pb2 as pb
+from proto.auth import CurveServer
 from proto.polling import poll, resolve_busy_poll_us
+from scheduler import checks
 from scheduler.router import Rejected, Router, RouterConfig
 
 log = logging.getLogger("pagoda.scheduler")
@@ -41,6 +43,7 @@ class SchedulerServer:
             max_plans_in_flight=2 if args.async_scheduling else 1,
             max_waiting_requests=args.max_waiting_requests))
         self.ctx = zmq.Context()
+        self.curve = CurveServer(self.ctx, args.zmq_keys_dir)
         self.gateways = self._bind(args.scheduler_gateway_address)
         self.workers = self._bind(args.scheduler_worker_address)
         self.epoch = secrets.randbits(63) + 1
@@ -48,6 +51,7 @@ class SchedulerServer:
         self.gateway_seq: dict[bytes, int] = {}     # last sequence number sent on each link
         self.no_workers_since: float | None = time.monotonic()
         self.reregister_asked: dict[bytes, float] = {}
+        self.refused_gateways: set[bytes] = set()  # until a hello of theirs is accepted
         self.busy_poll_us = resolve_busy_poll_us(args.busy_poll_us)
         self.running = True
 
@@ -60,6 +64,7 @@ class SchedulerServer:
         sock.setsockopt(zmq.SNDHWM, self.args.zmq_hwm)
         sock.setsockopt(zmq.RCVHWM, self.args.zmq_hwm)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer raises instead of dropping silently
+        self.curve.secure(sock)
         sock.bind(address)
         return sock
 
@@ -102,7 +107,10 @@ class SchedulerServer:
             if len(frames) != 2:
                 log.warning("dropping a malformed message of %d frames", len(frames))
                 continue
-            handle(frames[0], frames[1])
+            try:
+                handle(frames[0], frames[1])
+            except Exception:  # noqa: BLE001 - what checks.py missed still must not stop the loop
+                log.exception("dropped a message from %r that could not be handled", frames[0][:64])
 
     # -- gateways -----------------------------------------------------------------------------
     def _on_gateway(self, ident: bytes, data: bytes) -> None:
@@ -112,8 +120,29 @@ class SchedulerServer:
         except Exception:  # noqa: BLE001 - a bad frame must not stop the scheduler
             log.warning("unparseable gateway message from %r", ident)
             return
-        self.gateway_seen[ident] = time.monotonic()
         kind = msg.WhichOneof("kind")
+        if why := self._check_gateway(msg, kind):
+            log.warning("dropped a %s message from gateway %r: %s", kind, ident[:64], why)
+            if kind == "add" and not checks.check_request_id(msg.add.request_id):
+                self._send(self.gateways, ident, pb.SchedulerMessage(deltas=[pb.TokenDelta(
+                    request_id=msg.add.request_id, finish=pb.ERROR,
+                    error=pb.Error(code="INVALID_ARGUMENT", message=why))]))
+            return
+        if kind == "hello":
+            if why := checks.check_gateway_hello(msg.hello, self.router.cluster_info().model):
+                # Once per gateway: it says hello again every second while refused.
+                if ident not in self.refused_gateways:
+                    log.error("refused gateway %r: %s", ident[:64], why)
+                if len(self.refused_gateways) >= 4096:
+                    self.refused_gateways.clear()  # bounded; a forgotten one is refused again
+                self.refused_gateways.add(ident)
+                self.gateway_seen.pop(ident, None)
+                self._send(self.gateways, ident, pb.SchedulerMessage(refused=why))
+                return
+            self.refused_gateways.discard(ident)
+        elif ident in self.refused_gateways:
+            return  # an incompatible gateway's requests could mean anything
+        self.gateway_seen[ident] = time.monotonic()  # its lease, renewed by every message
         if kind == "add":
             try:
                 self.router.add(ident, msg.add)
@@ -131,6 +160,16 @@ class SchedulerServer:
             reply = self.router.call(msg.call)
             self._flush_deltas()
             self._send(self.gateways, ident, pb.SchedulerMessage(replies=[reply]))
+
+    def _check_gateway(self, msg: pb.GatewayMessage, kind: str | None) -> str | None:
+        if kind == "add":
+            return checks.check_request_id(msg.add.request_id) or checks.check_add(
+                msg.add, self.router.cluster_info().vocab_size)
+        if kind == "abort":
+            return checks.check_abort(msg.abort)
+        if kind == "call":
+            return checks.check_call(msg.call)
+        return None if kind == "hello" else "no message kind"
 
     def _broadcast_info(self) -> None:
         info = self.router.cluster_info()
@@ -175,7 +214,7 @@ class SchedulerServer:
         if state is not None:
             state.last_seen = time.monotonic()
         if kind == "hello":
-            why = self.router.refusal(ident, msg.hello)
+            why = checks.check_worker_hello(msg.hello) or self.router.refusal(ident, msg.hello)
             if why is not None:
                 log.error("refused worker %s: %s", msg.hello.worker_id, why)
                 self._send(self.workers, ident, pb.SchedulerToWorker(refused=why))
@@ -191,6 +230,12 @@ class SchedulerServer:
                 self.reregister_asked[ident] = now
                 self._send(self.workers, ident, pb.SchedulerToWorker(reregister=True))
         elif kind == "result":
+            if why := checks.check_result(msg.result, state.hello.vocab_size):
+                # Its step can never complete: start the worker afresh, recompute its sequences.
+                log.error("bad result from worker %s: %s", state.hello.worker_id, why)
+                self.router.remove(ident, why)
+                self._broadcast_info()
+                return
             self.router.on_result(ident, msg.result)
 
     def _check_workers(self, now: float) -> None:
@@ -240,5 +285,6 @@ class SchedulerServer:
         # Workers are left running: they register again with the next scheduler.
         self.gateways.close(0)
         self.workers.close(0)
+        self.curve.stop()
         self.ctx.term()
         log.info("scheduler stopped")

@@ -6,12 +6,15 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto.auth import create_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,12 +40,18 @@ class Cluster:
         self.metrics_port = free_port()
         self.gateway_metrics_port = free_port()
         self.http_port = free_port()
+        self.gateway_address = f"tcp://127.0.0.1:{free_port()}"
+        self.worker_address = f"tcp://127.0.0.1:{free_port()}"
+        # Authenticated, as `make run` is: every test exercises the CURVE path.
+        self.keys_dir = None if "--insecure" in flags else create_keys(
+            tempfile.mkdtemp(prefix="pagoda-keys-"))
         self.flags = [
             "--num-workers", str(num_workers),
             "--port", str(self.grpc_port),
             "--http-port", str(self.http_port),
-            "--scheduler-gateway-address", f"tcp://127.0.0.1:{free_port()}",
-            "--scheduler-worker-address", f"tcp://127.0.0.1:{free_port()}",
+            "--scheduler-gateway-address", self.gateway_address,
+            "--scheduler-worker-address", self.worker_address,
+            *(["--zmq-keys-dir", str(self.keys_dir)] if self.keys_dir else []),
             "--scheduler-metrics-port", str(self.metrics_port),
             "--gateway-metrics-port", str(self.gateway_metrics_port),
             *flags,

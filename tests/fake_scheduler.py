@@ -25,6 +25,7 @@ from gateway.app import Gateway
 from gateway.scheduler_client import SchedulerClient
 from gateway.tokenizer import TextTokenizer, load_tokenizer
 from proto import internal_pb2 as ipb, pagoda_pb2 as pb, pagoda_pb2_grpc
+from proto.auth import PROTOCOL_VERSION
 from proto.columns import pack, pack_f32
 from tests.cluster import free_port
 
@@ -49,7 +50,7 @@ def logprobs_msg(request_id: str, first_position: int, token_ids: Sequence[int],
 def cluster_info(tok: TextTokenizer, num_workers: int = 1, max_model_len: int = 2048) -> ipb.ClusterInfo:
     return ipb.ClusterInfo(model=tok.name, num_workers=num_workers, max_model_len=max_model_len,
                            block_size=16, vocab_size=tok.vocab_size, total_blocks=1000,
-                           eos_token_ids=tok.eos_token_ids)
+                           eos_token_ids=tok.eos_token_ids, protocol_version=PROTOCOL_VERSION)
 
 
 def reply_plan(tok: TextTokenizer, text: str = DEFAULT_REPLY, per_delta: int = 1,

@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from proto import internal_pb2 as pb
+from proto.auth import PROTOCOL_VERSION
 from proto.columns import pack, unpack_list
 
 VOCAB = 1000
@@ -84,7 +85,8 @@ class FakeWorker:
                               block_size=self.block_size, max_model_len=max_model_len,
                               vocab_size=VOCAB, eos_token_ids=[EOS], device="cpu",
                               num_cpu_blocks=self.num_cpu_blocks, bytes_per_block=1000,
-                              swap_bytes_per_s=1e9, prefill_tokens_per_s=1e3)
+                              swap_bytes_per_s=1e9, prefill_tokens_per_s=1e3,
+                              protocol_version=PROTOCOL_VERSION)
 
     def execute(self, plan: pb.StepPlan) -> pb.StepResult:
         self.steps += 1

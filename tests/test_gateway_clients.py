@@ -105,7 +105,7 @@ def test_main_process_serves_and_stops_on_sigterm(run):
         port = _free_port()
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "gateway.main", "--port", str(port), "--gateway-metrics-port", "0",
-            "--scheduler-gateway-address", scheduler.address, cwd=ROOT,
+            "--scheduler-gateway-address", scheduler.address, "--insecure", cwd=ROOT,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

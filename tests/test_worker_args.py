@@ -38,7 +38,8 @@ def test_flag_names_are_the_contract():
                      "--num-gpu-blocks-override", "--kv-cache-memory", "--gpu-memory-utilization",
                      "--swap-space", "--seed", "--attention-backend", "--max-num-batched-tokens",
                      "--scheduler-worker-address", "--worker-id", "--max-message-bytes",
-                     "--log-level", "--tensor-parallel-size", "--busy-poll-us", "--zmq-hwm"}
+                     "--log-level", "--tensor-parallel-size", "--busy-poll-us", "--zmq-hwm",
+                     "--zmq-keys-dir", "--insecure"}
 
 
 def test_auto_device_and_dtype():

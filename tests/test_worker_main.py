@@ -37,7 +37,8 @@ def scheduler_socket():
 def start_worker(model: Path, address: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "worker.main", "--model", str(model), "--dtype", "float32",
            "--device", "cpu", "--num-gpu-blocks-override", "16", "--max-num-batched-tokens", "32",
-           "--scheduler-worker-address", address, "--worker-id", "test-worker"]
+           "--scheduler-worker-address", address, "--worker-id", "test-worker",
+           "--insecure"]  # the ROUTER here plays the scheduler without CURVE
     return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

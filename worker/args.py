@@ -7,6 +7,8 @@ import os
 import re
 import socket
 
+from proto.auth import add_auth_args
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -57,6 +59,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "cores, else 0)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="GPUs one model is split across; only 1 is supported so far")
+    add_auth_args(parser)
     return parser
 
 

@@ -14,6 +14,7 @@ import threading
 import zmq
 
 from proto import internal_pb2
+from proto.auth import secure_client
 
 INTERVAL_S = 0.25  # the scheduler's --worker-timeout (1.5 s by default) allows several misses
 
@@ -25,7 +26,7 @@ def main_routing_id(worker_id: str) -> bytes:
 
 @contextlib.contextmanager
 def heartbeats(ctx: zmq.Context, address: str, routing_id: bytes, interval: float = INTERVAL_S,
-               hwm: int = 1000):
+               hwm: int = 1000, keys_dir: str | None = None):
     """Heartbeats for the main socket `routing_id` while the block runs."""
     stop = threading.Event()
 
@@ -35,6 +36,7 @@ def heartbeats(ctx: zmq.Context, address: str, routing_id: bytes, interval: floa
         sock.setsockopt(zmq.IMMEDIATE, 1)  # drop, never queue, while no scheduler is there
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.RCVHWM, hwm)
+        secure_client(sock, keys_dir, "worker")  # authenticated like the main socket
         sock.connect(address)
         msg = internal_pb2.WorkerMessage(heartbeat_of=routing_id).SerializeToString()
         try:

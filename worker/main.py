@@ -17,6 +17,7 @@ import time
 import zmq
 
 from proto import internal_pb2
+from proto.auth import check_auth_args, secure_client
 from proto.polling import poll, resolve_busy_poll_us
 from worker.args import add_worker_args
 from worker.heartbeat import heartbeats, main_routing_id
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     args = add_worker_args(argparse.ArgumentParser("pagoda worker", description=__doc__)).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    check_auth_args(args, args.scheduler_worker_address)
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
 
@@ -98,10 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     sock.setsockopt(zmq.RCVHWM, args.zmq_hwm)
     routing_id = main_routing_id(runner.worker_id)
     sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    secure_client(sock, args.zmq_keys_dir, "worker")
     try:
         sock.connect(args.scheduler_worker_address)
         logger.info("worker %s connected to %s", runner.worker_id, args.scheduler_worker_address)
-        with heartbeats(ctx, args.scheduler_worker_address, routing_id, hwm=args.zmq_hwm):
+        with heartbeats(ctx, args.scheduler_worker_address, routing_id, hwm=args.zmq_hwm,
+                        keys_dir=args.zmq_keys_dir):
             return serve(runner, sock, resolve_busy_poll_us(args.busy_poll_us))
     finally:
         sock.close(0)

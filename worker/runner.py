@@ -17,7 +17,9 @@ from tqdm import tqdm
 from kernels.select import select_backend
 from launch.models import model_display_name, resolve_model
 from proto import internal_pb2
+from proto.auth import PROTOCOL_VERSION
 from proto.columns import pack, pack_f32, unpack
+from worker.checks import check_plan
 from worker.args import default_worker_id
 from worker.attention import AttentionMetadata
 from worker.cache import CacheEngine, bytes_per_block, num_device_blocks
@@ -117,11 +119,17 @@ class ModelRunner:
             eos_token_ids=self.eos_token_ids,
             no_eos=not self.eos_token_ids,
             max_num_batched_tokens=self.args.max_num_batched_tokens,
+            protocol_version=PROTOCOL_VERSION,
         )
 
     def execute(self, plan: internal_pb2.StepPlan) -> internal_pb2.StepResult:
         result = internal_pb2.StepResult(step_id=plan.step_id)
         start = time.perf_counter()
+        if why := check_plan(plan, self.cache.num_blocks, self.cache.num_cpu_blocks,
+                             self.config.vocab_size):
+            logger.error("refused step %d: %s", plan.step_id, why)
+            result.error = f"bad plan: {why}"
+            return result
         try:
             with torch.inference_mode():
                 self._execute(plan, result)
