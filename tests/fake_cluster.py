@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -15,6 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import pagoda_pb2_grpc
+from proto.auth import create_keys
 from tests.cluster import ROOT, free_port, wait_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -29,6 +31,8 @@ class FakeCluster:
         self.worker_address = f"tcp://127.0.0.1:{free_port()}"
         self.scheduler_flags, self.gateway_flags = list(scheduler_flags), list(gateway_flags)
         self.worker_flags = list(worker_flags)
+        # Authenticated, as `make run` is (proto/auth.py).
+        self.keys_flags = ["--zmq-keys-dir", str(create_keys(tempfile.mkdtemp(prefix="pagoda-keys-")))]
         self.scheduler: subprocess.Popen | None = None
         self.gateway: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen] = []
@@ -49,17 +53,19 @@ class FakeCluster:
         self.scheduler = self._spawn(
             "scheduler", "scheduler.main", "--scheduler-gateway-address", self.gateway_address,
             "--scheduler-worker-address", self.worker_address,
-            "--scheduler-metrics-port", str(self.metrics_port), *self.scheduler_flags)
+            "--scheduler-metrics-port", str(self.metrics_port), *self.keys_flags,
+            *self.scheduler_flags)
 
     def start_gateway(self) -> None:
         self.gateway = self._spawn(
             "gateway", "gateway.main", "--port", str(self.grpc_port), "--gateway-metrics-port", "0",
-            "--scheduler-gateway-address", self.gateway_address, *self.gateway_flags)
+            "--http-port", "0", "--scheduler-gateway-address", self.gateway_address,
+            *self.keys_flags, *self.gateway_flags)
 
     def start_worker(self, *flags: str) -> subprocess.Popen:
         proc = self._spawn(f"worker{len(self.workers)}", "tests.fake_worker",
                            "--scheduler-worker-address", self.worker_address,
-                           *self.worker_flags, *flags)
+                           *self.keys_flags, *self.worker_flags, *flags)
         self.workers.append(proc)
         return proc
 

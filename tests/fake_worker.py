@@ -13,6 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from launch.models import DEFAULT_MODEL
 from proto import internal_pb2 as pb
 from proto.auth import PROTOCOL_VERSION
 from proto.columns import pack, unpack_list
@@ -81,7 +82,8 @@ class FakeWorker:
         self.inbox: deque[pb.StepPlan] = deque()  # plans sent to it and not executed yet
 
     def hello(self, max_model_len: int = 4096) -> pb.WorkerHello:
-        return pb.WorkerHello(worker_id=self.worker_id, model="fake", num_blocks=self.num_blocks,
+        # It stands in for the default model, whose tokenizer the gateways load.
+        return pb.WorkerHello(worker_id=self.worker_id, model=DEFAULT_MODEL, num_blocks=self.num_blocks,
                               block_size=self.block_size, max_model_len=max_model_len,
                               vocab_size=VOCAB, eos_token_ids=[EOS], device="cpu",
                               num_cpu_blocks=self.num_cpu_blocks, bytes_per_block=1000,
@@ -151,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     point."""
     import zmq
 
+    from proto.auth import secure_client
     from worker.heartbeat import heartbeats, main_routing_id
     from worker.main import serve
 
@@ -161,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--step-delay", type=float, default=0.0)
     p.add_argument("--worker-id", default=f"fake-{os.getpid()}")
+    p.add_argument("--zmq-keys-dir", default=None, help="CURVE keys, as the real worker's")
     args = p.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s fake-worker %(levelname)s %(message)s")
     runner = _Paced(args.step_delay, args.max_model_len, num_blocks=args.num_blocks,
@@ -170,10 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     sock.setsockopt(zmq.LINGER, 0)
     routing_id = main_routing_id(args.worker_id)
     sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    secure_client(sock, args.zmq_keys_dir, "worker")
     sock.connect(args.scheduler_worker_address)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        with heartbeats(ctx, args.scheduler_worker_address, routing_id):
+        with heartbeats(ctx, args.scheduler_worker_address, routing_id, keys_dir=args.zmq_keys_dir):
             return serve(runner, sock)
     finally:
         sock.close(0)

@@ -105,7 +105,7 @@ def test_a_refused_gateway_says_why_and_stays_without_a_cluster(caplog):
         ctx = zmq.asyncio.Context()
         router = ctx.socket(zmq.ROUTER)
         address = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
-        client = SchedulerClient(address, model="SmolLM2-135M-Instruct", hello_interval=0.05)
+        client = SchedulerClient(address, model="SmolLM2-135M-Instruct", keepalive_interval=0.05)
         await client.start()
         try:
             peer, data = await asyncio.wait_for(router.recv_multipart(), 5)

@@ -59,7 +59,7 @@ def serve(runner, sock: zmq.Socket, busy_poll_us: float = 0.0) -> int:
                 return 1
             elif kind == "reregister":
                 logger.info("the scheduler does not know this worker: saying hello again")
-                runner.seqs.clear()  # a scheduler that asks knows none of our sequences
+                runner.forget_all()  # a scheduler that asks knows none of our sequences
                 send(internal_pb2.WorkerMessage(hello=runner.hello()))
                 last_sent = time.monotonic()
         if time.monotonic() - last_sent >= HEARTBEAT_S:

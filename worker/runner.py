@@ -122,6 +122,10 @@ class ModelRunner:
             protocol_version=PROTOCOL_VERSION,
         )
 
+    def forget_all(self) -> None:
+        """Drop every sequence held (a new scheduler knows none of them)."""
+        self.batch = InputBatch(self.max_model_len, self.block_size)
+
     def execute(self, plan: internal_pb2.StepPlan) -> internal_pb2.StepResult:
         result = internal_pb2.StepResult(step_id=plan.step_id)
         start = time.perf_counter()
