@@ -15,6 +15,19 @@ EOS = 0
 # A prompt that starts with [EOS_MARK, k] ends with EOS as its k-th output token (k >= 1), or as
 # the first token min_tokens allows; any other prompt never samples EOS.
 EOS_MARK = 999
+# A prompt that starts with [POISON_MARK, k] fails every step that computes it once it has k
+# output tokens (k = 0: from its first step), as a sequence that breaks the model would: the
+# worker answers that step with StepResult.error, as worker/runner.py does.
+POISON_MARK = 997
+
+
+class Poisoned(RuntimeError):
+    pass
+
+
+def is_poisoned(tokens: list[int], num_prompt_tokens: int) -> bool:
+    return (num_prompt_tokens >= 2 and tokens[0] == POISON_MARK
+            and len(tokens) - num_prompt_tokens >= tokens[1])
 
 
 def eos_index(prompt: list[int], min_tokens: int = 0) -> int | None:
@@ -81,6 +94,12 @@ class FakeWorker:
                               swap_bytes_per_s=1e9, prefill_tokens_per_s=1e3)
 
     def execute(self, plan: pb.StepPlan) -> pb.StepResult:
+        try:
+            return self._execute(plan)
+        except Poisoned as e:  # only the model's failure: a broken plan still fails the test
+            return pb.StepResult(step_id=plan.step_id, error=f"{type(e).__name__}: {e}")
+
+    def _execute(self, plan: pb.StepPlan) -> pb.StepResult:
         self.steps += 1
         bs = self.block_size
         for slot in plan.dropped_slots:
@@ -104,6 +123,9 @@ class FakeWorker:
             self.seqs[slot].blocks.append(block)
         for slot, n in zip(unpack_list(plan.running_slots), unpack_list(plan.running_num_tokens)):
             work.append((slot, self.seqs[slot], n))
+        for sid, seq, n in work:
+            if is_poisoned(seq.tokens, seq.num_prompt_tokens):
+                raise Poisoned(f"slot {sid} broke the forward of step {plan.step_id}")
         slots, tokens = [], []
         for sid, seq, n in work:
             assert n >= 1 and seq.num_computed + n <= len(seq.tokens), (sid, n, seq.num_computed)
