@@ -57,6 +57,10 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="Prometheus /metrics port, 0 = off (default: %(default)s)")
     g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
                    help="largest gRPC or ZeroMQ message sent or received (default: %(default)s)")
+    g.add_argument("--shutdown-grace-period", type=float, default=30.0,
+                   help="on SIGTERM, seconds that streams in flight get to finish (new calls get "
+                        "UNAVAILABLE, health NOT_SERVING) before they are cancelled "
+                        "(default: %(default)s)")
     g.add_argument("--log-level", default="INFO")
     for dest, default, minimum, meaning in REQUEST_LIMITS:
         g.add_argument("--" + dest.replace("_", "-"), type=_int_at_least(minimum), default=default,

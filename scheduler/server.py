@@ -131,7 +131,12 @@ class SchedulerServer:
         state = self.router.workers.get(ident)
         if state is not None:
             state.last_seen = time.monotonic()
-        if kind == "hello":
+        if kind == "goodbye":
+            # A worker stopping after its step: its sequences go elsewhere now, not at a timeout.
+            if state is not None:
+                self.router.remove(ident, "said goodbye")
+                self._broadcast_info()
+        elif kind == "hello":
             why = self.router.refusal(ident, msg.hello)
             if why is not None:
                 log.error("refused worker %s: %s", msg.hello.worker_id, why)
