@@ -22,8 +22,11 @@ from tests.fake_worker import POISON_MARK, reference_output
 
 pytestmark = pytest.mark.integration
 
+# A plan sent to a worker in the instant it is killed is lost with it; the scheduler notices the
+# silence after this long (faster detection is docs/faults.md's "Liveness").
+WORKER_TIMEOUT_S = 3
 FAKE = ("--worker-module", "tests.fake_worker_main", "--num-gpu-blocks-override", "1024",
-        "--worker-timeout", "60", "--shutdown-grace-period", "20")
+        "--worker-timeout", str(WORKER_TIMEOUT_S), "--shutdown-grace-period", "20")
 STEP_S = "0.02"  # each fake step sleeps this long, so that 150 tokens take about 3 s
 RECOVERY_BOUND_S = 30.0
 SEED = 7  # the fake model draws from the seed the gateway sends (one is always sent)
@@ -177,13 +180,15 @@ def test_a_worker_given_sigterm_says_goodbye_and_its_streams_continue_at_once(cl
         assert all(e.wait(30) for e in started)
         os.kill(pid_of(cluster, "worker1"), signal.SIGTERM)
         sent = time.monotonic()
+        assert wait_for(lambda: "dropped (said goodbye)" in cluster.log_path.read_text(), 10)
+        requeued = time.monotonic() - sent
         for t in threads:
             t.join(60)
     assert [out[i][:2] for i in range(8)] == [("OK", reference_output(prompt(i), 150, seed=SEED)) for i in range(8)]
     took = max(out[i][2] for i in range(8)) - sent
-    print(f"\nSIGTERM to a worker: its streams moved on and all 8 finished {took:.2f} s later "
-          "(--worker-timeout 60)")
-    assert took < 30 and "said goodbye" in cluster.log_path.read_text()
+    print(f"\nSIGTERM to a worker: its sequences were requeued {requeued:.2f} s later (goodbye, "
+          f"not the {WORKER_TIMEOUT_S} s timeout); all 8 streams finished token-exact {took:.2f} s later")
+    assert requeued < WORKER_TIMEOUT_S
 
 
 def test_the_launcher_stops_gateway_then_scheduler_then_workers(tmp_path):
