@@ -67,6 +67,7 @@ def collect(router, outputs):
             entry["finish"] = delta.finish
             entry["cached"] = delta.cached_prompt_tokens
             entry["error"] = delta.error.code
+            entry["message"] = delta.error.message
 
 
 def run(router, workers, outputs, max_steps=10000, plans_seen=None):
