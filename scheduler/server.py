@@ -18,6 +18,8 @@ from scheduler.router import Rejected, Router, RouterConfig
 
 log = logging.getLogger("pagoda.scheduler")
 
+REREGISTER_EVERY_S = 5.0
+
 
 class SchedulerServer:
     def __init__(self, args) -> None:
@@ -31,6 +33,9 @@ class SchedulerServer:
         self.gateways = self._bind(args.scheduler_gateway_address)
         self.workers = self._bind(args.scheduler_worker_address)
         self.known_gateways: set[bytes] = set()
+        # Unknown workers asked to say hello, and when: once per REREGISTER_EVERY_S, or each
+        # result of a backlog would bring one more hello, and each hello a new registration.
+        self.asked_hello: dict[bytes, float] = {}
         self.busy_poll_us = resolve_busy_poll_us(args.busy_poll_us)
         self.running = True
 
@@ -131,6 +136,8 @@ class SchedulerServer:
         state = self.router.workers.get(ident)
         if state is not None:
             state.last_seen = time.monotonic()
+        if kind == "hello":
+            self.asked_hello.pop(ident, None)
         if kind == "goodbye":
             # A worker stopping after its step: its sequences go elsewhere now, not at a timeout.
             if state is not None:
@@ -145,8 +152,11 @@ class SchedulerServer:
             self.router.register(ident, msg.hello)
             self._broadcast_info()
         elif state is None:
-            # A worker from before a scheduler restart: have it register again.
-            self._send(self.workers, ident, pb.SchedulerToWorker(reregister=True))
+            # A worker from before a scheduler restart, or one dropped: have it register again.
+            now = time.monotonic()
+            if now - self.asked_hello.get(ident, -REREGISTER_EVERY_S) >= REREGISTER_EVERY_S:
+                self.asked_hello[ident] = now
+                self._send(self.workers, ident, pb.SchedulerToWorker(reregister=True))
         elif kind == "result":
             self.router.on_result(ident, msg.result)
 
@@ -157,6 +167,7 @@ class SchedulerServer:
             self.router.remove(ident, f"silent for {self.args.worker_timeout:.0f}s")
         if dead:
             self._broadcast_info()
+        self.asked_hello = {w: t for w, t in self.asked_hello.items() if now - t < 60}
 
     def _send_plans(self) -> None:
         # Again until no worker takes one more: a worker with no plan out gets the plan after
