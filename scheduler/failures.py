@@ -20,29 +20,29 @@ if TYPE_CHECKING:
 
 
 def fail_oldest(sched: "Scheduler") -> list[Request]:
-    """The worker failed the oldest plan in flight. Returns the sequences that failed alone, for
-    the caller to end with INTERNAL; every other sequence of that plan and of the void plans after
-    it is requeued for recompute."""
+    """The worker failed the oldest plan in flight. Returns the suspects that failed alone, for
+    the caller to end with INTERNAL; every other sequence of that plan and of the void plans
+    after it is requeued for recompute."""
     step = sched.in_flight.popleft()
     sched.reuse_slots(step.step_id)
     failed = _live(step.entries)
-    if step.alone:
-        # Nothing else was in flight (a suspect's step waits for the pipeline to drain).
-        return [req for req in failed if req.suspect]
+    # A suspect's step holds nothing else, but for the children its fork brings along.
+    culprits = [req for req in failed if req.suspect] if step.alone else []
     for later in sched.in_flight:
         later.void = True
-    others = _live(e for s in sched.in_flight for e in s.entries)
+    others = [r for r in _live(e for s in sched.in_flight for e in s.entries) if r not in failed]
     in_flight_tokens: dict[int, int] = {}
     for s in (step, *sched.in_flight):
         for req, n, _ in s.entries:
             in_flight_tokens[id(req)] = in_flight_tokens.get(id(req), 0) + n
-    for req in failed + [r for r in others if r not in failed]:
+    for req in failed + others:
         # The failed and void steps wrote (or not) the positions after this one; a block cached
         # one step early (its last token's KV still in flight) must not be found again.
         first_bad = max(0, req.num_tokens - in_flight_tokens.get(id(req), 0) - 1)
         sched.kv.uncache_from(req, first_bad)
-        requeue_for_recompute(sched, req, suspect=req in failed)
-    return []
+        if req not in culprits:
+            requeue_for_recompute(sched, req, suspect=req in failed)
+    return culprits
 
 
 def _live(entries) -> list[Request]:
@@ -80,31 +80,22 @@ def requeue_for_recompute(sched: "Scheduler", req: Request, suspect: bool) -> No
 
 def schedule_alone(sched: "Scheduler", step) -> bool:
     """Put the first suspect that fits into `step`, alone. False: none fits now (no blocks or
-    no room); the caller plans a step of the others."""
-    bs, RUNNING = sched.config.block_size, Status.RUNNING
+    no room); the caller plans a step of the others. Every suspect here waits: one runs only in
+    its own step, which clears it when it succeeds and requeues or ends it when it fails."""
+    bs = sched.config.block_size
     for req in sorted(sched.suspects, key=Request.sort_key):
-        if req.status is RUNNING:  # a chunked prefill that goes on
-            todo = req.num_tokens + req.num_pending - req.num_computed_tokens - bool(req.fork_children)
-            if todo <= 0:
-                continue
-            n = min(todo, step.budget)
-            blocks = sched.kv.allocate_slots(req, n)
-            if blocks is None:
-                continue
-            step.take(req, n, blocks)
-        elif req.status is Status.WAITING:
-            if req.num_pending or len(sched.running) + 1 + len(req.fork_children) > sched.config.max_num_seqs:
-                continue
-            hits = sched.kv.get_computed_blocks(req)
-            n = min(req.num_tokens - len(hits) * bs - bool(req.fork_children), step.budget)
-            blocks = sched.kv.allocate_slots(req, n, hits)
-            if blocks is None:
-                continue
-            sched.num_waiting -= 1
-            sched.start_running(req)
-            sched.take_or_fork(req, n, blocks, step)
-        else:
+        if req.status is not Status.WAITING or req.num_pending:
             continue
+        if len(sched.running) + 1 + len(req.fork_children) > sched.config.max_num_seqs:
+            continue
+        hits = sched.kv.get_computed_blocks(req)
+        n = min(req.num_tokens - len(hits) * bs - bool(req.fork_children), step.budget)
+        blocks = sched.kv.allocate_slots(req, n, hits)
+        if blocks is None:
+            continue
+        sched.num_waiting -= 1
+        sched.start_running(req)
+        sched.take_or_fork(req, n, blocks, step)
         step.alone = True
         return True
     return False
