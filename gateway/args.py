@@ -78,6 +78,10 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--max-concurrent-rpcs", type=_int_at_least(1), default=1024,
                    help="RPCs one gateway serves at once; past it, RESOURCE_EXHAUSTED "
                         "(default: %(default)s)")
+    g.add_argument("--shutdown-grace-period", type=float, default=30.0,
+                   help="on SIGTERM, seconds that streams in flight get to finish (new calls get "
+                        "UNAVAILABLE, health NOT_SERVING) before they are cancelled "
+                        "(default: %(default)s)")
     g.add_argument("--zmq-hwm", type=int, default=1000,  # shared with the scheduler and workers
                    help="ZeroMQ high-water mark: messages queued per socket and peer "
                         "(default: %(default)s)")

@@ -1,7 +1,8 @@
 """`python -m gateway.main [flags]`: one gateway process.
 
 SIGINT/SIGTERM start a graceful stop: health turns NOT_SERVING, new RPCs are refused, RPCs in
-flight get GRACE_SECONDS to finish, and the rest are cancelled (which aborts them at the scheduler).
+flight get --shutdown-grace-period seconds to finish, and the rest are cancelled (which aborts
+them at the scheduler).
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 
 import uvloop
 
@@ -22,7 +24,6 @@ from gateway.tokenizer import load_tokenizer
 from gateway.validate import limits_from_args
 from proto.auth import check_auth_args
 
-GRACE_SECONDS = 5.0
 log = logging.getLogger("pagoda.gateway")
 
 
@@ -53,9 +54,11 @@ async def run(args) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
-        log.info("shutting down (grace %.0f s)", GRACE_SECONDS)
+        log.info("shutting down: streams in flight get %g s to finish", args.shutdown_grace_period)
     finally:
-        await gateway.stop(GRACE_SECONDS)
+        started = time.monotonic()
+        await gateway.stop(args.shutdown_grace_period)
+        log.info("stopped after %.1f s of draining", time.monotonic() - started)
         if metrics_server is not None:
             metrics_server.shutdown()
 

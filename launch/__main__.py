@@ -1,19 +1,28 @@
 """`python -m launch [flags]` (what `make run` calls): a scheduler, N workers and a gateway on
-loopback, until Ctrl-C stops all of them.
+loopback, until Ctrl-C or SIGTERM stops them: the gateway first (it drains its streams), then the
+scheduler, then the workers, each waited for.
+
+A process that dies is started again after a backoff that doubles while it keeps dying young
+(as compose's restart policy does); the others reconnect to it by themselves. One that dies
+--crash-loop-deaths times in a row, each within --crash-loop-window seconds of its start, stops
+everything: it would only keep failing.
 
 Each flag goes to every process whose parser knows it, so `--max-num-seqs 8` reaches the
 scheduler, `--num-gpu-blocks-override 64` the workers, and an address flag both ends of its
-socket. The launcher itself owns only --num-workers. Unless --zmq-keys-dir or --insecure is
-given, it creates a CURVE key set in .cache/zmq-keys on first use and hands it to every process.
+socket. The launcher itself owns --num-workers, --worker-module and the crash-loop flags. Unless
+--zmq-keys-dir or --insecure is given, it creates a CURVE key set in .cache/zmq-keys on first use
+and hands it to every process.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,63 +77,122 @@ def module_command(module: str, args: list[str]) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
+FIRST_BACKOFF_S = 0.25
+MAX_BACKOFF_S = 16.0
+STOP_WAIT_S = 10.0  # for the scheduler and each worker; the gateway gets its grace period more
+
+
+@dataclass
+class Child:
+    name: str
+    cmd: list[str]
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    young_deaths: int = 0         # in a row, each within the crash-loop window of its start
+    restart_at: float | None = None
+
+
+def _own_group_and_die_with_parent() -> None:
+    # A process group of its own: Ctrl-C reaches the launcher only, which stops the others in
+    # order. PR_SET_PDEATHSIG: a launcher killed with -9 still takes its children along.
+    os.setpgid(0, 0)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def start(child: Child, env: dict) -> None:
+    child.proc = subprocess.Popen(child.cmd, cwd=ROOT, env=env,
+                                  preexec_fn=_own_group_and_die_with_parent)
+    child.started, child.restart_at = time.monotonic(), None
+    print(f"pagoda: started {child.name} (pid {child.proc.pid}): {' '.join(child.cmd[2:])}",
+          flush=True)
+
+
+def reap(child: Child, now: float, window: float, max_deaths: int) -> str | None:
+    """child has exited: schedule its restart, or say why everything must stop."""
+    code, lived = child.proc.returncode, now - child.started
+    child.proc = None
+    child.young_deaths = child.young_deaths + 1 if lived < window else 0
+    if child.young_deaths >= max_deaths:
+        return (f"pagoda: {child.name} died {child.young_deaths} times in a row, each within "
+                f"{window:g} s of starting (last exit code {code}); stopping everything")
+    delay = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** child.young_deaths)
+    child.restart_at = now + delay
+    print(f"pagoda: {child.name} exited with {code} after {lived:.1f} s; restarting in "
+          f"{delay:g} s", flush=True)
+    return None
+
+
+def stop_in_order(children: list[Child], gateway_grace: float) -> None:
+    """Gateway (drains its streams), then scheduler, then workers; SIGKILL for one that outstays
+    its wait."""
+    groups = [([c for c in children if c.name == "gateway"], gateway_grace + STOP_WAIT_S),
+              ([c for c in children if c.name == "scheduler"], STOP_WAIT_S),
+              ([c for c in children if c.name.startswith("worker")], STOP_WAIT_S)]
+    for group, wait in groups:
+        live = [c for c in group if c.proc is not None and c.proc.poll() is None]
+        for c in live:
+            c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + wait
+        for c in live:
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"pagoda: {c.name} did not stop within {wait:g} s; killing it", flush=True)
+                c.proc.kill()
+                c.proc.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own = argparse.ArgumentParser("pagoda", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     own.add_argument("--num-workers", type=int, default=1)
+    own.add_argument("--worker-module", default="worker.main",
+                     help="the module each worker runs; tests run tests.fake_worker_main "
+                          "(default: %(default)s)")
+    own.add_argument("--crash-loop-deaths", type=int, default=5,
+                     help="deaths in a row, each soon after start, that stop everything "
+                          "(default: %(default)s)")
+    own.add_argument("--crash-loop-window", type=float, default=30.0,
+                     help="seconds after its start within which a death counts as one more in "
+                          "a crash loop; a process that lives longer starts the count afresh "
+                          "(default: %(default)s)")
     opts, rest = own.parse_known_args(argv)
-    routed = route_flags(with_keys(rest), process_parsers())
+    parsers = process_parsers()
+    routed = route_flags(with_keys(rest), parsers)
+    gateway_grace = parsers["gateway"].parse_args(routed["gateway"]).shutdown_grace_period
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    commands = [("scheduler", module_command("scheduler.main", routed["scheduler"]))]
-    commands += [(f"worker{i}", module_command("worker.main", routed["worker"]))
+    children = [Child("scheduler", module_command("scheduler.main", routed["scheduler"]))]
+    children += [Child(f"worker{i}", module_command(opts.worker_module, routed["worker"]))
                  for i in range(opts.num_workers)]
-    commands.append(("gateway", module_command("gateway.main", routed["gateway"])))
-    procs = []
-    for name, cmd in commands:
-        print(f"pagoda: starting {name}: {' '.join(cmd[2:])}", flush=True)
-        procs.append((name, subprocess.Popen(cmd, cwd=ROOT, env=env)))
+    children.append(Child("gateway", module_command("gateway.main", routed["gateway"])))
 
-    stopping = False
-
-    def stop(*_):
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-    code, lost = 0, set()
+    stopping = []
+    signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    for child in children:
+        start(child, env)
+    code = 0
     while not stopping:
-        for name, p in procs:
-            if p.poll() is None or name in lost:
-                continue
-            if name.startswith("worker"):
-                # The scheduler recomputes a lost worker's sequences on the others; serve on.
-                print(f"pagoda: {name} exited with {p.returncode}; serving with the rest", flush=True)
-                lost.add(name)
-            else:
-                print(f"pagoda: {name} exited with {p.returncode}; stopping the rest", flush=True)
-                code = p.returncode or 1
-                stopping = True
-                break
-        time.sleep(0.2)
-    shutdown([p for _, p in procs])
+        now = time.monotonic()
+        for child in children:
+            if child.proc is not None and child.proc.poll() is not None:
+                why = reap(child, now, opts.crash_loop_window, opts.crash_loop_deaths)
+                if why is not None:
+                    print(why, flush=True)
+                    code = 1
+                    stopping.append(True)
+                    break
+            elif child.proc is None and child.restart_at is not None and now >= child.restart_at:
+                start(child, env)
+        time.sleep(0.1)
+    print("pagoda: stopping: gateway, then scheduler, then workers", flush=True)
+    stop_in_order(children, gateway_grace)
     return code
-
-
-def shutdown(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
-    """SIGINT first (each process cleans up), SIGKILL for any that outstays the grace period."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGINT)
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 if __name__ == "__main__":

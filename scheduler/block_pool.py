@@ -70,7 +70,7 @@ class BlockPool:
         for _ in range(n):
             block, _ = popitem(last=False)
             if block_hash[block] is not None:
-                self._forget_hash(block)
+                self.forget_hash(block)
             ref_cnt[block] = 1
             out.append(block)
         return out
@@ -119,7 +119,7 @@ class BlockPool:
                 hits.append(block)
         return hits
 
-    def _forget_hash(self, block: int) -> None:
+    def forget_hash(self, block: int) -> None:
         h = self.block_hash[block]
         if h is not None:
             self.block_hash[block] = None

@@ -64,6 +64,16 @@ class KVCacheManager:
         start, req.num_cached_blocks = req.num_cached_blocks, full
         self.pool.cache_blocks(req.block_ids[start:full], hashes[start:full])
 
+    def uncache_from(self, req: "Request", position: int) -> None:
+        """Blocks of req from the one holding `position` on leave the prefix cache: a failed step
+        may have left their KV unwritten. By hash, so blocks req no longer holds go too."""
+        cached, block_hash = self.pool.cached, self.pool.block_hash
+        for h in req.block_hashes[position // self.block_size:]:
+            block = cached.get(h)
+            if block is not None and block_hash[block] == h:
+                self.pool.forget_hash(block)
+        req.num_cached_blocks = min(req.num_cached_blocks, position // self.block_size)
+
     # -- allocation -----------------------------------------------------------------------------
     def allocate_slots(self, req: "Request", num_new_tokens: int,
                        computed_blocks: list[int] | None = None) -> list[int] | None:

@@ -69,6 +69,9 @@ class Request:
     on_worker: bool = False
     slot: int = -1                  # its name in plans and results while on the worker
     num_preemptions: int = 0
+    # It was in a step that failed: it runs alone until a step with it succeeds, and ends with
+    # INTERNAL if it fails alone (scheduler/failures.py).
+    suspect: bool = False
     # Streaming to the gateway: whether the first delta (with usage) went out, and how many
     # tokens at the end are not sent yet. A plain decode leaves both alone, so a quiet step
     # writes nothing here.

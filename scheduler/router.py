@@ -18,6 +18,8 @@ from scheduler.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("pagoda.router")
 
+FAILED_ALONE = "the worker failed every step that computed this sequence"
+
 
 class Rejected(Exception):
     def __init__(self, code: str, message: str) -> None:
@@ -59,6 +61,9 @@ class Router:
         self.seqs: dict[str, list[Request]] = {}  # request id -> its n sequences
         self.public: dict[str, str] = {}          # public (client) id -> request id, in flight
         self.arrivals = itertools.count()
+        # Every registration's step ids start at its epoch << 32: ids never repeat across
+        # registrations, so a late result of an earlier one is recognised and dropped.
+        self.epochs = itertools.count(1)
         self.outbox: dict[bytes, Outbox] = {}
 
     # -- workers ------------------------------------------------------------------------------
@@ -97,7 +102,9 @@ class Router:
             eos_token_ids=frozenset(hello.eos_token_ids),
             num_cpu_blocks=hello.num_cpu_blocks, bytes_per_block=hello.bytes_per_block,
             swap_bytes_per_s=hello.swap_bytes_per_s, prefill_tokens_per_s=hello.prefill_tokens_per_s)
-        self.workers[worker_id] = WorkerState(worker_id, hello, Scheduler(cfg, hello.num_blocks))
+        first_step_id = next(self.epochs) << 32
+        self.workers[worker_id] = WorkerState(worker_id, hello,
+                                              Scheduler(cfg, hello.num_blocks, first_step_id))
         log.info("worker %s registered: %d blocks of %d, max_model_len %d, %s",
                  hello.worker_id, hello.num_blocks, hello.block_size, hello.max_model_len,
                  hello.device)
@@ -320,19 +327,27 @@ class Router:
         if state is None:
             return
         state.last_seen = time.monotonic()
+        sched = state.scheduler
+        oldest = sched.in_flight[0] if sched.in_flight else None
+        if oldest is None or result.step_id < oldest.step_id:
+            # From before this worker registered again, or a repeat: its plan is gone.
+            log.warning("worker %s: dropped a stale result for step %d", state.hello.worker_id,
+                        result.step_id)
+            return
         state.steps += 1
         state.forward_seconds += result.forward_seconds
-        sched = state.scheduler
-        if not sched.in_flight:
-            return  # a result from before this worker registered again
-        if result.error:
-            # The forward failed: end the step's sequences with an error rather than retrying a
-            # request that may be what breaks the worker.
+        if oldest.void:
+            sched.update(result, self.outbox)  # drops it; its sequences were requeued
+            return
+        if result.error and result.step_id == oldest.step_id:
+            # The worker's own text goes to the log only; the client gets a short message.
             log.error("worker %s step %d failed: %s", state.hello.worker_id, result.step_id,
                       result.error)
             for req in sched.fail_oldest():
+                log.error("%s failed alone on worker %s: ended with INTERNAL", req.seq_id,
+                          state.hello.worker_id)
                 sched.finish(req, FinishReason.ERROR)
-                self._emit(req, error=pb.Error(code="INTERNAL", message=result.error))
+                self._emit(req, error=pb.Error(code="INTERNAL", message=FAILED_ALONE))
             return
         # The scheduler streams plain one-token steps into the outboxes itself; what is left
         # (first tokens with usage, finishes) comes back for _emit.

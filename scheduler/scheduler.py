@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from proto import internal_pb2 as pb
+from scheduler import failures
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.outbox import Outbox
 from scheduler.preemption import PreemptionPolicy
@@ -47,7 +48,7 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, num_blocks: int) -> None:
+    def __init__(self, config: SchedulerConfig, num_blocks: int, first_step_id: int = 0) -> None:
         self.config = config
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.num_cpu_blocks)
@@ -65,7 +66,12 @@ class Scheduler:
         self.released: list[tuple[int, int]] = []            # (last plan sent, slot)
         self.dropped: list[int] = []                         # slots the next plan makes it forget
         self.in_flight: deque[Step] = deque()                # plans sent, results not yet back
-        self.step_id = 0
+        # Each registration starts its ids where no earlier one reached (the router's epoch), so a
+        # result from before a worker registered again never matches a plan of this one.
+        self.step_id = first_step_id
+        # Waiting or running sequences of a failed step, kept off the waiting queue: each runs
+        # alone until a step with it succeeds (scheduler/failures.py).
+        self.suspects: list[Request] = []
 
     # -- intake -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -81,8 +87,15 @@ class Scheduler:
         self.num_waiting += 1
         self.requests[req.seq_id] = req
         if req.fork_parent is None:
-            heapq.heappush(self.waiting, (req.priority, req.arrival, next(self._tiebreak), req))
+            self.enqueue(req)
         # A fork child waits, off the queue, for its parent to compute the prompt.
+
+    def enqueue(self, req: Request) -> None:
+        """A WAITING sequence joins the waiting queue, or the suspects."""
+        if req.suspect:
+            self.suspects.append(req)
+        else:
+            heapq.heappush(self.waiting, (req.priority, req.arrival, next(self._tiebreak), req))
 
     def abort(self, seq_id: str) -> Request | None:
         req = self.requests.get(seq_id)
@@ -101,6 +114,14 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> pb.StepPlan | None:
         step = Step(self.step_id + 1, self.config.max_num_batched_tokens)
+        self.running = [r for r in self.running if r.status is Status.RUNNING]
+        if self.suspects:
+            self.suspects = [r for r in self.suspects if r.suspect and r.status is not Status.FINISHED]
+        if self.suspects:
+            if self.in_flight:
+                return None  # a suspect's step runs alone: let the pipeline drain first
+            if failures.schedule_alone(self, step):
+                return self._send(step)
         self._schedule_running(step)
         # A step that had to preempt admits nothing: the victims would come straight back.
         if not step.preempted:
@@ -114,6 +135,11 @@ class Scheduler:
         if step.is_empty():
             self.dropped = step.dropped
             return None
+        return self._send(step)
+
+    def _send(self, step: Step) -> pb.StepPlan:
+        if step.alone:
+            step.dropped, self.dropped = self.dropped, []
         self.step_id += 1
         now = time.monotonic() if step.new else 0.0
         for req, _ in step.new:
@@ -126,12 +152,11 @@ class Scheduler:
 
     def _schedule_running(self, step: Step) -> None:
         """The next token, or the next prefill chunk, for every running sequence."""
-        self.running = [r for r in self.running if r.status is Status.RUNNING]
         for req in self.running:  # preemption and forks leave the list itself alone
             if step.budget == 0:
                 break
-            if req.status is not Status.RUNNING:
-                continue  # a victim earlier in this loop
+            if req.status is not Status.RUNNING or req.suspect:
+                continue  # a victim earlier in this loop, or a suspect (it runs alone)
             known = len(req.all_token_ids) + req.num_pending
             if known >= req.length_limit:
                 continue  # its last token is on the way; it ends when that arrives
@@ -198,14 +223,14 @@ class Scheduler:
                 return
             self.swapped.pop(0)
             step.swap_in += ops
-            self._start_running(req)
-            self._take_or_fork(req, n, [], step)
+            self.start_running(req)
+            self.take_or_fork(req, n, [], step)
 
     def _schedule_waiting(self, step: Step) -> None:
         while self.waiting and step.budget > 0:
             req = self.waiting[0][-1]
-            if req.status is not Status.WAITING:
-                heapq.heappop(self.waiting)  # aborted while waiting
+            if req.status is not Status.WAITING or req.suspect:
+                heapq.heappop(self.waiting)  # aborted while waiting, or now waits as a suspect
                 continue
             if req.num_pending or not self._room_for(req, step):
                 return  # strict priority order: nothing jumps the queue
@@ -222,10 +247,10 @@ class Scheduler:
                 self.kv.pool.queries += req.num_tokens
                 self.kv.pool.hits += req.num_computed_tokens
             self.num_waiting -= 1
-            self._start_running(req)
-            self._take_or_fork(req, n, blocks, step)
+            self.start_running(req)
+            self.take_or_fork(req, n, blocks, step)
 
-    def _take_or_fork(self, req: Request, n: int, blocks: list[int], step: Step) -> None:
+    def take_or_fork(self, req: Request, n: int, blocks: list[int], step: Step) -> None:
         """A sequence that just (re)joined the batch: its chunk, or, when only its prompt's last
         token is left and children wait, the fork."""
         if n > 0:
@@ -233,7 +258,7 @@ class Scheduler:
         elif req.fork_children:
             self._fork(req, step, may_preempt=False)
 
-    def _start_running(self, req: Request) -> None:
+    def start_running(self, req: Request) -> None:
         req.status = Status.RUNNING
         self.running.append(req)
         self.running.sort(key=Request.sort_key)
@@ -255,16 +280,20 @@ class Scheduler:
             raise ValueError(f"result for step {result.step_id}, but the oldest plan in flight "
                              f"is {self.in_flight[0].step_id if self.in_flight else 'none'}")
         step = self.in_flight.popleft()
-        self._reuse_slots(step.step_id)
+        self.reuse_slots(step.step_id)
+        if step.void:
+            return []  # sent before a failed step came back; its sequences were requeued
+        if step.alone:
+            for req, _, _ in step.entries:
+                req.suspect = False  # it ran alone and the worker survived it
         return apply_result(self, step, result, outboxes)
 
     def fail_oldest(self) -> list[Request]:
-        """The worker failed the oldest plan: its sequences still running, for the caller to end."""
-        step = self.in_flight.popleft()
-        self._reuse_slots(step.step_id)
-        return [req for req, _, _ in step.entries if req.status is Status.RUNNING]
+        """The worker failed the oldest plan (scheduler/failures.py): the sequences that failed
+        alone, for the caller to end with INTERNAL. The others are requeued for recompute."""
+        return failures.fail_oldest(self)
 
-    def _reuse_slots(self, step_id: int) -> None:
+    def reuse_slots(self, step_id: int) -> None:
         keep = []
         for sent, slot in self.released:
             if sent <= step_id:
@@ -279,7 +308,7 @@ class Scheduler:
         if req.status is Status.FINISHED:
             return
         self.kv.free(req)
-        self._drop_slot(req)
+        self.drop_slot(req)
         if req in self.swapped:
             self.swapped.remove(req)
         if req.status is Status.WAITING:
@@ -294,20 +323,20 @@ class Scheduler:
         hashes, so a recompute often finds most of its prefix still cached."""
         step.preempted = True
         req.num_preemptions += 1
-        if self.preemption.choose(req) == "swap":
+        if not req.suspect and self.preemption.choose(req) == "swap":
             step.swap_out += self.kv.swap_out(req)
-            self._drop_slot(req)
+            self.drop_slot(req)
             req.status = Status.SWAPPED
             self.swapped.append(req)
         else:
             self.kv.free(req)
-            self._drop_slot(req)
+            self.drop_slot(req)
             req.num_computed_tokens = 0
             req.status = Status.WAITING
             self.num_waiting += 1
-            heapq.heappush(self.waiting, (req.priority, req.arrival, next(self._tiebreak), req))
+            self.enqueue(req)
 
-    def _drop_slot(self, req: Request) -> None:
+    def drop_slot(self, req: Request) -> None:
         if req.on_worker:
             self.dropped.append(req.slot)
             self.slots[req.slot] = None
@@ -329,6 +358,7 @@ class Scheduler:
         self.waiting.clear()
         self.running.clear()
         self.swapped.clear()
+        self.suspects.clear()
         self.in_flight.clear()
         self.dropped, self.slots, self.free_slots, self.released = [], [], [], []
         return out

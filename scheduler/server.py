@@ -214,6 +214,12 @@ class SchedulerServer:
         if state is not None:
             state.last_seen = time.monotonic()
         if kind == "hello":
+        if kind == "goodbye":
+            # A worker stopping after its step: its sequences go elsewhere now, not at a timeout.
+            if state is not None:
+                self.router.remove(ident, "said goodbye")
+                self._broadcast_info()
+        elif kind == "hello":
             why = checks.check_worker_hello(msg.hello) or self.router.refusal(ident, msg.hello)
             if why is not None:
                 log.error("refused worker %s: %s", msg.hello.worker_id, why)

@@ -27,6 +27,8 @@ class Step:
     dropped: list[int] = field(default_factory=list)
     preempted: bool = False
     forked: list["Request"] = field(default_factory=list)  # children that joined the batch
+    alone: bool = False             # a suspect's step: nothing else runs in it
+    void: bool = False              # sent before a failed step came back: its result is dropped
     # Set by plan(): the step's sequences in plan order, (sequence, tokens, slot).
     entries: list[tuple["Request", int, int]] = field(default_factory=list)
 

@@ -23,6 +23,19 @@ EOS = 0
 # A prompt that starts with [EOS_MARK, k] ends with EOS as its k-th output token (k >= 1), or as
 # the first token min_tokens allows; any other prompt never samples EOS.
 EOS_MARK = 999
+# A prompt that starts with [POISON_MARK, k] fails every step that computes it once it has k
+# output tokens (k = 0: from its first step), as a sequence that breaks the model would: the
+# worker answers that step with StepResult.error, as worker/runner.py does.
+POISON_MARK = 997
+
+
+class Poisoned(RuntimeError):
+    pass
+
+
+def is_poisoned(tokens: list[int], num_prompt_tokens: int) -> bool:
+    return (num_prompt_tokens >= 2 and tokens[0] == POISON_MARK
+            and len(tokens) - num_prompt_tokens >= tokens[1])
 
 
 def eos_index(prompt: list[int], min_tokens: int = 0) -> int | None:
@@ -80,6 +93,7 @@ class FakeWorker:
         self.seqs: dict[str, Seq] = {}
         self.steps = 0
         self.inbox: deque[pb.StepPlan] = deque()  # plans sent to it and not executed yet
+        self.lenient = False  # the last step failed (see execute)
 
     def hello(self, max_model_len: int = 4096) -> pb.WorkerHello:
         # It stands in for the default model, whose tokenizer the gateways load.
@@ -91,6 +105,21 @@ class FakeWorker:
                               protocol_version=PROTOCOL_VERSION)
 
     def execute(self, plan: pb.StepPlan) -> pb.StepResult:
+        # Only the model's failure becomes an error result: a broken plan still fails the test.
+        # The one exception is the plan sent before the scheduler saw a failure: it counted on
+        # the failed step's tokens, so it may fail in any way (the scheduler drops its result).
+        lenient, self.lenient = self.lenient, False
+        try:
+            return self._execute(plan)
+        except Poisoned as e:
+            self.lenient = True
+            return pb.StepResult(step_id=plan.step_id, error=f"{type(e).__name__}: {e}")
+        except (AssertionError, KeyError, IndexError) as e:
+            if not lenient:
+                raise
+            return pb.StepResult(step_id=plan.step_id, error=f"{type(e).__name__}: {e}")
+
+    def _execute(self, plan: pb.StepPlan) -> pb.StepResult:
         self.steps += 1
         bs = self.block_size
         for slot in plan.dropped_slots:
@@ -114,6 +143,9 @@ class FakeWorker:
             self.seqs[slot].blocks.append(block)
         for slot, n in zip(unpack_list(plan.running_slots), unpack_list(plan.running_num_tokens)):
             work.append((slot, self.seqs[slot], n))
+        for sid, seq, n in work:
+            if is_poisoned(seq.tokens, seq.num_prompt_tokens):
+                raise Poisoned(f"slot {sid} broke the forward of step {plan.step_id}")
         slots, tokens = [], []
         for sid, seq, n in work:
             assert n >= 1 and seq.num_computed + n <= len(seq.tokens), (sid, n, seq.num_computed)

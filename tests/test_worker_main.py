@@ -91,12 +91,14 @@ def test_hello_plan_heartbeat_reregister_shutdown(tiny_model, scheduler_socket):
     assert "Traceback" not in output, output
 
 
-def test_sigterm_exits_cleanly(tiny_model, scheduler_socket):
+def test_sigterm_says_goodbye_and_exits_cleanly(tiny_model, scheduler_socket):
     sock, address = scheduler_socket
     proc = start_worker(tiny_model, address)
     try:
         receive(sock)
         proc.send_signal(signal.SIGTERM)
+        _, msg = receive(sock, timeout_s=10)  # so the scheduler requeues its sequences at once
+        assert msg.WhichOneof("kind") == "goodbye"
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:

@@ -4,7 +4,8 @@ It says hello once the model is loaded and the cache allocated, then answers eve
 result, and says hello again when the scheduler asks (after a restart). A thread heartbeats on a
 socket of its own (worker/heartbeat.py), so a long forward never looks like a dead worker; the
 main socket heartbeats too while idle, which is how a restarted scheduler finds it to ask for a
-new hello. Every frame is one protobuf message.
+new hello. SIGTERM or SIGINT while serving finishes the current step and says goodbye, so the
+scheduler requeues this worker's sequences at once. Every frame is one protobuf message.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import argparse
 import logging
 import signal
 import sys
+import threading
 import time
 
 import zmq
@@ -25,17 +27,30 @@ from worker.heartbeat import heartbeats, main_routing_id
 logger = logging.getLogger("pagoda.worker")
 
 HEARTBEAT_S = 1.0
+STOP_CHECK_S = 0.2  # the longest an idle worker takes to notice SIGTERM
 # Above the scheduler's default --max-message-bytes (64 MiB); a larger frame closes the connection.
 
 
 def serve(runner, sock: zmq.Socket, busy_poll_us: float = 0.0) -> int:
     """The worker loop over a connected socket; returns the exit code on shutdown."""
     send = lambda msg, flags=0: sock.send(msg.SerializeToString(), flags)  # noqa: E731
+    stop: list[int] = []
+    if threading.current_thread() is threading.main_thread():
+        # From here on a signal waits for the step in hand rather than cutting through it.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, _: stop.append(signum))
     send(internal_pb2.WorkerMessage(hello=runner.hello()))
     last_sent = time.monotonic()
     busy_us = 0.0  # spin only while the next plan is due: right after a result
     while True:
-        wait_ms = max(0, int((HEARTBEAT_S - (time.monotonic() - last_sent)) * 1000))
+        if stop:
+            logger.info("%s: saying goodbye to the scheduler", signal.Signals(stop[0]).name)
+            try:
+                send(internal_pb2.WorkerMessage(goodbye=True), zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # no scheduler connected: nobody to tell
+            return 0
+        wait_ms = max(0, int(min(STOP_CHECK_S, HEARTBEAT_S - (time.monotonic() - last_sent)) * 1000))
         events = poll(sock, wait_ms, busy_us)
         busy_us = 0.0
         if events:
@@ -108,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                         keys_dir=args.zmq_keys_dir):
             return serve(runner, sock, resolve_busy_poll_us(args.busy_poll_us))
     finally:
-        sock.close(0)
+        sock.close(linger=1000)  # lets a goodbye leave
         ctx.term()
 
 
