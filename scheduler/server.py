@@ -213,7 +213,6 @@ class SchedulerServer:
         state = self.router.workers.get(ident)
         if state is not None:
             state.last_seen = time.monotonic()
-        if kind == "hello":
         if kind == "goodbye":
             # A worker stopping after its step: its sequences go elsewhere now, not at a timeout.
             if state is not None:
