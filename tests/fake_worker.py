@@ -104,6 +104,10 @@ class FakeWorker:
                               swap_bytes_per_s=1e9, prefill_tokens_per_s=1e3,
                               protocol_version=PROTOCOL_VERSION)
 
+    def forget_all(self) -> None:
+        """A new scheduler knows none of our sequences (worker.main calls it on reregister)."""
+        self.seqs.clear()
+
     def execute(self, plan: pb.StepPlan) -> pb.StepResult:
         # Only the model's failure becomes an error result: a broken plan still fails the test.
         # The one exception is the plan sent before the scheduler saw a failure: it counted on

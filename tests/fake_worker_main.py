@@ -34,6 +34,9 @@ class FakeRunner:
     def hello(self) -> pb.WorkerHello:
         return self.fake.hello(self.max_model_len)
 
+    def forget_all(self) -> None:
+        self.fake.forget_all()
+
     def execute(self, plan: pb.StepPlan) -> pb.StepResult:
         start = time.perf_counter()
         if self.step_s:
