@@ -50,15 +50,16 @@ class Stream(threading.Thread):
         self.ended_at = time.monotonic()
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    c = FakeCluster(tmp_path, worker_flags=["--num-blocks", "4096", "--step-delay", "0.01"])
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Shared by the kill tests; each leaves it serving again."""
+    c = FakeCluster(tmp_path_factory.mktemp("kills"),
+                    worker_flags=["--num-blocks", "4096", "--step-delay", "0.01"]).start()
     yield c
     c.stop()
 
 
 def test_scheduler_killed_streams_end_unavailable_and_it_comes_back(cluster):
-    cluster.start()
     streams = [Stream(cluster.stub, request(i, 3000)) for i in range(8)]
     assert wait_for(lambda: all(s.tokens for s in streams), 30), cluster.log_tail()
     killed = time.monotonic()
@@ -88,7 +89,6 @@ def test_scheduler_killed_streams_end_unavailable_and_it_comes_back(cluster):
 
 
 def test_gateway_killed_its_requests_are_aborted_and_blocks_freed(cluster):
-    cluster.start()
     streams = [Stream(cluster.stub, request(i, 3000)) for i in range(8)]
     assert wait_for(lambda: all(s.tokens for s in streams), 30), cluster.log_tail()
     assert cluster.metric("pagoda_num_requests_running") == 8
@@ -98,6 +98,8 @@ def test_gateway_killed_its_requests_are_aborted_and_blocks_freed(cluster):
     took = time.monotonic() - killed
     print(f"\ngateway killed: the scheduler ran 0 requests, every KV block free, {took:.2f} s later")
     assert cluster.metric("pagoda_kv_blocks_free") == 4096
+    cluster.start_gateway()
+    assert cluster.wait_health(SERVING, 30)
 
 
 def test_streams_nobody_reads_end_resource_exhausted_with_bounded_memory(tmp_path):
