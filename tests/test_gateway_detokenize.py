@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from gateway.detokenize import Detokenizer, StopMatcher
 from gateway.tokenizer import load_tokenizer
@@ -94,6 +94,7 @@ def test_arbitrary_ids_still_add_up_to_decode(ids, sizes):
 def test_stop_string_across_token_boundaries(text, data):
     ids = encode(text)
     full = TOK.decode(ids)
+    assume(full)  # some control characters decode to nothing: no stop string to find
     lo = data.draw(st.integers(0, len(full) - 1))
     hi = data.draw(st.integers(lo + 1, min(len(full), lo + 8)))
     stop = full[lo:hi]
