@@ -63,8 +63,8 @@ class FakeCluster:
             *self.keys_flags, *self.gateway_flags)
 
     def start_worker(self, *flags: str) -> subprocess.Popen:
-        proc = self._spawn(f"worker{len(self.workers)}", "tests.fake_worker",
-                           "--scheduler-worker-address", self.worker_address,
+        proc = self._spawn(f"worker{len(self.workers)}", "tests.fake_worker_main",
+                           "--scheduler-worker-address", self.worker_address, "--block-size", "4",
                            *self.keys_flags, *self.worker_flags, *flags)
         self.workers.append(proc)
         return proc

@@ -4,12 +4,6 @@ whole context read back through the block table. A wrong block table, a stale pr
 lost token changes the output, so tests can compare against a run with no cache at all."""
 from __future__ import annotations
 
-import argparse
-import logging
-import os
-import signal
-import sys
-import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -164,62 +158,3 @@ class FakeWorker:
                 slots.append(sid)
                 tokens.append(tok)
         return pb.StepResult(step_id=plan.step_id, slots=pack(slots), token_ids=pack(tokens))
-
-
-class _Paced(FakeWorker):
-    """The fake worker behind a real socket: each step takes at least `step_delay` seconds, as a
-    forward would (0: as fast as Python goes)."""
-
-    def __init__(self, step_delay: float, max_model_len: int, **kw) -> None:
-        super().__init__(**kw)
-        self.step_delay, self.max_model_len = step_delay, max_model_len
-
-    def hello(self, max_model_len: int = 0) -> pb.WorkerHello:
-        return super().hello(max_model_len or self.max_model_len)
-
-    def execute(self, plan: pb.StepPlan) -> pb.StepResult:
-        if self.step_delay:
-            time.sleep(self.step_delay)
-        return super().execute(plan)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m tests.fake_worker --scheduler-worker-address ...`: the fake model as a worker
-    process (the real worker's loop and heartbeat thread), for tests where the model is not the
-    point."""
-    import zmq
-
-    from proto.auth import secure_client
-    from worker.heartbeat import heartbeats, main_routing_id
-    from worker.main import serve
-
-    p = argparse.ArgumentParser("fake worker")
-    p.add_argument("--scheduler-worker-address", required=True)
-    p.add_argument("--num-blocks", type=int, default=256)
-    p.add_argument("--block-size", type=int, default=4)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--step-delay", type=float, default=0.0)
-    p.add_argument("--worker-id", default=f"fake-{os.getpid()}")
-    p.add_argument("--zmq-keys-dir", default=None, help="CURVE keys, as the real worker's")
-    args = p.parse_args(argv)
-    logging.basicConfig(level="INFO", format="%(asctime)s fake-worker %(levelname)s %(message)s")
-    runner = _Paced(args.step_delay, args.max_model_len, num_blocks=args.num_blocks,
-                    block_size=args.block_size, worker_id=args.worker_id)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    routing_id = main_routing_id(args.worker_id)
-    sock.setsockopt(zmq.ROUTING_ID, routing_id)
-    secure_client(sock, args.zmq_keys_dir, "worker")
-    sock.connect(args.scheduler_worker_address)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
-        with heartbeats(ctx, args.scheduler_worker_address, routing_id, keys_dir=args.zmq_keys_dir):
-            return serve(runner, sock)
-    finally:
-        sock.close(0)
-        ctx.term()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,9 +3,13 @@ FakeWorker instead of the model, so tests can kill, stop and poison a worker in 
 
     python -m launch --worker-module tests.fake_worker_main [flags]
 
+    python -m tests.fake_worker_main --scheduler-worker-address ... [--step-delay S]
+
 It takes the worker's flags (the launcher routes them), using --num-gpu-blocks-override,
---block-size, --max-model-len, --worker-id and the address. PAGODA_FAKE_STEP_S (seconds) slows
-each step down, so that streams last long enough to be disturbed.
+--block-size, --max-model-len, --worker-id, the address and the CURVE keys, and runs the real
+worker's loop and heartbeat thread. --step-delay, or PAGODA_FAKE_STEP_S under the launcher (whose
+flags are the real worker's), makes each step take that many seconds, as a forward would, so
+that streams last long enough to be disturbed.
 """
 from __future__ import annotations
 
@@ -19,8 +23,10 @@ import time
 import zmq
 
 from proto import internal_pb2 as pb
+from proto.auth import secure_client
 from tests.fake_worker import FakeWorker
 from worker.args import add_worker_args, default_worker_id
+from worker.heartbeat import heartbeats, main_routing_id
 from worker.main import serve
 
 
@@ -29,7 +35,7 @@ class FakeRunner:
         self.worker_id = args.worker_id or default_worker_id()
         self.fake = FakeWorker(args.num_gpu_blocks_override or 256, args.block_size, self.worker_id)
         self.max_model_len = args.max_model_len or 4096
-        self.step_s = float(os.environ.get("PAGODA_FAKE_STEP_S", "0"))
+        self.step_s = args.step_delay
 
     def hello(self) -> pb.WorkerHello:
         return self.fake.hello(self.max_model_len)
@@ -47,7 +53,10 @@ class FakeRunner:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = add_worker_args(argparse.ArgumentParser("fake worker")).parse_args(argv)
+    parser = add_worker_args(argparse.ArgumentParser("fake worker"))
+    parser.add_argument("--step-delay", type=float,
+                        default=float(os.environ.get("PAGODA_FAKE_STEP_S", "0")))
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # serve() takes over once it runs
@@ -55,9 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    routing_id = main_routing_id(runner.worker_id)
+    sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    secure_client(sock, args.zmq_keys_dir, "worker")
     try:
         sock.connect(args.scheduler_worker_address)
-        return serve(runner, sock)
+        with heartbeats(ctx, args.scheduler_worker_address, routing_id, keys_dir=args.zmq_keys_dir):
+            return serve(runner, sock)
     finally:
         sock.close(linger=1000)  # lets a goodbye leave
         ctx.term()

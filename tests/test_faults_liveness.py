@@ -54,7 +54,7 @@ class Stream(threading.Thread):
 def cluster(tmp_path_factory):
     """Shared by the kill tests; each leaves it serving again."""
     c = FakeCluster(tmp_path_factory.mktemp("kills"),
-                    worker_flags=["--num-blocks", "4096", "--step-delay", "0.01"]).start()
+                    worker_flags=["--num-gpu-blocks-override", "4096", "--step-delay", "0.01"]).start()
     yield c
     c.stop()
 
@@ -104,7 +104,7 @@ def test_gateway_killed_its_requests_are_aborted_and_blocks_freed(cluster):
 
 def test_streams_nobody_reads_end_resource_exhausted_with_bounded_memory(tmp_path):
     cluster = FakeCluster(tmp_path, gateway_flags=["--max-unread-deltas", "64"],
-                          worker_flags=["--num-blocks", "20000", "--step-delay", "0.005"])
+                          worker_flags=["--num-gpu-blocks-override", "20000", "--step-delay", "0.005"])
     try:
         cluster.start()
         before = rss_bytes(cluster.gateway.pid)
@@ -141,7 +141,7 @@ def test_streams_nobody_reads_end_resource_exhausted_with_bounded_memory(tmp_pat
 
 def test_killed_worker_survivor_takes_over_then_no_worker_means_unavailable(tmp_path):
     cluster = FakeCluster(tmp_path, scheduler_flags=["--no-worker-timeout", "2"],
-                          worker_flags=["--num-blocks", "4096", "--step-delay", "0.02"])
+                          worker_flags=["--num-gpu-blocks-override", "4096", "--step-delay", "0.02"])
     try:
         cluster.start(num_workers=2)
         streams = [Stream(cluster.stub, request(i, 250)) for i in range(8)]
@@ -183,7 +183,7 @@ def storm_request(i: int, max_tokens: int) -> pb.GenerateRequest:
 
 
 def test_cancel_storm_leaks_nothing_and_the_rest_is_token_exact(tmp_path):
-    cluster = FakeCluster(tmp_path, worker_flags=["--num-blocks", "1024"])
+    cluster = FakeCluster(tmp_path, worker_flags=["--num-gpu-blocks-override", "1024"])
     try:
         cluster.start()
         rng = random.Random(10)
@@ -237,7 +237,7 @@ def test_overload_fills_the_queue_to_its_bound_and_refuses_the_rest(tmp_path):
     # 16 blocks of 4 tokens hold 4 requests of 3 + 10 tokens (and --max-num-seqs 4 runs no
     # more, so nothing is preempted back into the queue); 40 arrive together.
     cluster = FakeCluster(tmp_path, scheduler_flags=["--max-waiting-requests", "8", "--max-num-seqs", "4"],
-                          worker_flags=["--num-blocks", "16", "--step-delay", "0.05"])
+                          worker_flags=["--num-gpu-blocks-override", "16", "--step-delay", "0.05"])
     try:
         cluster.start()
         before = rss_bytes(cluster.scheduler.pid)
