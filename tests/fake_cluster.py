@@ -70,12 +70,16 @@ class FakeCluster:
         return proc
 
     def start(self, num_workers: int = 1, timeout: float = 60) -> "FakeCluster":
-        self.start_scheduler()
-        for _ in range(num_workers):
-            self.start_worker()
-        self.start_gateway()
-        assert self.wait_health(SERVING, timeout), self.log_tail()
-        assert wait_for(lambda: self.num_workers() == num_workers, timeout), self.log_tail()
+        try:
+            self.start_scheduler()
+            for _ in range(num_workers):
+                self.start_worker()
+            self.start_gateway()
+            assert self.wait_health(SERVING, timeout), self.log_tail()
+            assert wait_for(lambda: self.num_workers() == num_workers, timeout), self.log_tail()
+        except BaseException:
+            self.stop()  # a cluster that failed to start leaves no process behind
+            raise
         return self
 
     def health_status(self) -> int | None:
