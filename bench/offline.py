@@ -236,10 +236,11 @@ def mismatches(outs: list[list[int]], ref: list[list[int]], n: int) -> tuple[int
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
+    ap.add_argument("--seed", type=int, default=0, help="the workload's lengths and prompts")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="every peer's")
     ap.add_argument("--skip", default="", help="comma-separated peers to leave out: pagoda,static,cb")
     ap.add_argument("--pagoda-flags", default="", help='extra launcher flags, e.g. "--max-num-seqs 32"')
     ap.add_argument("--check", type=int, default=4, help="compare the first N requests' tokens with static's")

@@ -212,7 +212,8 @@ def parse_slos(items: list[str]) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--target", default="127.0.0.1:50051", help="a running gateway (ignored with --start)")
     ap.add_argument("--start", action="store_true", help="start the processes here (tests/cluster.py)")
     ap.add_argument("--pagoda-flags", default="", help='launcher flags with --start, e.g. "--dtype float32"')

@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             print("usage: pagoda serve [--num-workers N] [flags]\n\nA scheduler, N workers (default "
                   "1) and a gateway; each flag goes to every process that knows it.")
             for name, parser in process_parsers().items():
+                # Defaults shown for every flag (those whose help names it already keep theirs).
+                parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
                 print(f"\n{name} flags:\n" + parser.format_help().split("\n", 1)[1])
             return 0
         return serve(rest)
