@@ -92,7 +92,7 @@ class Child:
     restart_at: float | None = None
 
 
-def _own_group_and_die_with_parent() -> None:
+def own_group_and_die_with_parent() -> None:
     # A process group of its own: Ctrl-C reaches the launcher only, which stops the others in
     # order. PR_SET_PDEATHSIG: a launcher killed with -9 still takes its children along.
     os.setpgid(0, 0)
@@ -104,7 +104,7 @@ def _own_group_and_die_with_parent() -> None:
 
 def start(child: Child, env: dict) -> None:
     child.proc = subprocess.Popen(child.cmd, cwd=ROOT, env=env,
-                                  preexec_fn=_own_group_and_die_with_parent)
+                                  preexec_fn=own_group_and_die_with_parent)
     child.started, child.restart_at = time.monotonic(), None
     print(f"pagoda: started {child.name} (pid {child.proc.pid}): {' '.join(child.cmd[2:])}",
           flush=True)

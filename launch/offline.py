@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import argparse
-import ctypes
 import os
-import signal
 import subprocess
 import tempfile
 import threading
@@ -22,19 +20,13 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from launch.__main__ import ROOT, module_command, process_parsers, route_flags, shutdown
+from launch.__main__ import (ROOT, Child, module_command, own_group_and_die_with_parent,
+                             process_parsers, route_flags, stop_in_order)
 from launch.outputs import RequestOutput, SamplingParams, collect, generate_request
+from proto.auth import create_keys
 
 # The scheduler's waiting queue is bounded; this many requests are in flight at most.
 MAX_IN_FLIGHT = 512
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent dies (Linux; elsewhere a no-op)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _flags(engine: dict) -> list[str]:
@@ -59,6 +51,9 @@ class LLM:
 
         self._procs: list[subprocess.Popen] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        if not engine.get("zmq_keys_dir") and not engine.get("insecure"):
+            # Authenticated, as `make run` is: a key set of its own for this engine's sockets.
+            engine["zmq_keys_dir"] = str(create_keys(tempfile.mkdtemp(prefix="pagoda-llm-keys-")))
         ports = [_free_port(), _free_port()]
         argv = _flags({"model": model, **engine,
                        "scheduler_gateway_address": f"tcp://127.0.0.1:{ports[0]}",
@@ -69,13 +64,16 @@ class LLM:
         self.log_path = Path(log_file or tempfile.mkstemp(prefix="pagoda-llm-", suffix=".log")[1])
         log = open(self.log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        commands = [module_command("scheduler.main", routed["scheduler"])]
-        commands += [module_command("worker.main", routed["worker"])] * num_workers
+        commands = [("scheduler", module_command("scheduler.main", routed["scheduler"]))]
+        commands += [(f"worker{i}", module_command("worker.main", routed["worker"]))
+                     for i in range(num_workers)]
         try:
-            for cmd in commands:
-                self._procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
-                                                    stderr=subprocess.STDOUT,
-                                                    preexec_fn=_die_with_parent))
+            for name, cmd in commands:
+                # Their own process group (a Ctrl-C reaches this process, whose close() stops
+                # them in order), and SIGTERM when this process dies, however it dies.
+                proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        preexec_fn=own_group_and_die_with_parent)
+                self._procs.append(Child(name, cmd, proc))
             self._start_loop(gateway_args, limits_from_args(gateway_args, 0, 0))
             self._wait_ready(num_workers, start_timeout)
         except BaseException:
@@ -110,8 +108,8 @@ class LLM:
             asyncio.run_coroutine_threadsafe(self._client.close(), loop).result(10)
             loop.call_soon_threadsafe(loop.stop)
             self._thread.join(10)
-        procs, self._procs = self._procs, []
-        shutdown(procs)
+        children, self._procs = self._procs, []
+        stop_in_order(children, gateway_grace=0.0)
 
     def __enter__(self) -> "LLM":
         return self
@@ -137,7 +135,8 @@ class LLM:
 
         async def start():
             client = SchedulerClient(gateway_args.scheduler_gateway_address,
-                                     gateway_args.max_message_bytes)
+                                     gateway_args.max_message_bytes, keys_dir=gateway_args.zmq_keys_dir,
+                                     model=self.tokenizer.name)
             await client.start()
             return client
         self._client = asyncio.run_coroutine_threadsafe(start(), self._loop).result(30)
@@ -149,10 +148,10 @@ class LLM:
             info = self._client.info
             if info is not None and info.num_workers >= num_workers:
                 return
-            dead = [p for p in self._procs if p.poll() is not None]
+            dead = [c for c in self._procs if c.proc.poll() is not None]
             if dead or time.monotonic() > deadline:
                 tail = self.log_path.read_text(errors="replace")[-3000:]
-                why = f"exited with {dead[0].returncode}" if dead else f"not ready after {timeout:.0f}s"
+                why = f"exited with {dead[0].proc.returncode}" if dead else f"not ready after {timeout:.0f}s"
                 raise RuntimeError(f"pagoda: a child process {why}; log {self.log_path}:\n{tail}")
             time.sleep(0.2)
 

@@ -36,7 +36,7 @@ def test_llm_generate_and_chat_equal_transformers(smollm2_hf, hf_tokenizer):
 
     prompts = ["The three primary colors are", "def fibonacci(n):"]
     with LLM(**FLAGS) as llm:
-        pids = [p.pid for p in llm._procs]
+        pids = [c.proc.pid for c in llm._procs]
         outs = llm.generate(prompts + [[504, 3575, 282]],
                             SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
         assert [o.prompt for o in outs[:2]] == prompts and outs[2].prompt_token_ids == [504, 3575, 282]
@@ -63,7 +63,7 @@ def test_no_orphans_when_the_parent_is_killed():
         "from pagoda import LLM, SamplingParams\n"
         f"llm = LLM(**{FLAGS!r})\n"
         "out = llm.generate('Once upon a time', SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)\n"
-        "print(json.dumps([p.pid for p in llm._procs]), len(out[0].outputs[0].token_ids), flush=True)\n"
+        "print(json.dumps([c.proc.pid for c in llm._procs]), len(out[0].outputs[0].token_ids), flush=True)\n"
         "time.sleep(600)\n")
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
