@@ -33,6 +33,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from proto import internal_pb2 as pb  # noqa: E402
+from proto.auth import PROTOCOL_VERSION  # noqa: E402
 from proto.columns import pack, unpack  # noqa: E402
 from proto.polling import poll  # noqa: E402
 from scheduler.router import Router, RouterConfig  # noqa: E402
@@ -200,12 +201,16 @@ def run_pipelined(opts, forward_s: float) -> dict:
 
     from tests.cluster import free_port
     ports = [free_port(), free_port()]
-    args = ap.Namespace(
-        scheduler_gateway_address=f"tcp://127.0.0.1:{ports[0]}",
-        scheduler_worker_address=f"tcp://127.0.0.1:{ports[1]}", max_num_seqs=opts.seqs,
-        max_num_batched_tokens=8192, enable_prefix_caching=True, async_scheduling=not opts.sync,
-        max_waiting_requests=1 << 20, max_message_bytes=64 << 20, busy_poll_us=opts.busy_poll_us,
-        worker_timeout=60.0, zmq_keys_dir=None)  # loopback, unauthenticated: a measurement
+    from scheduler.args import add_scheduler_args
+    # The scheduler's own flags: loopback without CURVE, and no lease or liveness deadline to
+    # trip over, since the transport and the loop are what is measured.
+    args = add_scheduler_args(ap.ArgumentParser()).parse_args([
+        "--scheduler-gateway-address", f"tcp://127.0.0.1:{ports[0]}",
+        "--scheduler-worker-address", f"tcp://127.0.0.1:{ports[1]}", "--max-num-seqs", str(opts.seqs),
+        "--max-num-batched-tokens", "8192", "--max-waiting-requests", str(1 << 20),
+        "--busy-poll-us", str(opts.busy_poll_us), "--insecure", "--zmq-hwm", "100000",
+        "--worker-timeout", "60", "--gateway-timeout", "1e9", "--no-worker-timeout", "1e9",
+        "--no-async-scheduling" if opts.sync else "--async-scheduling"])
     server = SchedulerServer(args)
     spawn = mp.get_context("spawn")
     stamps = spawn.Queue()
