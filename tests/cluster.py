@@ -43,6 +43,22 @@ def free_port() -> int:
             return port
 
 
+def read_metrics(port: int) -> dict[str, float]:
+    """A Prometheus /metrics page on loopback as {name with labels: value}."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def sum_metric(metrics: dict[str, float], name: str) -> float:
+    """One metric summed over its labels (over workers, for the scheduler's)."""
+    return sum(v for k, v in metrics.items() if k.split("{")[0] == name)
+
+
 class Cluster:
     def __init__(self, *flags: str, num_workers: int = 1, log_path: Path | None = None) -> None:
         self.grpc_port = free_port()
@@ -120,17 +136,11 @@ class Cluster:
         return False
 
     def scheduler_metrics(self) -> dict[str, float]:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
+        return read_metrics(self.metrics_port)
 
     def metric(self, name: str) -> float:
         """Summed over workers."""
-        return sum(v for k, v in self.scheduler_metrics().items() if k.split("{")[0] == name)
+        return sum_metric(self.scheduler_metrics(), name)
 
     def stop(self) -> int:
         if self.proc and self.proc.poll() is None:

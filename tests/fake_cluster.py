@@ -9,7 +9,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -17,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import pagoda_pb2_grpc
 from proto.auth import create_keys
-from tests.cluster import ROOT, free_port, wait_for
+from tests.cluster import ROOT, free_port, read_metrics, sum_metric, wait_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -92,18 +91,11 @@ class FakeCluster:
         return wait_for(lambda: self.health_status() == status, timeout)
 
     def scheduler_metrics(self) -> dict[str, float]:
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
+        return read_metrics(self.metrics_port)
 
     def metric(self, name: str) -> float:
         """Summed over workers."""
-        return sum(v for k, v in self.scheduler_metrics().items() if k.split("{")[0] == name)
+        return sum_metric(self.scheduler_metrics(), name)
 
     def num_workers(self) -> int:
         try:
