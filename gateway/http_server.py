@@ -88,7 +88,8 @@ class HttpApi:
     async def _on_http_error(_request: Request, e: HttpError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
 
-    async def _body(self, request: Request, model: type[pydantic.BaseModel]):
+    async def _json(self, request: Request) -> dict:
+        """The body, read up to --max-http-body-bytes, as a JSON object."""
         data = bytearray()
         async for piece in request.stream():
             data += piece
@@ -99,6 +100,12 @@ class HttpApi:
             parsed = json.loads(data)
         except ValueError as e:
             raise bad_request(f"the body is not valid JSON: {e}") from None
+        if not isinstance(parsed, dict):
+            raise bad_request("the body must be a JSON object")
+        return parsed
+
+    async def _body(self, request: Request, model: type[pydantic.BaseModel]):
+        parsed = await self._json(request)
         try:
             return model.model_validate(parsed)
         except pydantic.ValidationError as e:
@@ -328,21 +335,6 @@ class HttpApi:
         reply = await self._unary(self.servicer.Detokenize,
                                   pagoda_pb2.DetokenizeRequest(token_ids=tokens), "tokens")
         return {"prompt": reply.text}
-
-    async def _json(self, request: Request) -> dict:
-        data = bytearray()
-        async for piece in request.stream():
-            data += piece
-            if len(data) > self.max_body_bytes:
-                raise HttpError(413, f"the request body exceeds {self.max_body_bytes} bytes",
-                                "invalid_request_error")
-        try:
-            parsed = json.loads(data)
-        except ValueError as e:
-            raise bad_request(f"the body is not valid JSON: {e}") from None
-        if not isinstance(parsed, dict):
-            raise bad_request("the body must be a JSON object")
-        return parsed
 
     async def _unary(self, method, msg, param: str | None = None):
         """A unary gRPC handler of the servicer, its status turned into an HTTP error that
