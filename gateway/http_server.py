@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import metrics
+from gateway.auth import key_of, tenant_of
 from gateway.openai_render import Collector, chat_delta, chat_logprobs, chunk, finish_reason, now
 from gateway.openai_schema import (BadField, ChatCompletionRequest, CompletionRequest, chat_request,
                                    completion_requests, openai_param)
@@ -71,6 +72,7 @@ class HttpApi:
         self.tokenizer = servicer.tokenizer
         self.client = servicer.client
         self.max_body_bytes = max_body_bytes
+        self.api_keys = servicer.api_keys  # the gRPC side's keys and tenants, as a bearer token
         self.app = FastAPI(title="pagoda", docs_url=None, redoc_url=None, openapi_url=None)
         self.app.add_exception_handler(HttpError, self._on_http_error)
         route = self.app.add_api_route
@@ -87,6 +89,17 @@ class HttpApi:
     @staticmethod
     async def _on_http_error(_request: Request, e: HttpError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
+
+    def _tenant(self, request: Request) -> str:
+        """With --api-key: the caller's tenant, or 401 for a missing or unknown key."""
+        if not self.api_keys:
+            return ""
+        metadata = [("authorization", request.headers.get("authorization", ""))]
+        if key_of(metadata, self.api_keys) is None:
+            raise HttpError(401, "missing or unknown API key: send the header "
+                                 "`Authorization: Bearer <key>`", "authentication_error",
+                            code="invalid_api_key")
+        return tenant_of(metadata, self.api_keys)
 
     async def _json(self, request: Request) -> dict:
         """The body, read up to --max-http-body-bytes, as a JSON object."""
@@ -129,13 +142,13 @@ class HttpApi:
                                  f"`{self.model_name}`", "invalid_request_error", "model",
                             "model_not_found")
 
-    async def _generations(self, reqs: list[pagoda_pb2.GenerateRequest]
+    async def _generations(self, reqs: list[pagoda_pb2.GenerateRequest], tenant: str
                            ) -> AsyncIterator[tuple[int, pagoda_pb2.GenerateResponse]]:
         """The responses of every request, tagged with its position; one request is the usual
         case, a completions batch runs its prompts side by side. Streamed inside even for a
         whole response: n > 1 needs the stream (unary Generate carries one index)."""
         started = time.monotonic()
-        gens = [self.servicer.responses(r, started, unary=False) for r in reqs]
+        gens = [self.servicer.responses(r, started, unary=False, tenant=tenant) for r in reqs]
         if len(gens) == 1:
             async with aclosing(gens[0]) as g:
                 async for response in g:
@@ -201,14 +214,16 @@ class HttpApi:
     # ------------------------------------------------------------------ generation
 
     async def completions(self, request: Request):
+        tenant = self._tenant(request)
         body = await self._body(request, CompletionRequest)
-        return await self._generate(request, body, chat=False)
+        return await self._generate(request, body, chat=False, tenant=tenant)
 
     async def chat_completions(self, request: Request):
+        tenant = self._tenant(request)
         body = await self._body(request, ChatCompletionRequest)
-        return await self._generate(request, body, chat=True)
+        return await self._generate(request, body, chat=True, tenant=tenant)
 
-    async def _generate(self, request: Request, body, chat: bool):
+    async def _generate(self, request: Request, body, chat: bool, tenant: str):
         self._check_model(body.model)
         try:
             reqs = [chat_request(body)] if chat else completion_requests(body)
@@ -220,7 +235,7 @@ class HttpApi:
         collector = Collector(self.tokenizer, body.n, len(reqs), chat, bool(logprobs), echo)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = now()
-        gen = self._generations(reqs)
+        gen = self._generations(reqs, tenant)
         first = await self._first(gen, chat)
         if not body.stream:
             return await self._until_disconnect(request, self._whole(
@@ -296,13 +311,15 @@ class HttpApi:
 
     # ------------------------------------------------------------------ the other routes
 
-    async def models(self) -> dict:
+    async def models(self, request: Request) -> dict:
+        self._tenant(request)
         info = self.client.info
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": 0, "owned_by": "pagoda",
             "max_model_len": info.max_model_len if info is not None else None}]}
 
     async def tokenize(self, request: Request) -> dict:
+        self._tenant(request)
         data = await self._json(request)
         msg = pagoda_pb2.TokenizeRequest()
         if "model" in data:
@@ -325,6 +342,7 @@ class HttpApi:
                 "max_model_len": info.max_model_len if info is not None else None}
 
     async def detokenize(self, request: Request) -> dict:
+        self._tenant(request)
         data = await self._json(request)
         if "model" in data:
             self._check_model(data.pop("model"))

@@ -265,7 +265,8 @@ class Harness:
 async def local_gateway(tok: TextTokenizer, wait_ready: bool = True,
                         client: SchedulerClient | None = None,
                         scheduler: FakeScheduler | None = None, http: bool = False,
-                        max_http_body_bytes: int = 1 << 20, **fake_kw):
+                        max_http_body_bytes: int = 1 << 20, api_keys: tuple[str, ...] = (),
+                        **fake_kw):
     """A gateway on an ephemeral loopback port, wired to a fresh FakeScheduler, or to `scheduler`
     (another harness's: two gateways of one cluster), which it then leaves running."""
     owned = scheduler is None
@@ -273,7 +274,8 @@ async def local_gateway(tok: TextTokenizer, wait_ready: bool = True,
     if client is not None:
         client.address = scheduler.address
     gateway = Gateway(tok, scheduler.address, port=0, client=client,
-                      http_port=free_port() if http else 0, max_http_body_bytes=max_http_body_bytes)
+                      http_port=free_port() if http else 0, max_http_body_bytes=max_http_body_bytes,
+                      api_keys=api_keys)
     port = await gateway.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:

@@ -201,3 +201,22 @@ def test_http_port_equal_to_grpc_port_is_refused():
     with pytest.raises(SystemExit):
         parse_gateway_args(["--port", "9000", "--http-port", "9000"])
     assert parse_gateway_args(["--port", "9000", "--http-port", "0"]).http_port == 0
+
+
+def test_api_key_guards_the_http_api_too(run):
+    async def body():
+        async with harness(api_keys=("s3cret",)) as h:
+            with pytest.raises(openai.AuthenticationError) as e:
+                await client(h).chat.completions.create(model=MODEL, messages=CHAT)
+            assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+            assert not h.scheduler.adds
+            keyed = openai.AsyncOpenAI(base_url=h.base_url, api_key="s3cret", max_retries=0)
+            out = await keyed.chat.completions.create(model=MODEL, messages=CHAT)
+            assert out.choices[0].message.content == REPLY
+            # The key's tenant namespaces the request id at the scheduler, as on gRPC.
+            assert h.scheduler.adds[-1].public_id.startswith("k") and "/" in h.scheduler.adds[-1].public_id
+            async with httpx.AsyncClient() as http:
+                root = f"http://127.0.0.1:{h.gateway.http_port}"
+                assert (await http.get(f"{root}/health")).status_code == 200  # open, as on gRPC
+                assert (await http.post(f"{root}/tokenize", json={"prompt": "x"})).status_code == 401
+    run(body())
