@@ -28,6 +28,10 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="seconds without a heartbeat (sent every 0.25 s by a thread of the "
                         "worker's own) before a worker is dropped and its sequences recomputed "
                         "elsewhere")
+    g.add_argument("--step-timeout", type=float, default=30.0,
+                   help="seconds a worker's step may run beyond 4x what its size costs at the "
+                        "worker's measured prefill and swap rates; past that the worker is "
+                        "declared hung, dropped, and its sequences recomputed elsewhere (0 = off)")
     g.add_argument("--gateway-timeout", type=float, default=5.0,
                    help="seconds without a message from a gateway (it says hello every second) "
                         "before its requests are aborted and their blocks freed")

@@ -66,6 +66,7 @@ class Scheduler:
         self.released: list[tuple[int, int]] = []            # (last plan sent, slot)
         self.dropped: list[int] = []                         # slots the next plan makes it forget
         self.in_flight: deque[Step] = deque()                # plans sent, results not yet back
+        self.last_result_at = 0.0  # monotonic: the worker starts the next plan in flight then
         # Each registration starts its ids where no earlier one reached (the router's epoch), so a
         # result from before a worker registered again never matches a plan of this one.
         self.step_id = first_step_id
@@ -147,6 +148,7 @@ class Scheduler:
                 req.queue_time = now - req.arrival_time
             self._assign_slot(req)
         plan = step.plan()
+        step.sent_at = time.monotonic()
         self.in_flight.append(step)
         return plan
 
@@ -280,6 +282,7 @@ class Scheduler:
             raise ValueError(f"result for step {result.step_id}, but the oldest plan in flight "
                              f"is {self.in_flight[0].step_id if self.in_flight else 'none'}")
         step = self.in_flight.popleft()
+        self.last_result_at = time.monotonic()
         self.reuse_slots(step.step_id)
         if step.void:
             return []  # sent before a failed step came back; its sequences were requeued
@@ -291,6 +294,7 @@ class Scheduler:
     def fail_oldest(self) -> list[Request]:
         """The worker failed the oldest plan (scheduler/failures.py): the sequences that failed
         alone, for the caller to end with INTERNAL. The others are requeued for recompute."""
+        self.last_result_at = time.monotonic()
         return failures.fail_oldest(self)
 
     def reuse_slots(self, step_id: int) -> None:

@@ -24,6 +24,7 @@ from proto import internal_pb2 as pb
 from proto.auth import CurveServer
 from proto.polling import poll, resolve_busy_poll_us
 from scheduler import checks
+from scheduler.deadlines import overdue_workers
 from scheduler.router import Rejected, Router, RouterConfig
 
 log = logging.getLogger("pagoda.scheduler")
@@ -244,10 +245,13 @@ class SchedulerServer:
             self.router.on_result(ident, msg.result)
 
     def _check_workers(self, now: float) -> None:
-        dead = [w for w, s in self.router.workers.items()
-                if now - s.last_seen > self.args.worker_timeout]
-        for ident in dead:
-            self.router.remove(ident, f"silent for {self.args.worker_timeout:g} s")
+        dead = [(w, f"silent for {self.args.worker_timeout:g} s")
+                for w, s in self.router.workers.items() if now - s.last_seen > self.args.worker_timeout]
+        # Alive (its heartbeat thread beats) but its step never ends: just as dead to its streams.
+        dead += [d for d in overdue_workers(self.router.workers, now, self.args.step_timeout)
+                 if d[0] not in dict(dead)]
+        for ident, why in dead:
+            self.router.remove(ident, why)
         if dead:
             self._broadcast_info()
         if self.reregister_asked:

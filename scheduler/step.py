@@ -29,6 +29,7 @@ class Step:
     forked: list["Request"] = field(default_factory=list)  # children that joined the batch
     alone: bool = False             # a suspect's step: nothing else runs in it
     void: bool = False              # sent before a failed step came back: its result is dropped
+    sent_at: float = 0.0            # monotonic; its deadline runs from here or the last result
     # Set by plan(): the step's sequences in plan order, (sequence, tokens, slot).
     entries: list[tuple["Request", int, int]] = field(default_factory=list)
 

@@ -21,6 +21,10 @@ EOS_MARK = 999
 # output tokens (k = 0: from its first step), as a sequence that breaks the model would: the
 # worker answers that step with StepResult.error, as worker/runner.py does.
 POISON_MARK = 997
+# A prompt that starts with [HANG_MARK, k] hangs the step that computes it once it has k output
+# tokens, as a deadlocked forward would, on a worker process started with --hang-on-mark
+# (tests/fake_worker_main.py); its heartbeat thread beats on. Elsewhere it is a plain token.
+HANG_MARK = 996
 
 
 class Poisoned(RuntimeError):
@@ -30,6 +34,14 @@ class Poisoned(RuntimeError):
 def is_poisoned(tokens: list[int], num_prompt_tokens: int) -> bool:
     return (num_prompt_tokens >= 2 and tokens[0] == POISON_MARK
             and len(tokens) - num_prompt_tokens >= tokens[1])
+
+
+def hangs(plan: pb.StepPlan, seqs: dict) -> bool:
+    """Whether the plan computes a hang-marked sequence (see HANG_MARK); seqs: the worker's."""
+    held = (seqs[s] for s in unpack_list(plan.running_slots) if s in seqs)
+    return any(len(t) >= 2 and t[0] == HANG_MARK and len(t) - p >= t[1] for t, p in (
+        *((list(s.token_ids), s.num_prompt_tokens) for s in plan.new_seqs),
+        *((s.tokens, s.num_prompt_tokens) for s in held)))
 
 
 def eos_index(prompt: list[int], min_tokens: int = 0) -> int | None:

@@ -9,7 +9,9 @@ It takes the worker's flags (the launcher routes them), using --num-gpu-blocks-o
 --block-size, --max-model-len, --worker-id, the address and the CURVE keys, and runs the real
 worker's loop and heartbeat thread. --step-delay, or PAGODA_FAKE_STEP_S under the launcher (whose
 flags are the real worker's), makes each step take that many seconds, as a forward would, so
-that streams last long enough to be disturbed.
+that streams last long enough to be disturbed. --hang-on-mark S makes the first step that
+computes a HANG_MARK prompt (tests/fake_worker.py) take S more seconds ("inf": forever) while
+the heartbeat thread beats on; a worker hangs once per process.
 """
 from __future__ import annotations
 
@@ -18,13 +20,14 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 
 import zmq
 
 from proto import internal_pb2 as pb
 from proto.auth import secure_client
-from tests.fake_worker import FakeWorker
+from tests.fake_worker import FakeWorker, hangs
 from worker.args import add_worker_args, default_worker_id
 from worker.heartbeat import heartbeats, main_routing_id
 from worker.main import serve
@@ -36,6 +39,7 @@ class FakeRunner:
         self.fake = FakeWorker(args.num_gpu_blocks_override or 256, args.block_size, self.worker_id)
         self.max_model_len = args.max_model_len or 4096
         self.step_s = args.step_delay
+        self.hang_s = args.hang_on_mark  # None: HANG_MARK is a plain token here
 
     def hello(self) -> pb.WorkerHello:
         return self.fake.hello(self.max_model_len)
@@ -47,6 +51,10 @@ class FakeRunner:
         start = time.perf_counter()
         if self.step_s:
             time.sleep(self.step_s)
+        if self.hang_s is not None and hangs(plan, self.fake.seqs):
+            logging.warning("hanging step %d for %g s", plan.step_id, self.hang_s)
+            threading.Event().wait(None if self.hang_s == float("inf") else self.hang_s)
+            self.hang_s = None
         result = self.fake.execute(plan)
         result.forward_seconds = time.perf_counter() - start
         return result
@@ -56,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = add_worker_args(argparse.ArgumentParser("fake worker"))
     parser.add_argument("--step-delay", type=float,
                         default=float(os.environ.get("PAGODA_FAKE_STEP_S", "0")))
+    parser.add_argument("--hang-on-mark", type=float, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
