@@ -24,9 +24,10 @@ _ENDS = (internal_pb2.LENGTH, internal_pb2.STOP, internal_pb2.ABORT)
 
 
 class Inbox:
-    def __init__(self, request_id: str, limit: int) -> None:
+    def __init__(self, request_id: str, limit: int, n: int = 1) -> None:
         self.request_id = request_id
         self.limit = limit
+        self.n = n  # sequences: an index outside [0, n) is malformed (gateway/checks.py)
         self.closed = False  # failed: nothing more goes in
         self._items: deque = deque()
         self._unread = 0  # tokens, plus 1 per queued message without any

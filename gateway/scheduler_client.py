@@ -24,6 +24,7 @@ from typing import Awaitable, Callable
 import zmq
 import zmq.asyncio
 
+from gateway import checks
 from gateway.inbox import Inbox
 from proto import internal_pb2
 from proto.auth import PROTOCOL_VERSION, secure_client
@@ -67,6 +68,7 @@ class SchedulerClient:
         self._call_ids = itertools.count(1)
         self._listeners: list[InfoListener] = []
         self._last_heard = 0.0
+        self._bad = checks.RateLimitedLog(log)  # dropped messages: counted, logged once a second
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
@@ -115,9 +117,10 @@ class SchedulerClient:
     def new_request_id(self) -> str:
         return f"{self.gateway_id}-{next(self._counter)}"
 
-    def open(self, request_id: str) -> Inbox:
-        """Registers a request before its AddRequest goes out, so no delta can arrive unrouted."""
-        inbox = Inbox(request_id, self.max_unread)
+    def open(self, request_id: str, n: int = 1) -> Inbox:
+        """Registers a request of n sequences before its AddRequest goes out, so no delta can
+        arrive unrouted."""
+        inbox = Inbox(request_id, self.max_unread, n)
         self._queues[request_id] = inbox
         return inbox
 
@@ -169,21 +172,28 @@ class SchedulerClient:
             try:
                 # The payload is the last frame; tolerate an empty delimiter frame before it.
                 msg.ParseFromString(frames[-1].bytes)
-                deltas = expand_deltas(msg)  # checks that the token columns line up
             except Exception:  # noqa: BLE001 - one bad frame must not stop the gateway
-                log.exception("dropped a malformed SchedulerMessage (%d frames)", len(frames))
+                self._bad.warning("dropped an unparseable SchedulerMessage (%d frames)", len(frames))
+                continue
+            if why := checks.check_envelope(msg):
+                # Unnumbered as far as this gateway can tell: the link's numbering goes on.
+                self._bad.warning("dropped a malformed SchedulerMessage: %s", why)
+                continue
+            if msg.epoch == self._epoch and msg.seq <= self._seq:
+                self._bad.warning("dropped a repeated SchedulerMessage (seq %d, last %d)",
+                                  msg.seq, self._seq)
                 continue
             self._check_sequence(msg)
-            # Logprobs first: they describe tokens of this message or of earlier ones.
-            for item in (*msg.logprobs, *deltas):
-                inbox = self._queues.get(item.request_id)
-                # None: a request already answered or cancelled.
-                if inbox is not None and not inbox.put(item):
-                    self.abort(item.request_id)
+            self._deliver(msg)
             for reply in msg.replies:
                 future = self._calls.get(reply.call_id)
                 if future is not None and not future.done():
-                    future.set_result(reply)
+                    if why := checks.check_reply(reply):
+                        self._bad.warning("malformed reply to call %d: %s", reply.call_id, why)
+                        future.set_exception(SchedulerUnavailable(
+                            f"the scheduler sent a malformed reply: {why}"))
+                    else:
+                        future.set_result(reply)
             if msg.refused and msg.refused != self.refused:
                 log.error("the scheduler refused this gateway: %s", msg.refused)
             self.refused = msg.refused
@@ -197,6 +207,40 @@ class SchedulerClient:
             # A ready message completes the next recv without a suspension: yield anyway, so
             # the RPCs read their inboxes between messages instead of only after a burst.
             await asyncio.sleep(0)
+
+    def _deliver(self, msg: internal_pb2.SchedulerMessage) -> None:
+        """Each delta and logprobs entry to its request's inbox; one that fails its checks ends
+        its own stream with INTERNAL (and is aborted), and disturbs no other."""
+        bad: dict[str, str] = {}
+        try:
+            deltas = expand_deltas(msg, bad)
+        except ValueError as e:  # the columns do not line up: no entry in them can be trusted
+            bad = dict.fromkeys(msg.request_ids, str(e))
+            deltas = list(msg.deltas)
+        for rid, why in bad.items():
+            self._malformed(rid, why)
+        vocab = self.info.vocab_size if self.info is not None else 0
+        max_len = (self.info.max_model_len if self.info is not None else 0) or checks.MAX_LEN
+        # Logprobs first: they describe tokens of this message or of earlier ones.
+        for item in (*msg.logprobs, *deltas):
+            inbox = self._queues.get(item.request_id)
+            if inbox is None or inbox.closed:
+                continue  # a request already answered or cancelled: late news is normal
+            check = checks.check_delta if isinstance(item, internal_pb2.TokenDelta) \
+                else checks.check_logprobs
+            if why := check(item, inbox.n, vocab, max_len):
+                self._malformed(item.request_id, why)
+            elif not inbox.put(item):
+                self.abort(item.request_id)
+
+    def _malformed(self, request_id: str, why: str) -> None:
+        inbox = self._queues.get(request_id)
+        self._bad.warning("malformed update from the scheduler for %s: %s",
+                          request_id[:80] if inbox is not None else "an unknown request", why)
+        if inbox is not None and not inbox.closed:
+            inbox.fail("INTERNAL", f"the scheduler sent a malformed update for this request "
+                                   f"({why[:200]})")
+            self.abort(request_id)
 
     async def _set_info(self, info: internal_pb2.ClusterInfo | None) -> None:
         changed = info != self.info
@@ -218,9 +262,8 @@ class SchedulerClient:
             if self._epoch:
                 self._fail_all("the scheduler restarted and lost the requests in flight")
             self._epoch = msg.epoch
-        elif msg.seq != self._seq + 1:
-            self._fail_all(f"{msg.seq - self._seq - 1} messages from the scheduler were lost"
-                           if msg.seq > self._seq else "a message from the scheduler repeated")
+        elif msg.seq != self._seq + 1:  # a repeat was dropped before this
+            self._fail_all(f"{msg.seq - self._seq - 1} messages from the scheduler were lost")
         self._seq = msg.seq
 
     def _fail_all(self, message: str) -> None:

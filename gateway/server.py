@@ -182,7 +182,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         v.add.public_id = tenant + v.add.public_id  # the client's own id stays in v.public_id
         metrics.PROMPT_TOKENS.inc(len(v.prompt_token_ids))
         builder = ResponseBuilder(self.tokenizer, v, v.public_id, started)
-        queue = self.client.open(internal_id)
+        queue = self.client.open(internal_id, v.n)
         sent = False
         try:
             try:

@@ -13,12 +13,11 @@ import math
 from proto import internal_pb2 as pb
 from proto.auth import PROTOCOL_VERSION
 from proto.columns import unpack
+from proto.sizes import MAX_ID_BYTES, MAX_LIST
 
 MAX_BLOCKS = 1 << 21          # per pool, device or CPU
 MAX_BLOCK_SIZE = 2048
 MAX_LEN = 1 << 20             # max_model_len, max_tokens, batched tokens, vocab size
-MAX_ID_BYTES = 1024           # request ids, worker ids, salts, model names
-MAX_LIST = 4096               # stop ids, eos ids, abort lists, logit_bias entries, logprobs
 MAX_N = 256
 MAX_PENALTY = 1000.0
 
