@@ -62,9 +62,10 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="address /metrics binds; a container needs 0.0.0.0 (default: %(default)s)")
     g.add_argument("--gateway-metrics-port", type=int, default=9401,
                    help="Prometheus /metrics port, 0 = off (default: %(default)s)")
-    g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
-                   help="largest gRPC response or ZeroMQ message sent or received "
-                        "(default: %(default)s)")
+    g.add_argument("--max-message-bytes", type=int, default=None,
+                   help="largest gRPC response sent and ZeroMQ message received (default: "
+                        f"{DEFAULT_MAX_MESSAGE_BYTES} for gRPC; for ZeroMQ the largest valid "
+                        "message from the scheduler, computed in proto/sizes.py)")
     g.add_argument("--max-request-bytes", type=int, default=None,
                    help="largest gRPC request received (default: the largest valid "
                         "GenerateRequest, computed from the request limits in gateway/sizes.py)")

@@ -18,10 +18,9 @@ import grpc
 
 from proto import internal_pb2 as pb
 from proto.columns import unpack, unpack_f32
-from proto.sizes import MAX_ID_BYTES
+from proto.sizes import MAX_ID_BYTES, MAX_LIST, MAX_TEXT
 
 MAX_LEN = 1 << 20          # max_model_len, positions, token counts: as scheduler/checks.py
-MAX_TEXT = 4096            # error and refusal messages
 MAX_COUNT = 1 << 20        # preemptions
 MAX_EPOCH = 1 << 63        # the scheduler draws its epoch from [1, 2**63]
 MAX_SEQ = 1 << 62
@@ -115,7 +114,7 @@ def check_logprobs(lp: pb.Logprobs, n: int, vocab_size: int, max_model_len: int)
 
 
 def check_reply(reply: pb.CallReply) -> str | None:
-    return _first(_int("replies.abort.request_ids (count)", len(reply.abort.request_ids), 0, 4096),
+    return _first(_int("replies.abort.request_ids (count)", len(reply.abort.request_ids), 0, MAX_LIST),
                   *(_text("replies.abort.request_ids[]", r, MAX_ID_BYTES)
                     for r in reply.abort.request_ids))
 

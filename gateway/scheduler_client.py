@@ -26,9 +26,12 @@ import zmq.asyncio
 
 from gateway import checks
 from gateway.inbox import Inbox
+from gateway.sizes import CONTEXT_BOUND
+from gateway.validate import Limits
 from proto import internal_pb2
 from proto.auth import PROTOCOL_VERSION, secure_client
 from proto.codec import expand_deltas
+from proto.sizes import largest_scheduler_message
 
 log = logging.getLogger("pagoda.gateway")
 
@@ -42,14 +45,16 @@ class SchedulerUnavailable(RuntimeError):
 
 
 class SchedulerClient:
-    def __init__(self, address: str, max_message_bytes: int = 16 << 20, *,
+    def __init__(self, address: str, max_message_bytes: int | None = None, *,
                  keepalive_interval: float = 1.0, lost_after: float = 3.0,
                  max_unread: int = 256, hwm: int = 1000, keys_dir: str | None = None,
                  model: str = ""):
         # Internal ids are f"{gateway_id}-{n}": unique across gateway replicas without coordination.
         self.gateway_id = uuid.uuid4().hex
         self.address = address
-        self.max_message_bytes = max_message_bytes
+        # None: the largest valid message from the scheduler at the default request limits.
+        self.max_message_bytes = max_message_bytes or largest_scheduler_message(
+            Limits.max_logprobs, CONTEXT_BOUND)
         self.keys_dir = keys_dir  # CURVE keys (proto/auth.py); None: plain, for loopback tests
         self.model = model  # named in the hello: a scheduler serving another model refuses it
         self.refused = ""   # why the scheduler refused this gateway's hello, if it did
@@ -176,8 +181,11 @@ class SchedulerClient:
                 self._bad.warning("dropped an unparseable SchedulerMessage (%d frames)", len(frames))
                 continue
             if why := checks.check_envelope(msg):
-                # Unnumbered as far as this gateway can tell: the link's numbering goes on.
-                self._bad.warning("dropped a malformed SchedulerMessage: %s", why)
+                # Unnumbered as far as this gateway can tell: the link's numbering goes on. A
+                # scheduler of another version may number nothing: its refusal still counts.
+                foreign = msg.HasField("info") and msg.info.protocol_version != PROTOCOL_VERSION
+                if not ((msg.refused or foreign) and self._take_refusal(msg)):
+                    self._bad.warning("dropped a malformed SchedulerMessage: %s", why)
                 continue
             if msg.epoch == self._epoch and msg.seq <= self._seq:
                 self._bad.warning("dropped a repeated SchedulerMessage (seq %d, last %d)",
@@ -194,19 +202,28 @@ class SchedulerClient:
                             f"the scheduler sent a malformed reply: {why}"))
                     else:
                         future.set_result(reply)
-            if msg.refused and msg.refused != self.refused:
-                log.error("the scheduler refused this gateway: %s", msg.refused)
-            self.refused = msg.refused
+            if self._take_refusal(msg):
+                continue
             if msg.HasField("info"):
-                if msg.info.protocol_version != PROTOCOL_VERSION:
-                    self.refused = (f"the scheduler speaks protocol version "
-                                    f"{msg.info.protocol_version}, this gateway {PROTOCOL_VERSION}")
-                    log.error("ignoring the scheduler: %s", self.refused)
-                    continue
                 await self._set_info(msg.info)
             # A ready message completes the next recv without a suspension: yield anyway, so
             # the RPCs read their inboxes between messages instead of only after a burst.
             await asyncio.sleep(0)
+
+    def _take_refusal(self, msg: internal_pb2.SchedulerMessage) -> bool:
+        """Records why the scheduler refused this gateway, or that it speaks another protocol
+        version (its info is then not believed); True if msg was either."""
+        if msg.HasField("info") and msg.info.protocol_version != PROTOCOL_VERSION:
+            self.refused = (f"the scheduler speaks protocol version "
+                            f"{msg.info.protocol_version}, this gateway {PROTOCOL_VERSION}")
+            log.error("ignoring the scheduler: %s", self.refused)
+            return True
+        if len(msg.refused.encode()) > checks.MAX_TEXT:
+            return False
+        if msg.refused and msg.refused != self.refused:
+            log.error("the scheduler refused this gateway: %s", msg.refused)
+        self.refused = msg.refused
+        return bool(msg.refused)
 
     def _deliver(self, msg: internal_pb2.SchedulerMessage) -> None:
         """Each delta and logprobs entry to its request's inbox; one that fails its checks ends

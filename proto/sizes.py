@@ -1,5 +1,108 @@
-"""Bounds shared by both ends of the internal sockets."""
+"""The largest valid message of each kind on the internal sockets, computed from the receiving
+process's config, so each ZeroMQ socket's ZMQ_MAXMSGSIZE refuses nothing valid and lets nothing
+much larger in (a larger frame makes ZeroMQ drop the connection; the peer reconnects).
+
+Protobuf sizes: a length-delimited field costs 1-2 tag bytes + a varint length + its bytes; a
+varint at most 5 bytes (10 for 64-bit); a column entry 4; a float 4. Each function counts every
+field at the most the checks of the receiver (scheduler/checks.py, worker/checks.py,
+gateway/checks.py) let through, and `with_margin` adds MARGIN for what is counted loosely.
+"""
 from __future__ import annotations
 
 MAX_ID_BYTES = 1024           # request ids, worker ids, salts, model names
 MAX_LIST = 4096               # stop ids, eos ids, abort lists, logit_bias entries, logprobs
+MAX_N = 256                   # sequences of one request
+MAX_LOGPROBS = 64             # alternatives per position: the scheduler refuses more
+MAX_TEXT = 4096               # error and refusal messages to a gateway
+MAX_WORKERS = 1024            # registered with one scheduler at once
+DEFAULT_MAX_MODEL_LEN = 8192  # the longest a worker takes without --max-model-len
+# The scheduler cuts what it sends a gateway into messages of at most this many bytes of
+# entries (scheduler/outbox.py), and logprobs into entries of at most this many positions.
+DELTA_BATCH_BYTES = 1 << 20
+LOGPROBS_POSITIONS = 512
+MARGIN = 64 << 10             # plus a quarter: scalars, tags and varint widths counted loosely
+_SCALARS = 256                # the scalar fields of any one message
+
+
+def with_margin(n: int) -> int:
+    return n + n // 4 + MARGIN
+
+
+def _varint(n: int) -> int:
+    return max(1, (n.bit_length() + 6) // 7)
+
+
+def _field(payload: int) -> int:
+    """A length-delimited field of `payload` bytes."""
+    return 2 + _varint(payload) + payload
+
+
+def _ids(count: int) -> int:
+    """A packed repeated uint32 of `count` values."""
+    return _field(5 * count)
+
+
+def largest_sampling() -> int:
+    """A SamplingConfig at scheduler/checks.py's limits: MAX_LIST logit_bias entries (each an
+    entry message of a uint32 key and a float) and stop ids, and its scalars."""
+    return _field(MAX_LIST * _field(1 + 5 + 1 + 4) + _ids(MAX_LIST) + _SCALARS)
+
+
+def largest_gateway_message(max_model_len: int) -> int:
+    """A GatewayMessage, as the scheduler receives it: an AddRequest of max_model_len prompt
+    tokens, a Call aborting MAX_LIST ids, or an AbortRequest, whichever is largest."""
+    add = (_ids(max_model_len) + largest_sampling() + _ids(MAX_LIST)
+           + 3 * _field(MAX_ID_BYTES) + _SCALARS)
+    call = _field(MAX_LIST * _field(MAX_ID_BYTES)) + _SCALARS
+    abort = _field(MAX_ID_BYTES) + _ids(MAX_N)
+    return with_margin(_field(max(add, call, abort)))
+
+
+def largest_logprobs(positions: int, k: int) -> int:
+    """A Logprobs entry of `positions` positions with k alternatives each."""
+    return _field(_field(MAX_ID_BYTES) + 3 * _field(4 * positions) + 2 * _field(4 * positions * k)
+                  + _SCALARS)
+
+
+def largest_worker_message(max_num_seqs: int, max_num_batched_tokens: int, max_logprobs: int) -> int:
+    """A WorkerMessage, as the scheduler receives it: a StepResult of max_num_seqs sampled tokens,
+    each with logprobs, plus prompt logprobs for every token of the step, and a 64 KiB error; or
+    a hello, whichever is largest."""
+    columns = 2 * _field(4 * max_num_seqs)
+    logprobs = (max_num_seqs * largest_logprobs(1, max_logprobs)
+                + max_num_seqs * largest_logprobs(0, 0)
+                + largest_logprobs(max_num_batched_tokens, max_logprobs))
+    result = columns + logprobs + _field(1 << 16) + _SCALARS
+    hello = 4 * _field(MAX_ID_BYTES) + _ids(MAX_LIST) + _SCALARS
+    return with_margin(_field(max(result, hello)))
+
+
+def largest_step_plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                      block_size: int, num_cpu_blocks: int) -> int:
+    """A SchedulerToWorker, as the worker receives it: a StepPlan whose max_num_seqs sequences
+    are all new to it, each carrying a context of max_model_len tokens and its whole block
+    table; the running and new-block columns full; every slot dropped; every CPU block swapped
+    both ways; a copy per sequence."""
+    blocks = -(-max_model_len // block_size)
+    new_seq = _field(_field(MAX_ID_BYTES + 16) + _ids(max_model_len) + largest_sampling()
+                     + _ids(blocks) + _SCALARS)
+    copy = _field(2 * 6)
+    plan = (max_num_seqs * new_seq + 2 * _field(4 * max_num_seqs)
+            + 2 * _field(4 * (max_num_batched_tokens // block_size + 2 * max_num_seqs))
+            + _ids(2 * max_num_seqs) + 2 * num_cpu_blocks * copy + max_num_seqs * copy + _SCALARS)
+    return with_margin(_field(plan))
+
+
+def largest_scheduler_message(max_logprobs: int, context_bound: int) -> int:
+    """A SchedulerMessage, as a gateway receives it. The scheduler cuts its batches at
+    DELTA_BATCH_BYTES (one entry may pass it: a token entry of up to context_bound tokens, a
+    delta with an error, or logprobs of LOGPROBS_POSITIONS positions at the gateway's
+    max_logprobs), or it is a reply to a call (MAX_LIST aborted ids, or the loads of
+    MAX_WORKERS workers) or cluster info, whichever is largest."""
+    token_entry = _field(MAX_ID_BYTES) + 4 * (3 + context_bound)
+    delta = _field(_field(MAX_ID_BYTES) + _field(_field(32) + _field(MAX_TEXT)) + _SCALARS)
+    item = max(token_entry, delta, largest_logprobs(LOGPROBS_POSITIONS, max_logprobs))
+    reply = max(_field(MAX_LIST * _field(MAX_ID_BYTES)),
+                MAX_WORKERS * _field(_field(MAX_ID_BYTES) + _SCALARS))
+    info = _field(_field(MAX_ID_BYTES) + _ids(MAX_LIST) + _SCALARS)
+    return with_margin(max(DELTA_BATCH_BYTES + item, reply) + info + _field(MAX_TEXT) + _SCALARS)

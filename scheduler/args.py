@@ -40,7 +40,14 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "one end UNAVAILABLE")
     g.add_argument("--zmq-hwm", type=int, default=1000,
                    help="ZeroMQ high-water mark: messages queued per socket and peer")
-    g.add_argument("--max-message-bytes", type=int, default=64 << 20)
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="the longest context a worker may register with (the worker's flag too; "
+                        "default 8192, the most a worker takes by default); with the other "
+                        "limits it sizes the largest message accepted from a gateway; a worker "
+                        "with a longer one is refused")
+    g.add_argument("--max-message-bytes", type=int, default=None,
+                   help="largest ZeroMQ message accepted on either socket (default: the largest "
+                        "valid message of each, computed in proto/sizes.py)")
     g.add_argument("--busy-poll-us", type=float, default=None,
                    help="after sending, poll without sleeping this long for the reply (lower step "
                         "latency for a little CPU; 0 = always sleep; default: 500 with 4 or more "

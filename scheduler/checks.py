@@ -13,7 +13,7 @@ import math
 from proto import internal_pb2 as pb
 from proto.auth import PROTOCOL_VERSION
 from proto.columns import unpack
-from proto.sizes import MAX_ID_BYTES, MAX_LIST
+from proto.sizes import MAX_ID_BYTES, MAX_LIST, MAX_LOGPROBS
 
 MAX_BLOCKS = 1 << 21          # per pool, device or CPU
 MAX_BLOCK_SIZE = 2048
@@ -85,7 +85,8 @@ def check_gateway_hello(h: pb.GatewayHello, cluster_model: str) -> str | None:
     return None
 
 
-def check_sampling(s: pb.SamplingConfig, vocab_size: int) -> str | None:
+def check_sampling(s: pb.SamplingConfig, vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> str | None:
+    top = min(max_logprobs, vocab_size or max_logprobs)
     return _first(
         _float("sampling.temperature", s.temperature, 0.0, 1e6),
         _float("sampling.top_p", s.top_p, 0.0, 1.0),
@@ -97,15 +98,15 @@ def check_sampling(s: pb.SamplingConfig, vocab_size: int) -> str | None:
         _tokens("sampling.logit_bias", list(s.logit_bias), vocab_size, MAX_LIST),
         next((f"sampling.logit_bias[{k}] = {v} is not finite"
               for k, v in s.logit_bias.items() if not math.isfinite(v)), None),
-        _int("sampling.logprobs", s.logprobs, 0, min(MAX_LIST, vocab_size or MAX_LIST))
+        _int("sampling.logprobs", s.logprobs, 0, top)
         if s.HasField("logprobs") else None,
-        _int("sampling.prompt_logprobs", s.prompt_logprobs, 0, min(MAX_LIST, vocab_size or MAX_LIST))
+        _int("sampling.prompt_logprobs", s.prompt_logprobs, 0, top)
         if s.HasField("prompt_logprobs") else None,
         _int("sampling.min_tokens", s.min_tokens, 0, MAX_LEN),
         _tokens("sampling.stop_token_ids", s.stop_token_ids, vocab_size, MAX_LIST))
 
 
-def check_add(add: pb.AddRequest, vocab_size: int) -> str | None:
+def check_add(add: pb.AddRequest, vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> str | None:
     """vocab_size: the cluster's (0 while no worker is registered: token ids are checked
     against it once one is, by the router's admission and again here on the next request)."""
     return _first(
@@ -113,7 +114,7 @@ def check_add(add: pb.AddRequest, vocab_size: int) -> str | None:
         _tokens("prompt_token_ids", add.prompt_token_ids, vocab_size),
         _int("n", add.n, 0, MAX_N), _int("max_tokens", add.max_tokens, 0, MAX_LEN),
         _tokens("stop_token_ids", add.stop_token_ids, vocab_size, MAX_LIST),
-        check_sampling(add.sampling, vocab_size))
+        check_sampling(add.sampling, vocab_size, max_logprobs))
 
 
 def check_request_id(request_id: str) -> str | None:

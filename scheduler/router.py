@@ -93,7 +93,8 @@ class Router:
             self.remove(worker_id, "registered again")
         cfg = SchedulerConfig(
             block_size=hello.block_size, max_model_len=hello.max_model_len,
-            max_num_seqs=self.config.max_num_seqs,
+            max_num_seqs=min(self.config.max_num_seqs,  # its plan size bound's
+                             hello.max_num_seqs or self.config.max_num_seqs),
             # The worker sized its memory for steps of at most this many tokens.
             max_num_batched_tokens=min(self.config.max_num_batched_tokens,
                                        hello.max_num_batched_tokens or self.config.max_num_batched_tokens),

@@ -25,6 +25,8 @@ from proto.auth import CurveServer
 from proto.polling import poll, resolve_busy_poll_us
 from scheduler import checks
 from scheduler.deadlines import overdue_workers
+from proto.sizes import DEFAULT_MAX_MODEL_LEN, MAX_LOGPROBS, MAX_WORKERS, largest_gateway_message, largest_worker_message
+from scheduler.outbox import split
 from scheduler.router import Rejected, Router, RouterConfig
 
 log = logging.getLogger("pagoda.scheduler")
@@ -38,6 +40,7 @@ _REREGISTER_AGAIN_S = 3.0
 class SchedulerServer:
     def __init__(self, args) -> None:
         self.args = args
+        self.max_model_len = args.max_model_len or DEFAULT_MAX_MODEL_LEN
         self.router = Router(RouterConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=args.enable_prefix_caching,
@@ -45,8 +48,13 @@ class SchedulerServer:
             max_waiting_requests=args.max_waiting_requests))
         self.ctx = zmq.Context()
         self.curve = CurveServer(self.ctx, args.zmq_keys_dir)
-        self.gateways = self._bind(args.scheduler_gateway_address)
-        self.workers = self._bind(args.scheduler_worker_address)
+        # Each socket accepts the largest valid message of its peers, and nothing much larger.
+        self.gateways = self._bind(args.scheduler_gateway_address, args.max_message_bytes
+                                   or largest_gateway_message(self.max_model_len))
+        self.workers = self._bind(args.scheduler_worker_address, args.max_message_bytes
+                                  or largest_worker_message(args.max_num_seqs,
+                                                            args.max_num_batched_tokens,
+                                                            MAX_LOGPROBS))
         self.epoch = secrets.randbits(63) + 1
         self.gateway_seen: dict[bytes, float] = {}  # the gateways' leases: last message
         self.gateway_seq: dict[bytes, int] = {}     # last sequence number sent on each link
@@ -56,10 +64,11 @@ class SchedulerServer:
         self.busy_poll_us = resolve_busy_poll_us(args.busy_poll_us)
         self.running = True
 
-    def _bind(self, address: str) -> zmq.Socket:
+    def _bind(self, address: str, max_bytes: int) -> zmq.Socket:
+        log.info("largest message accepted on %s: %d bytes", address, max_bytes)
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.args.max_message_bytes)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         # Past the high-water mark a send fails (ROUTER_MANDATORY) and is dropped: a gateway
         # sees the gap in its sequence numbers, a worker is dropped as unreachable.
         sock.setsockopt(zmq.SNDHWM, self.args.zmq_hwm)
@@ -193,7 +202,8 @@ class SchedulerServer:
 
     def _flush_deltas(self) -> None:
         for ident, msg in self.router.take_outbox().items():
-            self._send(self.gateways, ident, msg)
+            for part in split(msg):  # each within the gateway's message size bound
+                self._send(self.gateways, ident, part)
 
     # -- workers ------------------------------------------------------------------------------
     def _on_worker(self, ident: bytes, data: bytes) -> None:
@@ -220,7 +230,8 @@ class SchedulerServer:
                 self.router.remove(ident, "said goodbye")
                 self._broadcast_info()
         elif kind == "hello":
-            why = checks.check_worker_hello(msg.hello) or self.router.refusal(ident, msg.hello)
+            why = (checks.check_worker_hello(msg.hello) or self._beyond_bounds(ident, msg.hello)
+                   or self.router.refusal(ident, msg.hello))
             if why is not None:
                 log.error("refused worker %s: %s", msg.hello.worker_id, why)
                 self._send(self.workers, ident, pb.SchedulerToWorker(refused=why))
@@ -243,6 +254,16 @@ class SchedulerServer:
                 self._broadcast_info()
                 return
             self.router.on_result(ident, msg.result)
+
+    def _beyond_bounds(self, ident: bytes, hello: pb.WorkerHello) -> str | None:
+        """What the message size bounds of this scheduler (and its gateways) cannot carry."""
+        if hello.max_model_len > self.max_model_len:
+            return (f"its max_model_len {hello.max_model_len} exceeds the scheduler's "
+                    f"--max-model-len {self.max_model_len}, which sizes the largest message "
+                    f"it accepts; give both the same --max-model-len")
+        if ident not in self.router.workers and len(self.router.workers) >= MAX_WORKERS:
+            return f"the scheduler has {MAX_WORKERS} workers already, its most"
+        return None
 
     def _check_workers(self, now: float) -> None:
         dead = [(w, f"silent for {self.args.worker_timeout:g} s")

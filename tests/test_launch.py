@@ -19,7 +19,8 @@ def test_flags_reach_their_owners_and_parse():
     assert sched.scheduler_worker_address == worker.scheduler_worker_address == "tcp://127.0.0.1:7000"
     assert (worker.num_gpu_blocks_override, worker.max_num_batched_tokens, worker.dtype) == (64, 512, "float32")
     assert worker.model == gateway.model == "m.gguf" and gateway.port == 6000
-    assert "--max-num-seqs" not in routed["worker"] and "--port" not in routed["scheduler"]
+    assert worker.max_num_seqs == 8  # it bounds the size of a plan the worker accepts
+    assert "--no-enable-prefix-caching" not in routed["worker"] and "--port" not in routed["scheduler"]
 
 
 def test_unknown_or_incomplete_flags_are_errors():

@@ -37,7 +37,7 @@ def test_flag_names_are_the_contract():
     assert flags == {"--model", "--dtype", "--device", "--block-size", "--max-model-len",
                      "--num-gpu-blocks-override", "--kv-cache-memory", "--gpu-memory-utilization",
                      "--swap-space", "--seed", "--attention-backend", "--max-num-batched-tokens",
-                     "--scheduler-worker-address", "--worker-id", "--max-message-bytes",
+                     "--scheduler-worker-address", "--worker-id", "--max-message-bytes", "--max-num-seqs",
                      "--log-level", "--tensor-parallel-size", "--busy-poll-us", "--zmq-hwm",
                      "--zmq-keys-dir", "--insecure"}
 

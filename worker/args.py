@@ -48,8 +48,12 @@ def add_worker_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="the largest batch, used to profile activation memory")
     g.add_argument("--scheduler-worker-address", default="tcp://127.0.0.1:5556")
     g.add_argument("--worker-id", default=None, help="default: hostname-pid")
-    g.add_argument("--max-message-bytes", type=int, default=64 << 20,
-                   help="largest ZeroMQ message accepted from the scheduler")
+    g.add_argument("--max-num-seqs", type=int, default=256,
+                   help="most sequences in one step (the scheduler's flag too): with "
+                        "--max-num-batched-tokens and max_model_len it bounds a plan's size")
+    g.add_argument("--max-message-bytes", type=int, default=None,
+                   help="largest ZeroMQ message accepted from the scheduler (default: the "
+                        "largest valid plan, computed in proto/sizes.py)")
     g.add_argument("--zmq-hwm", type=int, default=1000,
                    help="ZeroMQ high-water mark: messages queued per socket and peer")
     g.add_argument("--log-level", default="INFO")

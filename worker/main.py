@@ -20,6 +20,7 @@ import zmq
 
 from proto import internal_pb2
 from proto.auth import check_auth_args, secure_client
+from proto.sizes import largest_step_plan
 from proto.polling import poll, resolve_busy_poll_us
 from worker.args import add_worker_args
 from worker.heartbeat import heartbeats, main_routing_id
@@ -28,7 +29,6 @@ logger = logging.getLogger("pagoda.worker")
 
 HEARTBEAT_S = 1.0
 STOP_CHECK_S = 0.2  # the longest an idle worker takes to notice SIGTERM
-# Above the scheduler's default --max-message-bytes (64 MiB); a larger frame closes the connection.
 
 
 def serve(runner, sock: zmq.Socket, busy_poll_us: float = 0.0) -> int:
@@ -110,7 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, args.max_message_bytes)
+    # The largest plan the scheduler may send this worker; a larger frame closes the connection.
+    h = runner.hello()
+    max_bytes = args.max_message_bytes or largest_step_plan(
+        h.max_num_seqs, h.max_num_batched_tokens, h.max_model_len, h.block_size, h.num_cpu_blocks)
+    logger.info("largest plan accepted: %d bytes", max_bytes)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     sock.setsockopt(zmq.SNDHWM, args.zmq_hwm)
     sock.setsockopt(zmq.RCVHWM, args.zmq_hwm)
     routing_id = main_routing_id(runner.worker_id)

@@ -119,6 +119,7 @@ class ModelRunner:
             eos_token_ids=self.eos_token_ids,
             no_eos=not self.eos_token_ids,
             max_num_batched_tokens=self.args.max_num_batched_tokens,
+            max_num_seqs=self.args.max_num_seqs,
             protocol_version=PROTOCOL_VERSION,
         )
 
