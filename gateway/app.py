@@ -25,7 +25,12 @@ from proto import internal_pb2, pagoda_pb2, pagoda_pb2_grpc
 log = logging.getLogger("pagoda.gateway")
 
 SERVICE_NAME = pagoda_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-_HEALTH_NAMES = ("", SERVICE_NAME)
+_HEALTH_NAMES = ("", SERVICE_NAME)  # readiness: a scheduler answers and has a worker
+# Liveness: SERVING for as long as this process answers, whatever the scheduler does, so that an
+# orchestrator's liveness probe does not restart every gateway during a scheduler outage (the
+# readiness names above take them out of the load balancer instead). NOT_SERVING only once
+# draining after SIGTERM.
+LIVENESS_SERVICE = "liveness"
 
 
 def _bind_address(host: str, port: int) -> str:
@@ -78,6 +83,7 @@ class Gateway:
             raise OSError(f"cannot bind the gateway to {_bind_address(self.host, self.port)}")
         self.port = bound
         await self._set_health(False)
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self.client.start()
         await self.server.start()
         if self.http is not None:

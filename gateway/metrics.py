@@ -16,6 +16,11 @@ REQUESTS = Counter("pagoda_gateway_requests_total",
 IN_FLIGHT = Gauge("pagoda_gateway_requests_in_flight", "Generate RPCs being served now")
 TIME_TO_FIRST_TOKEN = Histogram("pagoda_gateway_time_to_first_token_seconds",
                                 "From request arrival to the first token sent", buckets=_LATENCY_BUCKETS)
+# Per finished index: (last token - first token) / (output tokens - 1), as vLLM's TPOT.
+TIME_PER_OUTPUT_TOKEN = Histogram("pagoda_gateway_time_per_output_token_seconds",
+                                  "Mean time between output tokens of one finished sequence",
+                                  buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15,
+                                           0.2, 0.3, 0.5, 0.75, 1, 2.5, 5))
 E2E_LATENCY = Histogram("pagoda_gateway_e2e_request_latency_seconds",
                         "From request arrival to its last message", ["method"], buckets=_LATENCY_BUCKETS)
 TOKENS_STREAMED = Counter("pagoda_gateway_tokens_streamed_total", "Output tokens sent to clients")

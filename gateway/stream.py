@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from gateway import metrics
 from gateway.detokenize import Detokenizer
 from gateway.tokenizer import TextTokenizer
 from gateway.validate import Validated
@@ -136,6 +137,9 @@ class ResponseBuilder:
             response.matched_token_id = ix.detok.token_ids[-1]  # an EOS or a stop id ended it
         response.seed = ix.seed
         now = time.monotonic()
+        if ix.first_token_at is not None and len(ix.detok.token_ids) > 1:
+            metrics.TIME_PER_OUTPUT_TOKEN.observe(
+                (now - ix.first_token_at) / (len(ix.detok.token_ids) - 1))
         response.metrics.CopyFrom(pagoda_pb2.RequestMetrics(
             queue_time_s=ix.queue_time_s, num_preemptions=ix.num_preemptions,
             time_to_first_token_s=(ix.first_token_at or now) - self.started,

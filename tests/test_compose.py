@@ -16,6 +16,11 @@ def services() -> dict:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
 
 
+def pagoda_services() -> dict:
+    """The services of pagoda's own image (the others are the monitoring profile's)."""
+    return {k: v for k, v in services().items() if v.get("image") == "pagoda:latest"}
+
+
 def seconds(text: str) -> float:
     total = 0.0
     for value, unit in re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", str(text)):
@@ -29,10 +34,13 @@ def flag(command: str, name: str) -> str | None:
 
 
 def test_every_service_restarts_runs_unprivileged_and_stops_with_sigterm():
+    pagoda = pagoda_services()
     for name, svc in services().items():
         assert svc["restart"] in ("unless-stopped", "always"), name
         uid = str(svc["user"]).split(":")[0]
-        assert uid not in ("0", "root") and int(uid) >= 1000, name
+        # pagoda's image runs as its uid 10001; Prometheus and Grafana as their images' own
+        # unprivileged users (nobody, grafana).
+        assert int(uid) == (10001 if name in pagoda else {"prometheus": 65534, "grafana": 472}[name]), name
         assert svc.get("stop_signal", "SIGTERM") == "SIGTERM", name
         assert seconds(svc["stop_grace_period"]) >= 10, name
 
@@ -62,3 +70,25 @@ def test_the_image_switches_to_the_unprivileged_user_after_its_last_build_step()
     assert users and users[-1] > runs[-1]
     assert lines[users[-1]].split()[1].split(":")[0] == str(services()["gateway"]["user"]).split(":")[0]
     assert "launch" in " ".join(ln for ln in lines if ln.startswith("COPY "))  # the probe ships
+
+
+def test_commands_run_this_repository_with_flags_it_accepts_and_publish_its_ports():
+    from tests.test_deploy import PARSERS, ports_opened
+
+    svcs = pagoda_services()
+    assert set(svcs) == {"scheduler", "worker", "gateway"}
+    for name, svc in svcs.items():
+        words = shlex.split(svc["command"])
+        assert words[:2] == ["python", "-m"] and words[2] == f"{name}.main", name
+        try:
+            args = PARSERS[words[2]](words[3:])
+        except SystemExit:
+            raise AssertionError(f"{name}: {words[2]} refuses {words[3:]}") from None
+        published = {int(p.split(":")[-1]) for p in svc.get("ports", [])}
+        assert all(p.startswith("127.0.0.1:") for p in svc.get("ports", [])), name
+        assert published <= ports_opened(words[2], args), name
+        if name == "worker":  # scaled with --scale: a fixed host port would collide
+            assert "ports" not in svc and args.scheduler_worker_address == "tcp://scheduler:5556"
+        if name == "gateway":
+            assert args.scheduler_gateway_address == "tcp://scheduler:5555"
+            assert published == {args.port, args.http_port, args.gateway_metrics_port}

@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import REGISTRY
 
 from gateway.metrics import start_metrics_server
 from gateway.tokenizer import load_tokenizer
@@ -33,7 +34,10 @@ harness = functools.partial(local_gateway, TOK)
 def test_metrics_endpoint(run):
     async def body():
         async with harness() as h:
+            tpot = "pagoda_gateway_time_per_output_token_seconds_count"
+            before = REGISTRY.get_sample_value(tpot) or 0
             await h.stream(prompt="hi")
+            assert REGISTRY.get_sample_value(tpot) == before + 1  # one finished index
             server = start_metrics_server(port=_free_port())
             try:
                 port = server.server_port
@@ -43,7 +47,8 @@ def test_metrics_endpoint(run):
                 server.shutdown()
             text = body.decode()
             for name in ("pagoda_gateway_requests_total", "pagoda_gateway_time_to_first_token_seconds",
-                         "pagoda_gateway_e2e_request_latency_seconds", "pagoda_gateway_tokens_streamed_total"):
+                         "pagoda_gateway_e2e_request_latency_seconds", "pagoda_gateway_tokens_streamed_total",
+                         "pagoda_gateway_time_per_output_token_seconds_bucket"):
                 assert name in text
             assert 'pagoda_gateway_requests_total{code="OK",method="GenerateStream"}' in text
     run(body())

@@ -228,6 +228,25 @@ def test_lost_scheduler_fails_requests_in_flight(run):
     run(body())
 
 
+def test_liveness_stays_serving_while_readiness_follows_the_scheduler(run):
+    """Kubernetes probes readiness on "" and liveness on "liveness" (deploy/k8s): a scheduler
+    outage must take the gateway out of the Service, not restart it."""
+    async def body():
+        client = SchedulerClient("", keepalive_interval=0.05, lost_after=0.3)
+        async with harness(client=client) as h:
+            assert (await h.health_of(""), await h.health_of("liveness")) == (SERVING, SERVING)
+            h.scheduler.answer_hello = False  # the scheduler goes silent
+            await until(lambda: h.gateway.client.info is None)  # lost after 0.3 s
+            assert await h.health_of("") == NOT_SERVING
+            assert await h.health_of("liveness") == SERVING
+            h.scheduler.answer_hello = True  # it is back: ready again by itself
+            await until(lambda: workers_of(h.gateway.client) >= 1)
+            assert await h.health_of("") == SERVING
+            await h.gateway.health.enter_graceful_shutdown()  # what stop() does first
+            assert await h.health_of("liveness") == NOT_SERVING
+    run(body())
+
+
 def test_tokenize(run):
     async def body():
         async with harness() as h:
