@@ -44,7 +44,7 @@ class Gateway:
                  http_port: int = 0, max_http_body_bytes: int = 1 << 20,
                  max_concurrent_rpcs: int | None = None, max_request_bytes: int | None = None,
                  keys_dir: str | None = None, api_keys: tuple[str, ...] = (),
-                 ssl: tuple[str, str] | None = None):
+                 ssl: tuple[str, str] | None = None, max_response_bytes: int | None = None):
         self.tokenizer = tokenizer
         self.host = host
         self.port = port
@@ -57,7 +57,8 @@ class Gateway:
         self.server = grpc.aio.server(interceptors=interceptors,
                                       maximum_concurrent_rpcs=max_concurrent_rpcs, options=[
             ("grpc.max_receive_message_length", max_request_bytes or max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
+            # The largest valid response (gateway/sizes.py largest_response), from main.py.
+            ("grpc.max_send_message_length", max_response_bytes or max_message_bytes),
             # Without this a second gateway on the same port would silently share it.
             ("grpc.so_reuseport", 0),
         ])

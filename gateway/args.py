@@ -12,8 +12,6 @@ import argparse
 
 from proto.auth import add_auth_args
 
-DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the same default as the scheduler's and workers'.
-
 # Bounds on one GenerateRequest (gateway.validate.Limits has a field per entry, same name and
 # default). Each keeps a single request from costing the gateway or a batch shared with other
 # users more than it can justify; past one, the request gets INVALID_ARGUMENT naming the field.
@@ -63,9 +61,9 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--gateway-metrics-port", type=int, default=9401,
                    help="Prometheus /metrics port, 0 = off (default: %(default)s)")
     g.add_argument("--max-message-bytes", type=int, default=None,
-                   help="largest gRPC response sent and ZeroMQ message received (default: "
-                        f"{DEFAULT_MAX_MESSAGE_BYTES} for gRPC; for ZeroMQ the largest valid "
-                        "message from the scheduler, computed in proto/sizes.py)")
+                   help="largest gRPC response sent and ZeroMQ message received (default: the "
+                        "largest valid response, computed in gateway/sizes.py, and the largest "
+                        "valid message from the scheduler, computed in proto/sizes.py)")
     g.add_argument("--max-request-bytes", type=int, default=None,
                    help="largest gRPC request received (default: the largest valid "
                         "GenerateRequest, computed from the request limits in gateway/sizes.py)")

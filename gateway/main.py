@@ -19,8 +19,7 @@ from gateway.auth import api_keys_from
 from gateway.args import parse_gateway_args
 from gateway.metrics import start_metrics_server
 from gateway.scheduler_client import SchedulerClient
-from gateway.args import DEFAULT_MAX_MESSAGE_BYTES
-from gateway.sizes import CONTEXT_BOUND, largest_generate_request
+from gateway.sizes import CONTEXT_BOUND, largest_generate_request, largest_response, token_sizes
 from proto.sizes import largest_scheduler_message
 from gateway.tokenizer import load_tokenizer
 from gateway.validate import limits_from_args
@@ -34,6 +33,8 @@ async def run(args) -> None:
     limits = limits_from_args(args, max_model_len=0, vocab_size=0)
     # A client may send no more than the largest valid request needs.
     max_request_bytes = args.max_request_bytes or largest_generate_request(limits)
+    # No valid response is refused, nothing much larger goes out.
+    max_response_bytes = args.max_message_bytes or largest_response(limits, token_sizes(tokenizer))
     # The largest valid message from the scheduler (proto/sizes.py), and nothing much larger.
     zmq_bytes = args.max_message_bytes or largest_scheduler_message(limits.max_logprobs, CONTEXT_BOUND)
     client = SchedulerClient(args.scheduler_gateway_address, zmq_bytes,
@@ -42,15 +43,15 @@ async def run(args) -> None:
                              max_unread=args.max_unread_deltas, hwm=args.zmq_hwm,
                              keys_dir=args.zmq_keys_dir, model=tokenizer.name)
     gateway = Gateway(tokenizer, args.scheduler_gateway_address, host=args.host, port=args.port,
-                      max_message_bytes=args.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES,
+                      max_response_bytes=max_response_bytes,
                       client=client, limits=limits,
                       max_concurrent_rpcs=args.max_concurrent_rpcs,
                       max_request_bytes=max_request_bytes,
                       http_port=args.http_port, max_http_body_bytes=args.max_http_body_bytes,
                       keys_dir=args.zmq_keys_dir, api_keys=api_keys_from(args),
                       ssl=(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None)
-    log.info("largest gRPC request accepted: %d bytes; largest scheduler message: %d bytes",
-             max_request_bytes, zmq_bytes)
+    log.info("largest gRPC request accepted: %d bytes, response sent: %d bytes; largest "
+             "scheduler message: %d bytes", max_request_bytes, max_response_bytes, zmq_bytes)
     await gateway.start()
     metrics_server = start_metrics_server(args.gateway_metrics_port, args.gateway_metrics_host)
 

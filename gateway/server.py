@@ -24,6 +24,7 @@ import grpc
 from gateway import metrics
 from gateway.auth import tenant_of
 from gateway.scheduler_client import SchedulerClient, SchedulerUnavailable
+from gateway.sizes import CONTEXT_BOUND
 from gateway.stream import ResponseBuilder
 from gateway.tokenizer import TextTokenizer
 from gateway.validate import Limits, ValidationError, check_ids, prompt_offsets, validate
@@ -230,6 +231,10 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
     @_unary
     async def Detokenize(self, request, context) -> pagoda_pb2.DetokenizeResponse:
         check_ids(request.token_ids, self._vocab_size, "token_ids")
+        longest = _max_model_len(self.client)
+        if len(request.token_ids) > longest:  # keeps the answer under gRPC's computed send limit
+            raise ValidationError("token_ids", f"token_ids has {len(request.token_ids)} ids, more "
+                                               f"than max_model_len {longest}")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         text = await _off_loop_if_large(request, self.tokenizer.decode, request.token_ids, skip)
         return pagoda_pb2.DetokenizeResponse(text=text)
@@ -266,8 +271,9 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
 
 
 def _max_model_len(client: SchedulerClient) -> int:
-    # Before the scheduler answers, bound Tokenize's input by a generous context length.
-    return client.info.max_model_len if client.info is not None and client.info.max_model_len else 1 << 17
+    # Before the scheduler answers, bound Tokenize's and Detokenize's input by the context
+    # length the gateway's size limits are computed for.
+    return client.info.max_model_len if client.info is not None and client.info.max_model_len else CONTEXT_BOUND
 
 
 # Tokenizing a prompt of this size takes about a millisecond; larger ones (up to
