@@ -6,8 +6,10 @@ FakeWorker instead of the model, so tests can kill, stop and poison a worker in 
     python -m tests.fake_worker_main --scheduler-worker-address ... [--step-delay S]
 
 It takes the worker's flags (the launcher routes them), using --num-gpu-blocks-override,
---block-size, --max-model-len, --worker-id, the address and the CURVE keys, and runs the real
-worker's loop and heartbeat thread. --step-delay, or PAGODA_FAKE_STEP_S under the launcher (whose
+--block-size, --max-model-len, --max-num-seqs, --max-num-batched-tokens, --worker-id, the
+address and the CURVE keys, bounds its socket as the real worker does (worker.main.bound_socket:
+ZMQ_MAXMSGSIZE from the largest valid plan, the high-water marks), and runs the real worker's
+loop and heartbeat thread. --step-delay, or PAGODA_FAKE_STEP_S under the launcher (whose
 flags are the real worker's), makes each step take that many seconds, as a forward would, so
 that streams last long enough to be disturbed. --hang-on-mark S makes the first step that
 computes a HANG_MARK prompt (tests/fake_worker.py) take S more seconds ("inf": forever) while
@@ -30,7 +32,7 @@ from proto.auth import secure_client
 from tests.fake_worker import FakeWorker, hangs
 from worker.args import add_worker_args, default_worker_id
 from worker.heartbeat import heartbeats, main_routing_id
-from worker.main import serve
+from worker.main import bound_socket, serve
 
 
 class FakeRunner:
@@ -38,11 +40,15 @@ class FakeRunner:
         self.worker_id = args.worker_id or default_worker_id()
         self.fake = FakeWorker(args.num_gpu_blocks_override or 256, args.block_size, self.worker_id)
         self.max_model_len = args.max_model_len or 4096
+        self.max_num_seqs, self.max_num_batched_tokens = args.max_num_seqs, args.max_num_batched_tokens
         self.step_s = args.step_delay
         self.hang_s = args.hang_on_mark  # None: HANG_MARK is a plain token here
 
     def hello(self) -> pb.WorkerHello:
-        return self.fake.hello(self.max_model_len)
+        hello = self.fake.hello(self.max_model_len)
+        # The plan bounds it reports, as the real worker does: they size its socket's limit.
+        hello.max_num_seqs, hello.max_num_batched_tokens = self.max_num_seqs, self.max_num_batched_tokens
+        return hello
 
     def forget_all(self) -> None:
         self.fake.forget_all()
@@ -73,12 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    bound_socket(sock, args, runner.hello())  # ZMQ_MAXMSGSIZE and HWMs as the real worker's
     routing_id = main_routing_id(runner.worker_id)
     sock.setsockopt(zmq.ROUTING_ID, routing_id)
     secure_client(sock, args.zmq_keys_dir, "worker")
     try:
         sock.connect(args.scheduler_worker_address)
-        with heartbeats(ctx, args.scheduler_worker_address, routing_id, keys_dir=args.zmq_keys_dir):
+        with heartbeats(ctx, args.scheduler_worker_address, routing_id, hwm=args.zmq_hwm,
+                        keys_dir=args.zmq_keys_dir):
             return serve(runner, sock)
     finally:
         sock.close(linger=1000)  # lets a goodbye leave

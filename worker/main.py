@@ -92,6 +92,20 @@ def _exit_on_signal(signum, _frame) -> None:
     raise SystemExit(0)
 
 
+def bound_socket(sock: zmq.Socket, args, hello: internal_pb2.WorkerHello) -> int:
+    """Sets the main socket's bounds: the largest plan the scheduler may send this worker (a
+    larger frame closes the connection; the socket reconnects by itself) and the high-water
+    marks. Returns the message bound."""
+    max_bytes = args.max_message_bytes or largest_step_plan(
+        hello.max_num_seqs, hello.max_num_batched_tokens, hello.max_model_len, hello.block_size,
+        hello.num_cpu_blocks)
+    logger.info("largest plan accepted: %d bytes", max_bytes)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+    sock.setsockopt(zmq.SNDHWM, args.zmq_hwm)
+    sock.setsockopt(zmq.RCVHWM, args.zmq_hwm)
+    return max_bytes
+
+
 def main(argv: list[str] | None = None) -> int:
     args = add_worker_args(argparse.ArgumentParser("pagoda worker", description=__doc__)).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
@@ -110,14 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    # The largest plan the scheduler may send this worker; a larger frame closes the connection.
-    h = runner.hello()
-    max_bytes = args.max_message_bytes or largest_step_plan(
-        h.max_num_seqs, h.max_num_batched_tokens, h.max_model_len, h.block_size, h.num_cpu_blocks)
-    logger.info("largest plan accepted: %d bytes", max_bytes)
-    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
-    sock.setsockopt(zmq.SNDHWM, args.zmq_hwm)
-    sock.setsockopt(zmq.RCVHWM, args.zmq_hwm)
+    bound_socket(sock, args, runner.hello())
     routing_id = main_routing_id(runner.worker_id)
     sock.setsockopt(zmq.ROUTING_ID, routing_id)
     secure_client(sock, args.zmq_keys_dir, "worker")
