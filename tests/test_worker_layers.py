@@ -95,3 +95,21 @@ def test_the_model_calls_the_backend_only_through_forward(tmp_path, monkeypatch)
     got = PlanDriver(runner).generate([[5, 6, 7, 8], [9]], 3)
     assert [s.output for s in got] == [s.output for s in want]
     assert spy.calls - calls_at_start == 3 * runner.config.num_layers  # 3 steps x 2 layers
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_cpu_logits_in_vocab_slices_equal_float64(rows, monkeypatch):
+    """The CPU logits product runs in slices of the vocabulary written in place: every column,
+    the last partial slice's too, must hold the float64 product's value."""
+    from worker.model import LlamaForCausalLM
+    monkeypatch.setattr("worker.model._VOCAB_SLICE", 96)
+    vocab, hidden = 1000, 64                      # 10 full slices and a partial one
+    weight = torch.randn(vocab, hidden, generator=GEN)
+    h = torch.randn(rows, hidden, generator=GEN)
+    model = LlamaForCausalLM.__new__(LlamaForCausalLM)
+    model.config = type("C", (), {"tie_word_embeddings": False})()
+    model.lm_head = type("L", (), {"weight": weight})()
+    got = LlamaForCausalLM.compute_logits(model, h)
+    want = h.double() @ weight.double().t()
+    assert got.shape == (rows, vocab) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
