@@ -28,11 +28,10 @@ import time
 import zmq
 
 from proto import internal_pb2 as pb
-from proto.auth import secure_client
 from tests.fake_worker import FakeWorker, hangs
 from worker.args import add_worker_args, default_worker_id
 from worker.heartbeat import heartbeats, main_routing_id
-from worker.main import bound_socket, serve
+from worker.main import Link, main_socket, serve
 
 
 class FakeRunner:
@@ -77,19 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # serve() takes over once it runs
     runner = FakeRunner(args)
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    bound_socket(sock, args, runner.hello())  # ZMQ_MAXMSGSIZE and HWMs as the real worker's
     routing_id = main_routing_id(runner.worker_id)
-    sock.setsockopt(zmq.ROUTING_ID, routing_id)
-    secure_client(sock, args.zmq_keys_dir, "worker")
+    # Bounded (ZMQ_MAXMSGSIZE, HWMs), authenticated and rebuilt as the real worker's.
+    link = Link(main_socket(ctx, args, runner.hello(), routing_id))
     try:
-        sock.connect(args.scheduler_worker_address)
         with heartbeats(ctx, args.scheduler_worker_address, routing_id, hwm=args.zmq_hwm,
                         keys_dir=args.zmq_keys_dir):
-            return serve(runner, sock)
+            return serve(runner, link)
     finally:
-        sock.close(linger=1000)  # lets a goodbye leave
+        link.close(linger=1000)  # lets a goodbye leave
         ctx.term()
 
 

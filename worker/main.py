@@ -17,6 +17,7 @@ import threading
 import time
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from proto import internal_pb2
 from proto.auth import check_auth_args, secure_client
@@ -29,10 +30,45 @@ logger = logging.getLogger("pagoda.worker")
 
 HEARTBEAT_S = 1.0
 STOP_CHECK_S = 0.2  # the longest an idle worker takes to notice SIGTERM
+# libzmq retries a dropped connection every 100 ms by itself, except after a protocol error (an
+# oversized frame), when it gives up for good: a connection down this long with no retry is
+# rebuilt on a new socket.
+GIVE_UP_S = 1.0
+_LINK_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 
 
-def serve(runner, sock: zmq.Socket, busy_poll_us: float = 0.0) -> int:
+class Link:
+    """The main socket and a monitor on it. reopen() replaces a socket libzmq gave up on."""
+
+    def __init__(self, open_socket) -> None:
+        self.open_socket = open_socket
+        self.sock = open_socket()
+        self.monitor = self.sock.get_monitor_socket(_LINK_EVENTS)
+        self.down_since: float | None = None
+
+    def given_up(self) -> bool:
+        """Whether the connection dropped and libzmq has not tried it again for GIVE_UP_S."""
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            self.down_since = time.monotonic() if event == zmq.EVENT_DISCONNECTED else None
+        return self.down_since is not None and time.monotonic() - self.down_since > GIVE_UP_S
+
+    def reopen(self) -> zmq.Socket:
+        self.close(linger=0)
+        self.sock = self.open_socket()
+        self.monitor = self.sock.get_monitor_socket(_LINK_EVENTS)
+        self.down_since = None
+        return self.sock
+
+    def close(self, linger: int) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(0)
+        self.sock.close(linger=linger)
+
+
+def serve(runner, link: Link, busy_poll_us: float = 0.0) -> int:
     """The worker loop over a connected socket; returns the exit code on shutdown."""
+    sock = link.sock
     send = lambda msg, flags=0: sock.send(msg.SerializeToString(), flags)  # noqa: E731
     stop: list[int] = []
     if threading.current_thread() is threading.main_thread():
@@ -50,6 +86,15 @@ def serve(runner, sock: zmq.Socket, busy_poll_us: float = 0.0) -> int:
             except zmq.Again:
                 pass  # no scheduler connected: nobody to tell
             return 0
+        if link.given_up():
+            # What the scheduler sent since is lost, so it must treat this as a new worker: a
+            # hello from a known worker id requeues whatever it had running here.
+            logger.warning("the connection to the scheduler dropped and was not retried: "
+                           "reconnecting on a new socket")
+            sock = link.reopen()
+            runner.forget_all()
+            send(internal_pb2.WorkerMessage(hello=runner.hello()))
+            last_sent = time.monotonic()
         wait_ms = max(0, int(min(STOP_CHECK_S, HEARTBEAT_S - (time.monotonic() - last_sent)) * 1000))
         events = poll(sock, wait_ms, busy_us)
         busy_us = 0.0
@@ -92,9 +137,22 @@ def _exit_on_signal(signum, _frame) -> None:
     raise SystemExit(0)
 
 
+def main_socket(ctx: zmq.Context, args, hello: internal_pb2.WorkerHello, routing_id: bytes):
+    """A function that opens the main socket, bounded, authenticated and connected."""
+    def open_socket() -> zmq.Socket:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        bound_socket(sock, args, hello)
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        secure_client(sock, args.zmq_keys_dir, "worker")
+        sock.connect(args.scheduler_worker_address)
+        return sock
+    return open_socket
+
+
 def bound_socket(sock: zmq.Socket, args, hello: internal_pb2.WorkerHello) -> int:
     """Sets the main socket's bounds: the largest plan the scheduler may send this worker (a
-    larger frame closes the connection; the socket reconnects by itself) and the high-water
+    larger frame closes the connection for good; serve() then opens a new one) and the high-water
     marks. Returns the message bound."""
     max_bytes = args.max_message_bytes or largest_step_plan(
         hello.max_num_seqs, hello.max_num_batched_tokens, hello.max_model_len, hello.block_size,
@@ -122,20 +180,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--tensor-parallel-size {args.tensor_parallel_size}: only 1 is supported")
     runner = ModelRunner(args)
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    bound_socket(sock, args, runner.hello())
     routing_id = main_routing_id(runner.worker_id)
-    sock.setsockopt(zmq.ROUTING_ID, routing_id)
-    secure_client(sock, args.zmq_keys_dir, "worker")
+    link = Link(main_socket(ctx, args, runner.hello(), routing_id))
     try:
-        sock.connect(args.scheduler_worker_address)
         logger.info("worker %s connected to %s", runner.worker_id, args.scheduler_worker_address)
         with heartbeats(ctx, args.scheduler_worker_address, routing_id, hwm=args.zmq_hwm,
                         keys_dir=args.zmq_keys_dir):
-            return serve(runner, sock, resolve_busy_poll_us(args.busy_poll_us))
+            return serve(runner, link, resolve_busy_poll_us(args.busy_poll_us))
     finally:
-        sock.close(linger=1000)  # lets a goodbye leave
+        link.close(linger=1000)  # lets a goodbye leave
         ctx.term()
 
 
