@@ -30,8 +30,9 @@ def apply_result(sched: "Scheduler", step: Step, result: pb.StepResult,
     if result.logprobs:
         forward_logprobs(step, result.logprobs, outboxes)
     RUNNING, kv = Status.RUNNING, sched.kv
-    caching = kv.pool.enable_prefix_caching
+    caching, block_size = kv.pool.enable_prefix_caching, kv.block_size
     j, num_results, others = 0, len(res_slots), []
+    streams: dict[bytes, tuple] = {}  # gateway -> its outbox's column appends, looked up once
     for req, _, slot in step.entries:
         if j == num_results or res_slots[j] != slot:
             continue  # a prefill chunk that did not reach the end: nothing sampled
@@ -44,17 +45,26 @@ def apply_result(sched: "Scheduler", step: Step, result: pb.StepResult,
         tokens.append(token)
         # A sequence preempted while the step ran keeps the token too (its recompute or swap-in
         # continues after it); only a running one has blocks to cache.
-        if caching and req.status is RUNNING:
-            kv.cache_blocks(req)
+        if caching and req.status is RUNNING and \
+                req.num_computed_tokens // block_size > req.num_cached_blocks:
+            kv.cache_blocks(req)  # a block filled (the check is cache_blocks' own first line)
         if token in req.stop_set and len(tokens) >= req.min_stop_len:
             sched.finish(req, FinishReason.STOP)
         elif len(tokens) >= req.length_limit:
             sched.finish(req, FinishReason.LENGTH)
         elif req.stream_started and not req.num_unstreamed:
-            box = outboxes.get(req.gateway)
-            if box is None:
-                box = outboxes[req.gateway] = Outbox()
-            box.add_one(req.request_id, req.index, token, len(tokens) - req.num_prompt_tokens - 1)
+            appends = streams.get(req.gateway)
+            if appends is None:
+                box = outboxes.get(req.gateway)
+                if box is None:
+                    box = outboxes[req.gateway] = Outbox()
+                appends = streams[req.gateway] = box.appends()
+            add_id, add_index, add_count, add_offset, add_token = appends
+            add_id(req.request_id)
+            add_index(req.index)
+            add_count(1)
+            add_offset(len(tokens) - len(req.prompt_token_ids) - 1)
+            add_token(token)
             continue
         req.num_unstreamed += 1
         others.append(req)

@@ -85,7 +85,7 @@ def scheduler_messages() -> list[ipb.SchedulerMessage]:
     positions at k = 20, and the deltas, cut as the scheduler cuts them."""
     box = Outbox()
     for i in range(200_000):
-        box.add_one("r" * 64 + str(i % 5000), 0, BIG, i)
+        box.add("r" * 64 + str(i % 5000), 0, [BIG], i)
     box.logprobs.append(logprobs(TOKENS, 20, request_id="r" * MAX_ID_BYTES, prompt=True))
     box.deltas += [ipb.TokenDelta(request_id="r" * MAX_ID_BYTES, finish=ipb.ERROR, error=ipb.Error(
         code="RESOURCE_EXHAUSTED", message="m" * 4096))] * 100
