@@ -129,7 +129,7 @@ class TensorParallel:
 
     def receive_tokens(self, count: int) -> np.ndarray:
         t = self._broadcast(torch.empty(count + 1, dtype=torch.int64))
-        if t.numel() == 0 or not int(t[0]):
+        if not int(t[0]):
             raise RuntimeError("rank 0 failed to sample this step")
         return t[1:].numpy()
 
