@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from datetime import timedelta
 
 import numpy as np
@@ -148,6 +149,10 @@ def _collective(fn, *args, **kwargs) -> None:
 def init_group(rank: int, size: int, store, device: torch.device) -> TensorParallel:
     """Joins this worker's group through a TCPStore that rank 0 serves."""
     dist = torch.distributed
+    # gloo listens on the address the host name resolves to, often the LAN's: keep it on
+    # loopback, as every rank is on this host (its connections, like the store's, carry no
+    # authentication).
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
