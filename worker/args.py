@@ -62,7 +62,8 @@ def add_worker_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "latency for a little CPU; 0 = always sleep; default: 500 with 4 or more "
                         "cores, else 0)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="GPUs one model is split across; only 1 is supported so far")
+                   help="ranks (processes; one GPU each on CUDA) one worker's model is split "
+                        "across; must divide its query heads, KV heads and intermediate size")
     add_auth_args(parser)
     return parser
 

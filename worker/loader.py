@@ -59,6 +59,18 @@ def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return config, weights
 
 
+def load_config(path: Path) -> ModelConfig:
+    """The model's shape alone, without its weights (a GGUF's metadata is memory-mapped)."""
+    path = Path(path)
+    if not path.is_dir() and path.suffix == ".gguf":
+        cached = cache_dir(path, CACHE_NAME)
+        if not (cached / "config.json").exists():
+            import gguf
+            return ModelConfig.from_gguf(gguf.GGUFReader(str(path)))
+        path = cached
+    return ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
+
+
 def load_hf_dir(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 

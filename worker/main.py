@@ -6,6 +6,9 @@ socket of its own (worker/heartbeat.py), so a long forward never looks like a de
 main socket heartbeats too while idle, which is how a restarted scheduler finds it to ask for a
 new hello. SIGTERM or SIGINT while serving finishes the current step and says goodbye, so the
 scheduler requeues this worker's sequences at once. Every frame is one protobuf message.
+
+With --tensor-parallel-size N this process is rank 0 of N (worker/ranks.py): it alone talks
+to the scheduler, and leaves it with a goodbye when another rank is lost.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from proto.sizes import largest_step_plan
 from proto.polling import poll, resolve_busy_poll_us
 from worker.args import add_worker_args
 from worker.heartbeat import heartbeats, main_routing_id
+from worker.parallel import GroupLost
 
 logger = logging.getLogger("pagoda.worker")
 
@@ -66,26 +70,44 @@ class Link:
         self.sock.close(linger=linger)
 
 
-def serve(runner, link: Link, busy_poll_us: float = 0.0) -> int:
-    """The worker loop over a connected socket; returns the exit code on shutdown."""
-    sock = link.sock
-    send = lambda msg, flags=0: sock.send(msg.SerializeToString(), flags)  # noqa: E731
+def serve(runner, link: Link, busy_poll_us: float = 0.0, ranks=None) -> int:
+    """The worker loop over a connected socket; returns the exit code on shutdown. ranks: the
+    other ranks of a tensor-parallel worker (worker/ranks.py RankGroup), or None."""
+    send = lambda msg, flags=0: link.sock.send(msg.SerializeToString(), flags)  # noqa: E731
+
+    def goodbye() -> None:
+        try:
+            send(internal_pb2.WorkerMessage(goodbye=True), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # no scheduler connected: nobody to tell
+
     stop: list[int] = []
     if threading.current_thread() is threading.main_thread():
         # From here on a signal waits for the step in hand rather than cutting through it.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _: stop.append(signum))
+    try:
+        return _serve(runner, link, send, goodbye, stop, busy_poll_us, ranks)
+    except GroupLost as e:
+        # The scheduler recomputes this worker's sequences elsewhere at once, rather than
+        # after --worker-timeout (the heartbeat thread would go on beating for a broken worker).
+        logger.error("a tensor-parallel rank is lost (%s): saying goodbye to the scheduler", e)
+        goodbye()
+        return 1
+
+
+def _serve(runner, link, send, goodbye, stop, busy_poll_us, ranks) -> int:
+    sock = link.sock
     send(internal_pb2.WorkerMessage(hello=runner.hello()))
     last_sent = time.monotonic()
     busy_us = 0.0  # spin only while the next plan is due: right after a result
     while True:
         if stop:
             logger.info("%s: saying goodbye to the scheduler", signal.Signals(stop[0]).name)
-            try:
-                send(internal_pb2.WorkerMessage(goodbye=True), zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # no scheduler connected: nobody to tell
+            goodbye()
             return 0
+        if ranks is not None and (why := ranks.lost()):
+            raise GroupLost(why)
         if link.given_up():
             # What the scheduler sent since is lost, so it must treat this as a new worker: a
             # hello from a known worker id requeues whatever it had running here.
@@ -127,6 +149,8 @@ def serve(runner, link: Link, busy_poll_us: float = 0.0) -> int:
                 send(internal_pb2.WorkerMessage(heartbeat=True), zmq.NOBLOCK)
             except zmq.Again:
                 pass
+            if ranks is not None:  # idle: the other ranks wait in a collective that times out
+                ranks.keepalive()
             last_sent = time.monotonic()
 
 
@@ -165,6 +189,7 @@ def bound_socket(sock: zmq.Socket, args, hello: internal_pb2.WorkerHello) -> int
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = add_worker_args(argparse.ArgumentParser("pagoda worker", description=__doc__)).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -174,11 +199,28 @@ def main(argv: list[str] | None = None) -> int:
 
     from worker.runner import ModelRunner  # torch is imported only after the flags parse
 
+    ranks = None
     if args.tensor_parallel_size != 1:
-        # A worker group over torch.distributed is planned (docs/design.md); refuse rather
-        # than silently run on one device.
-        raise SystemExit(f"--tensor-parallel-size {args.tensor_parallel_size}: only 1 is supported")
-    runner = ModelRunner(args)
+        from worker import ranks as tensor_parallel
+        from worker.platform import resolve_device
+
+        device = resolve_device(args.device)
+        if tensor_parallel.is_follower():
+            tp = tensor_parallel.join_group(args, device)
+            return tensor_parallel.follow(ModelRunner(args, tp), tp)
+        ranks = tensor_parallel.start_group(args, argv, device)
+    try:
+        code = _serve_scheduler(args, ModelRunner(args, ranks and ranks.tp), ranks)
+    except BaseException:
+        if ranks is not None:
+            ranks.stop(graceful=False)  # the others may be inside a collective
+        raise
+    if ranks is not None:
+        ranks.stop(graceful=code == 0)  # 0: serve returned between steps, with the group whole
+    return code
+
+
+def _serve_scheduler(args, runner, ranks) -> int:
     ctx = zmq.Context()
     routing_id = main_routing_id(runner.worker_id)
     link = Link(main_socket(ctx, args, runner.hello(), routing_id))
@@ -186,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("worker %s connected to %s", runner.worker_id, args.scheduler_worker_address)
         with heartbeats(ctx, args.scheduler_worker_address, routing_id, hwm=args.zmq_hwm,
                         keys_dir=args.zmq_keys_dir):
-            return serve(runner, link, resolve_busy_poll_us(args.busy_poll_us))
+            return serve(runner, link, resolve_busy_poll_us(args.busy_poll_us), ranks)
     finally:
         link.close(linger=1000)  # lets a goodbye leave
         ctx.term()

@@ -14,6 +14,7 @@ from kernels.select import AttentionBackend
 from worker.attention import AttentionMetadata, PagedAttention
 from worker.config import ModelConfig
 from worker.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
+from worker.parallel import TensorParallel, row_parallel_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -28,7 +29,9 @@ _PACKED = {
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    """With tensor parallelism, config holds this rank's heads and o_proj sums over ranks."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
@@ -37,7 +40,7 @@ class LlamaAttention(nn.Module):
         self.shard_sizes = [self.q_size, self.kv_size, self.kv_size]
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.o_proj = row_parallel_linear(self.q_size, config.hidden_size, config.o_proj_bias, tp)
         self.attn = PagedAttention(backend, self.head_dim ** -0.5)
 
     def forward(self, rope: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
@@ -54,11 +57,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.shard_sizes = [config.intermediate_size, config.intermediate_size]
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = row_parallel_linear(config.intermediate_size, config.hidden_size,
+                                             config.mlp_bias, tp)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,12 +70,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, backend)
+        self.self_attn = LlamaAttention(config, backend, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(self, rope, x, residual, kv_cache, meta):
         if residual is None:
@@ -84,11 +88,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding,
+                 tp: TensorParallel) -> None:
         super().__init__()
         self.rotary = rotary
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, tp)
+                                    for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta, kv_caches):
@@ -102,14 +108,16 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int,
-                 device: torch.device) -> None:
+                 device: torch.device, tp: TensorParallel | None = None) -> None:
+        """config: the shape of this rank's share (worker/parallel.py shard_config) under tp."""
         super().__init__()
         self.config = config
+        self.tp = tp or TensorParallel()
         # Its cos/sin tables are plain tensors on the real device, so that building the rest on
         # "meta" and casting it to bf16 leaves them alone, in fp32.
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                  config.rope_scaling, device=device)
-        self.model = LlamaModel(config, backend, rotary)
+        self.model = LlamaModel(config, backend, rotary, self.tp)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -126,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
         # On a CPU one [rows, hidden] x [hidden, vocab] product runs at a third to a half of the
         # GEMM rate of the layers' (BLAS blocks it badly for so wide an output); the same product
         # in slices of the vocabulary, each written in place into its columns, runs near that
-        # rate, and every logit is the same dot product in the same order as before.
+        # rate (tests/test_worker_layers.py holds it to a float64 product).
         logits = hidden.new_empty(hidden.shape[0], weight.shape[0])
         for start in range(0, weight.shape[0], _VOCAB_SLICE):
             torch.mm(hidden, weight[start:start + _VOCAB_SLICE].t(),
@@ -142,6 +150,7 @@ class LlamaForCausalLM(nn.Module):
                 continue  # some tied checkpoints store a copy; the embedding is the one used
             if "rotary_emb.inv_freq" in name:
                 continue
+            tensor = self.tp.shard(name, tensor)
             parts = name.split(".")
             packed = _PACKED.get(parts[-2]) if len(parts) >= 2 else None
             if packed is None:
@@ -185,10 +194,11 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], backend: AttentionBackend,
-                max_positions: int, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+                max_positions: int, device: torch.device, dtype: torch.dtype,
+                tp: TensorParallel | None = None) -> LlamaForCausalLM:
     # Built on "meta" so that no time goes into random initialization of weights we overwrite.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend, max_positions, device)
+        model = LlamaForCausalLM(config, backend, max_positions, device, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.load_weights(weights)
     return model.train(False).requires_grad_(False)  # inference mode, no dropout

@@ -27,6 +27,7 @@ from worker.eos import eos_token_ids
 from worker.input_batch import InputBatch, StepInputs
 from worker.loader import load_weights
 from worker.model import build_model
+from worker.parallel import FORGET, PLAN, TensorParallel, shard_config
 from worker.platform import resolve_device, resolve_dtype
 from worker.logits import compute_logprobs
 from worker.sampler import Sampler
@@ -40,8 +41,12 @@ PROMPT_LOGPROBS_ROWS = 512
 
 
 class ModelRunner:
-    def __init__(self, args: argparse.Namespace) -> None:
+    """One rank's runner. Under tensor parallelism (tp) every rank runs every plan; rank 0 hands
+    each plan on to the others, and alone computes logits and samples (worker/parallel.py)."""
+
+    def __init__(self, args: argparse.Namespace, tp: TensorParallel | None = None) -> None:
         self.args = args
+        self.tp = tp or TensorParallel()
         self.worker_id = args.worker_id or default_worker_id()
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
@@ -63,8 +68,10 @@ class ModelRunner:
             logger.warning("--max-model-len %d is beyond the %d positions the model was trained on",
                            self.max_model_len, trained_len)
         self.backend = select_backend(args.attention_backend, self.device.type)
-        self.model = build_model(self.config, weights, self.backend, self.max_model_len, self.device,
-                                 self.dtype)
+        # This rank's share of the heads and MLP (all of them without a group).
+        shard = shard_config(self.config, self.tp.size)
+        self.model = build_model(shard, weights, self.backend, self.max_model_len, self.device,
+                                 self.dtype, self.tp)
         del weights
         progress.update()
         self.load_seconds = time.perf_counter() - start
@@ -74,14 +81,16 @@ class ModelRunner:
                            "a stop id or a stop string", self.model_path)
 
         stage("sizing the KV cache")
-        block_bytes = bytes_per_block(self.config, self.block_size, self.dtype)
+        block_bytes = bytes_per_block(shard, self.block_size, self.dtype)
         peak = self._profile_peak_memory() if self.device.type == "cuda" else 0
         num_blocks = num_device_blocks(
             override=args.num_gpu_blocks_override, device=self.device, block_bytes=block_bytes,
             kv_cache_memory=args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES,
             gpu_memory_utilization=args.gpu_memory_utilization, profiled_peak_bytes=peak)
+        # One block pool for the whole group: block i exists on every rank (each with its heads).
+        num_blocks = self.tp.min_over_ranks(num_blocks)
         num_cpu_blocks = int(args.swap_space * 2**30) // block_bytes
-        self.cache = CacheEngine(self.config, num_blocks, num_cpu_blocks, self.block_size, self.dtype,
+        self.cache = CacheEngine(shard, num_blocks, num_cpu_blocks, self.block_size, self.dtype,
                                  self.device)
         progress.update()
         stage("measuring swap bandwidth")
@@ -104,6 +113,8 @@ class ModelRunner:
         device = str(self.device)
         if self.device.type == "cuda":
             device += f" ({torch.cuda.get_device_name(self.device)})"
+        if self.tp.size > 1:
+            device += f" x {self.tp.size} ranks"
         return internal_pb2.WorkerHello(
             worker_id=self.worker_id,
             model=model_display_name(self.model_path),
@@ -125,11 +136,15 @@ class ModelRunner:
 
     def forget_all(self) -> None:
         """Drop every sequence held (a new scheduler knows none of them)."""
+        if self.tp.rank == 0:
+            self.tp.send(FORGET)
         self.batch = InputBatch(self.max_model_len, self.block_size)
 
     def execute(self, plan: internal_pb2.StepPlan) -> internal_pb2.StepResult:
         result = internal_pb2.StepResult(step_id=plan.step_id)
         start = time.perf_counter()
+        if self.tp.rank == 0:  # every rank runs the plan, checks included
+            self.tp.send(PLAN, plan.SerializeToString())
         if why := check_plan(plan, self.cache.num_blocks, self.cache.num_cpu_blocks,
                              self.config.vocab_size):
             logger.error("refused step %d: %s", plan.step_id, why)
@@ -178,22 +193,36 @@ class ModelRunner:
 
         inputs = self.prepare_inputs(slots, counts)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.cache.kv_caches)
-        self._prompt_logprobs(slots, counts, hidden, result)
         sampled_slots = inputs.sampled_slots
-        tokens = np.zeros(0, np.int64)
-        if len(sampled_slots):
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            params = [batch.sampling[s] for s in sampled_slots.tolist()]
-            history = [batch.tokens(s) for s in sampled_slots.tolist()]
-            sampled = self.sampler(logits, params, inputs.sample_positions, history,
-                                   batch.num_prompt[sampled_slots].tolist())
-            self._sampled_logprobs(sampled_slots, params, logits, sampled, inputs.sample_positions,
-                                   result)
-            tokens = sampled.cpu().numpy()
+        if self.tp.rank == 0:
+            try:
+                tokens = self._sample(slots, counts, hidden, inputs, result)
+            except Exception:
+                self.tp.send_tokens(None)  # the other ranks fail the step too
+                raise
+            self.tp.send_tokens(tokens)
+        else:
+            tokens = self.tp.receive_tokens(len(sampled_slots))
         batch.advance(slots, counts)
         batch.append_tokens(sampled_slots, tokens)
         result.slots = pack(sampled_slots)
         result.token_ids = pack(tokens)
+
+    def _sample(self, slots, counts, hidden, inputs: StepInputs, result) -> np.ndarray:
+        """Prompt logprobs, then the next token of each sampling row and its logprobs."""
+        batch = self.batch
+        self._prompt_logprobs(slots, counts, hidden, result)
+        sampled_slots = inputs.sampled_slots
+        if not len(sampled_slots):
+            return np.zeros(0, np.int64)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        params = [batch.sampling[s] for s in sampled_slots.tolist()]
+        history = [batch.tokens(s) for s in sampled_slots.tolist()]
+        sampled = self.sampler(logits, params, inputs.sample_positions, history,
+                               batch.num_prompt[sampled_slots].tolist())
+        self._sampled_logprobs(sampled_slots, params, logits, sampled, inputs.sample_positions,
+                               result)
+        return sampled.cpu().numpy()
 
     def _sampled_logprobs(self, slots, params, logits, sampled, positions, result) -> None:
         """Logprobs of the sampled tokens, for the sequences that asked."""
@@ -266,7 +295,8 @@ class ModelRunner:
             return 0
         inputs = self.prepare_inputs(np.arange(len(counts)), np.array(counts), batch)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, kv_caches)
-        self.model.compute_logits(hidden[inputs.logits_indices]).argmax(-1).tolist()
+        if self.tp.rank == 0:
+            self.model.compute_logits(hidden[inputs.logits_indices]).argmax(-1).tolist()
         return num_tokens - left
 
     @torch.inference_mode()
