@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING
 
+from scheduler import beam
 from scheduler.request import Request, Status
 
 if TYPE_CHECKING:
@@ -35,13 +36,21 @@ def fail_oldest(sched: "Scheduler") -> list[Request]:
     for s in (step, *sched.in_flight):
         for req, n, _ in s.entries:
             in_flight_tokens[id(req)] = in_flight_tokens.get(id(req), 0) + n
+    groups = []
     for req in failed + others:
         # The failed and void steps wrote (or not) the positions after this one; a block cached
         # one step early (its last token's KV still in flight) must not be found again.
         first_bad = max(0, req.num_tokens - in_flight_tokens.get(id(req), 0) - 1)
         sched.kv.uncache_from(req, first_bad)
-        if req not in culprits:
+        if req.beam is not None:  # a beam search goes back whole, not as a suspect
+            req.num_pending = 0
+            if req.beam not in groups:
+                groups.append(req.beam)
+        elif req not in culprits:
             requeue_for_recompute(sched, req, suspect=req in failed)
+    for group in groups:
+        if any(b.status is Status.RUNNING for b in group.beams):
+            beam.requeue(sched, group)
     return culprits
 
 

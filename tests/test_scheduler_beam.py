@@ -15,7 +15,7 @@ from proto.codec import expand_deltas
 from proto.columns import unpack_list
 from scheduler.router import Rejected, Router, RouterConfig
 from tests.beam_reference import reference_beam_search
-from tests.fake_worker import EOS, FakeWorker, beam_distribution
+from tests.fake_worker import EOS, POISON_MARK, FakeWorker, beam_distribution
 from tests.test_scheduler import check, with_workers
 
 GW = b"gw"
@@ -38,6 +38,7 @@ def collect(router, outputs):
             entry["deltas"] += 1
             if d.finish:
                 entry["finish"], entry["error"] = d.finish, d.error.code
+                entry["preemptions"] = d.num_preemptions
                 entry["logprob"] = d.cumulative_logprob if d.HasField("cumulative_logprob") else None
 
 
@@ -184,6 +185,22 @@ def test_abort_frees_every_beam_and_ends_every_index():
     assert not sched.requests and sched.kv.pool.num_free == 64 and not router.seqs
     run(router, workers, out)
     assert [out[("a", i)]["finish"] for i in range(4)] == [pb.ABORT] * 4
+
+
+def test_a_failed_step_requeues_the_group_whole():
+    router = Router(RouterConfig())
+    workers = with_workers(router, FakeWorker(64, block_size=4))
+    prompt = [11, 12, 13, 14, 15]
+    add_beam(router, "g", prompt, 10, 3)
+    # Breaks every step that computes it from its third output token on.
+    router.add(GW, pb.AddRequest(request_id="bad", prompt_token_ids=[POISON_MARK, 2, 5, 6],
+                                 max_tokens=8, sampling=pb.SamplingConfig()))
+    out = {}
+    run(router, workers, out)
+    assert out[("bad", 0)]["error"] == "INTERNAL"
+    assert router.workers[b"w0"].scheduler.stats.num_preemptions["recompute"] == 0
+    assert out[("g", 0)]["preemptions"] > 0  # it shared a failed step, and went back whole
+    assert_matches(out, "g", prompt, 10, 3)
 
 
 def test_rejections():
