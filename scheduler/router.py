@@ -250,6 +250,8 @@ class Router:
         return reply
 
     def _route(self, req: Request, copies: int = 1) -> None:
+        if req.beam_params is not None:
+            copies = req.beam_params.beam_width
         if not self.workers:
             self.pending.append(req)
             return

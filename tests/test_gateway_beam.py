@@ -6,9 +6,13 @@ import pytest
 
 from gateway.beam import add_completion
 from gateway.openai_schema import CompletionRequest, completion_requests, openai_param
+from gateway.tokenizer import load_tokenizer
 from gateway.validate import ValidationError, validate
-from proto import pagoda_pb2 as pb
+from proto import internal_pb2 as ipb, pagoda_pb2 as pb
+from tests.fake_scheduler import local_gateway
 from tests.test_gateway_validate import LIMITS, req, tok  # noqa: F401 - tok: a fixture
+
+TOK = load_tokenizer("")
 
 
 def beam(width=4, **kw) -> dict:
@@ -73,3 +77,33 @@ def test_http_fields_become_beam_search():
     body = CompletionRequest(model="m", prompt="hi", n=2, use_beam_search=True, early_stopping=True)
     assert completion_requests(body)[0].beam_search.early_stopping == "true"
     assert openai_param("beam_search.beam_width", chat=False) == "n"
+
+
+BEAM_TEXTS = ["Paris is the capital.", "Paris, of course", "Lyon"]
+
+
+def beam_plan(add: ipb.AddRequest) -> list:
+    """What the scheduler sends at the end of a search: one delta per beam, whole, best first."""
+    return [ipb.TokenDelta(request_id=add.request_id, index=i,
+                           token_ids=TOK.encode(text, add_special_tokens=False),
+                           finish=ipb.LENGTH, prompt_tokens=len(add.prompt_token_ids),
+                           cumulative_logprob=-1.5 * (i + 1))
+            for i, text in enumerate(BEAM_TEXTS)]
+
+
+def test_stream_and_generate_answer_with_every_beam(run):
+    async def go():
+        async with local_gateway(TOK) as h:
+            h.scheduler.plan = beam_plan
+            request = pb.GenerateRequest(**beam(3), stopping=pb.StoppingCriteria(max_tokens=8))
+            streamed = [r async for r in h.stub.GenerateStream(request)]
+            unary = await h.stub.Generate(request)
+            return streamed, unary, list(h.scheduler.adds)
+    streamed, unary, adds = run(go())
+    assert adds[0].beam_search.beam_width == 3 and adds[0].n == 1
+    # One final message per beam, best first, each with its whole text and its logprob sum.
+    assert [(r.index, r.text, r.cumulative_logprob) for r in streamed] == \
+        [(i, t, -1.5 * (i + 1)) for i, t in enumerate(BEAM_TEXTS)]
+    assert all(r.finish_reason == pb.FINISH_REASON_LENGTH and not r.HasField("seed") for r in streamed)
+    assert [(c.index, c.text) for c in unary.completions] == list(enumerate(BEAM_TEXTS))
+    assert unary.text == BEAM_TEXTS[0] and unary.cumulative_logprob == -1.5
