@@ -203,6 +203,22 @@ def test_a_failed_step_requeues_the_group_whole():
     assert_matches(out, "g", prompt, 10, 3)
 
 
+def test_a_group_that_breaks_the_worker_ends_with_internal_and_the_others_go_on():
+    router = Router(RouterConfig())
+    workers = with_workers(router, FakeWorker(64, block_size=4))
+    add_beam(router, "bad", [POISON_MARK, 2, 7, 8], 10, 3)  # breaks every step from 2 outputs on
+    add_beam(router, "good", [21, 22, 23], 8, 2)
+    router.add(GW, pb.AddRequest(request_id="plain", prompt_token_ids=[5, 6], max_tokens=12,
+                                 sampling=pb.SamplingConfig()))
+    out = {}
+    run(router, workers, out)
+    assert [out[("bad", i)]["error"] for i in range(3)] == ["INTERNAL"] * 3
+    assert_matches(out, "good", [21, 22, 23], 8, 2)
+    assert out[("plain", 0)]["finish"] == pb.LENGTH and not out[("plain", 0)]["error"]
+    sched = router.workers[b"w0"].scheduler
+    assert not sched.requests and sched.kv.pool.num_free == 64
+
+
 def test_rejections():
     router = Router(RouterConfig(max_num_seqs=4))
     with_workers(router, FakeWorker(8, block_size=4))
