@@ -41,7 +41,7 @@ class Inbox:
         """Queues item; False when the request had to be failed (the caller aborts it)."""
         if self.closed:
             return True
-        weight = max(1, len(item.token_ids)) if isinstance(item, internal_pb2.TokenDelta) else 1
+        weight = _weight(item)
         if self._unread + weight > self.limit:
             self.fail("RESOURCE_EXHAUSTED",
                       f"the client read too slowly: {self._unread} tokens were waiting unread "
@@ -79,8 +79,16 @@ class Inbox:
             self._ready.clear()
             await self._ready.wait()
         item = self._items.popleft()
-        self._unread -= max(1, len(item.token_ids)) if isinstance(item, internal_pb2.TokenDelta) else 1
+        self._unread -= _weight(item)
         return item
+
+
+def _weight(item) -> int:
+    """Unread tokens an item counts for. A finish counts one whatever it carries: an index ends
+    once, and a beam search's finishes carry whole outputs, all in one message."""
+    if isinstance(item, internal_pb2.TokenDelta) and item.finish == internal_pb2.NOT_FINISHED:
+        return max(1, len(item.token_ids))
+    return 1
 
 
 def _plain(item) -> bool:

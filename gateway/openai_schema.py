@@ -49,6 +49,10 @@ class _Common(_Strict):
     priority: StrictInt = 0
     request_id: str | None = None
     user: str | None = None  # accepted and ignored, as vLLM does
+    # vLLM's beam search fields: n beams, best first (gateway/beam.py).
+    use_beam_search: StrictBool = False
+    length_penalty: float = 1.0
+    early_stopping: Union[StrictBool, Literal["never"]] = False
 
 
 class CompletionRequest(_Common):
@@ -127,6 +131,11 @@ def _stopping(body: _Common, max_tokens: int | None) -> pagoda_pb2.StoppingCrite
 
 
 def _common(body: _Common, req: pagoda_pb2.GenerateRequest) -> None:
+    if body.use_beam_search:
+        req.sampling.ClearField("n")
+        early = body.early_stopping if isinstance(body.early_stopping, str) else str(body.early_stopping).lower()
+        req.beam_search.CopyFrom(pagoda_pb2.BeamSearchParams(
+            beam_width=body.n, length_penalty=body.length_penalty, early_stopping=early))
     if body.request_id is not None:
         req.request_id = body.request_id
     req.priority = body.priority
@@ -192,6 +201,8 @@ class BadField(ValueError):
 
 def openai_param(field: str, chat: bool) -> str:
     """The client's name for a pagoda field that failed validation."""
+    if field == "beam_search.beam_width":
+        return "n"
     if field == "sampling.logprobs":
         return "top_logprobs" if chat else "logprobs"
     if field == "sampling.prompt_logprobs":
@@ -200,7 +211,7 @@ def openai_param(field: str, chat: bool) -> str:
         return "prompt"
     if field == "stopping.max_tokens" and chat:
         return "max_completion_tokens"
-    for prefix in ("sampling.", "stopping."):
+    for prefix in ("sampling.", "stopping.", "beam_search."):
         if field.startswith(prefix):
             return field[len(prefix):]
     return field

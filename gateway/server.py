@@ -23,6 +23,7 @@ import grpc
 
 from gateway import metrics
 from gateway.auth import tenant_of
+from gateway.beam import add_completion
 from gateway.scheduler_client import SchedulerClient, SchedulerUnavailable
 from gateway.sizes import CONTEXT_BOUND
 from gateway.stream import ResponseBuilder
@@ -146,6 +147,9 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
                 async for response in responses:
                     if response.token_ids and not out.token_ids:
                         metrics.TIME_TO_FIRST_TOKEN.observe(time.monotonic() - started)
+                    if request.HasField("beam_search"):  # beam_width whole answers
+                        add_completion(out, response)
+                        continue
                     # MergeFrom appends the lists and lets the last message's scalars (finish,
                     # usage, seed, ...) win; only the text must be joined by hand.
                     text = out.text + response.text

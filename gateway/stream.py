@@ -135,7 +135,10 @@ class ResponseBuilder:
             response.matched_stop_str = ix.detok.stop.matched
         elif delta.finish == internal_pb2.STOP and ix.detok.token_ids:
             response.matched_token_id = ix.detok.token_ids[-1]  # an EOS or a stop id ended it
-        response.seed = ix.seed
+        if self.v.beam is None:
+            response.seed = ix.seed
+        elif delta.HasField("cumulative_logprob"):
+            response.cumulative_logprob = delta.cumulative_logprob
         now = time.monotonic()
         if ix.first_token_at is not None and len(ix.detok.token_ids) > 1:
             metrics.TIME_PER_OUTPUT_TOKEN.observe(

@@ -13,6 +13,7 @@ from typing import Sequence
 
 import jinja2
 
+from gateway import beam
 from gateway.args import REQUEST_LIMITS
 from gateway.tokenizer import ROLES, TextTokenizer
 from proto import internal_pb2, pagoda_pb2
@@ -74,6 +75,7 @@ class Validated:
     prompt_logprobs: int | None = None
     seed: int = 0  # always set: drawn when the client gave none, so every answer can be replayed
     public_id: str = ""  # the client's request_id, else the internal id
+    beam: pagoda_pb2.BeamSearchParams | None = None  # n is its beam_width
 
 
 def check_ids(ids: Sequence[int], vocab_size: int, name: str) -> None:
@@ -301,7 +303,11 @@ def validate(req: pagoda_pb2.GenerateRequest, tokenizer: TextTokenizer, limits: 
     if abs(req.priority) > limits.max_priority:
         raise ValidationError("priority", f"priority must be in [-{limits.max_priority}, "
                                           f"{limits.max_priority}], got {req.priority}")
-    sampling, n = _sampling(req, limits, unary)
+    search = beam.beam_params(req)
+    if search is None:
+        sampling, n = _sampling(req, limits, unary)
+    else:
+        sampling, n = beam.beam_sampling(), search.beam_width
     stopping = req.stopping
     _stopping(stopping, limits)
     salt_bytes = len(req.cache_salt.encode())
@@ -346,10 +352,10 @@ def validate(req: pagoda_pb2.GenerateRequest, tokenizer: TextTokenizer, limits: 
     # WorkerHello.eos_token_ids (unless ignore_eos), one source of truth for what EOS is.
     public_id = req.request_id or internal_id
     add = internal_pb2.AddRequest(
-        request_id=internal_id, prompt_token_ids=ids, sampling=sampling, n=n,
+        request_id=internal_id, prompt_token_ids=ids, sampling=sampling, n=1 if search else n,
         max_tokens=max_tokens, ignore_eos=stopping.ignore_eos,
         stop_token_ids=stopping.stop_token_ids, priority=req.priority, public_id=public_id,
-        cache_salt=req.cache_salt)
+        cache_salt=req.cache_salt, beam_search=search)
     s = req.sampling
     return Validated(
         add=add, prompt_token_ids=ids, n=n, stop=list(stopping.stop),
@@ -358,4 +364,4 @@ def validate(req: pagoda_pb2.GenerateRequest, tokenizer: TextTokenizer, limits: 
         return_prompt_token_ids=req.return_prompt_token_ids,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
-        seed=sampling.seed, public_id=public_id)
+        seed=sampling.seed, public_id=public_id, beam=search)

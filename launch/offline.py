@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from launch.__main__ import (ROOT, Child, module_command, own_group_and_die_with_parent,
                              process_parsers, route_flags, stop_in_order)
-from launch.outputs import RequestOutput, SamplingParams, collect, generate_request
+from launch.outputs import BeamSearchParams, RequestOutput, SamplingParams, collect, generate_request
 from proto.auth import create_keys
 
 # The scheduler's waiting queue is bounded; this many requests are in flight at most.
@@ -92,6 +92,15 @@ class LLM:
             prompts = [prompts]
         return self._run([{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)}
                           for p in prompts], sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
+                    params: BeamSearchParams, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Beam search (as vLLM's LLM.beam_search): each output holds params.beam_width
+        completions, best first, each with its cumulative_logprob."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run([{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)}
+                          for p in prompts], params, use_tqdm)
 
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

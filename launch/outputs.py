@@ -41,6 +41,19 @@ class SamplingParams:
 
 
 @dataclass
+class BeamSearchParams:
+    """vLLM's, for LLM.beam_search, plus transformers' early_stopping ("true", "false", "never")."""
+    beam_width: int
+    max_tokens: int = 16
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
+    early_stopping: str = "false"
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    priority: int = 0
+
+
+@dataclass
 class Logprob:
     logprob: float
     rank: int | None
@@ -66,6 +79,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     seed: int | None = None
     metrics: RequestMetrics | None = None
+    cumulative_logprob: float | None = None  # beam search
 
 
 @dataclass
@@ -79,7 +93,16 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
-def generate_request(fields: dict, p: SamplingParams) -> pb.GenerateRequest:
+def generate_request(fields: dict, p: SamplingParams | BeamSearchParams) -> pb.GenerateRequest:
+    if isinstance(p, BeamSearchParams):
+        req = pb.GenerateRequest(
+            beam_search=pb.BeamSearchParams(beam_width=p.beam_width, length_penalty=p.length_penalty,
+                                            early_stopping=p.early_stopping),
+            stopping=pb.StoppingCriteria(max_tokens=p.max_tokens, ignore_eos=p.ignore_eos,
+                                         stop_token_ids=p.stop_token_ids or []),
+            priority=p.priority, skip_special_tokens=p.skip_special_tokens,
+            return_prompt_token_ids=True)
+        return _with_prompt(req, fields)
     s = pb.SamplingParams(
         n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
@@ -101,6 +124,10 @@ def generate_request(fields: dict, p: SamplingParams) -> pb.GenerateRequest:
                              return_prompt_token_ids=True)
     if p.truncate_prompt_tokens is not None:
         req.truncate_prompt_tokens = p.truncate_prompt_tokens
+    return _with_prompt(req, fields)
+
+
+def _with_prompt(req: pb.GenerateRequest, fields: dict) -> pb.GenerateRequest:
     if "prompt" in fields:
         req.prompt = fields["prompt"]
     elif "prompt_token_ids" in fields:
@@ -132,7 +159,7 @@ async def collect(servicer, tokenizer, request: pb.GenerateRequest, request_id: 
     """One request through the gateway's own response generator, gathered into a RequestOutput."""
     from gateway.server import RpcFailed
 
-    n = request.sampling.n or 1
+    n = request.beam_search.beam_width or request.sampling.n or 1
     outputs = [CompletionOutput(index=i) for i in range(n)]
     prompt_ids: list[int] = []
     prompt_lps = None
@@ -154,6 +181,8 @@ async def collect(servicer, tokenizer, request: pb.GenerateRequest, request_id: 
                     kind = r.WhichOneof("matched_stop")
                     out.stop_reason = getattr(r, kind) if kind else None
                     out.seed = r.seed if r.HasField("seed") else None
+                    if r.HasField("cumulative_logprob"):
+                        out.cumulative_logprob = r.cumulative_logprob
                     m = r.metrics
                     out.metrics = RequestMetrics(m.queue_time_s, m.time_to_first_token_s,
                                                  m.e2e_time_s, m.num_preemptions)

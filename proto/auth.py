@@ -24,7 +24,7 @@ from zmq.auth.thread import ThreadAuthenticator
 log = logging.getLogger("pagoda.auth")
 
 # Raised on any change of internal.proto that an older peer would misread.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 SERVER = "scheduler"
 CLIENTS = ("gateway", "worker")
 _LOOPBACK = ("tcp://127.", "tcp://localhost:", "tcp://[::1]:", "ipc://", "inproc://")

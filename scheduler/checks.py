@@ -19,6 +19,7 @@ MAX_BLOCKS = 1 << 21          # per pool, device or CPU
 MAX_BLOCK_SIZE = 2048
 MAX_LEN = 1 << 20             # max_model_len, max_tokens, batched tokens, vocab size
 MAX_N = 256
+MAX_BEAM_WIDTH = 16
 MAX_PENALTY = 1000.0
 
 
@@ -114,7 +115,15 @@ def check_add(add: pb.AddRequest, vocab_size: int, max_logprobs: int = MAX_LOGPR
         _tokens("prompt_token_ids", add.prompt_token_ids, vocab_size),
         _int("n", add.n, 0, MAX_N), _int("max_tokens", add.max_tokens, 0, MAX_LEN),
         _tokens("stop_token_ids", add.stop_token_ids, vocab_size, MAX_LIST),
-        check_sampling(add.sampling, vocab_size, max_logprobs))
+        check_sampling(add.sampling, vocab_size, max_logprobs),
+        _int("beam_search.beam_width", add.beam_search.beam_width, 0, MAX_BEAM_WIDTH),
+        _float("beam_search.length_penalty", add.beam_search.length_penalty, -MAX_LEN, MAX_LEN),
+        None if add.beam_search.early_stopping in ("", "true", "false", "never") else
+        f"beam_search.early_stopping = {add.beam_search.early_stopping[:16]!r} is not one of "
+        "true, false, never",
+        None if not add.beam_search.beam_width or add.n <= 1 else "n > 1 with beam_search",
+        # The scheduler sets it on a beam search's sequences; from a gateway it would break one.
+        _int("sampling.beam_candidates", add.sampling.beam_candidates, 0, 0))
 
 
 def check_request_id(request_id: str) -> str | None:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING
 
-from scheduler.request import Request, Status
+from scheduler import beam
+from scheduler.request import FinishReason, Request, Status
 
 if TYPE_CHECKING:
     from scheduler.scheduler import Scheduler
@@ -27,7 +28,7 @@ def fail_oldest(sched: "Scheduler") -> list[Request]:
     sched.reuse_slots(step.step_id)
     failed = _live(step.entries)
     # A suspect's step holds nothing else, but for the children its fork brings along.
-    culprits = [req for req in failed if req.suspect] if step.alone else []
+    culprits = [req for req in failed if req.suspect and req.beam is None] if step.alone else []
     for later in sched.in_flight:
         later.void = True
     others = [r for r in _live(e for s in sched.in_flight for e in s.entries) if r not in failed]
@@ -35,13 +36,32 @@ def fail_oldest(sched: "Scheduler") -> list[Request]:
     for s in (step, *sched.in_flight):
         for req, n, _ in s.entries:
             in_flight_tokens[id(req)] = in_flight_tokens.get(id(req), 0) + n
+    groups = []
     for req in failed + others:
         # The failed and void steps wrote (or not) the positions after this one; a block cached
         # one step early (its last token's KV still in flight) must not be found again.
         first_bad = max(0, req.num_tokens - in_flight_tokens.get(id(req), 0) - 1)
         sched.kv.uncache_from(req, first_bad)
-        if req not in culprits:
+        if req.beam is not None:  # a beam search goes back whole
+            req.num_pending = 0
+            if req.beam not in groups:
+                groups.append(req.beam)
+        elif req not in culprits:
             requeue_for_recompute(sched, req, suspect=req in failed)
+    for group in groups:
+        if step.alone and any(b.suspect for b in group.beams):
+            beam.end(sched, group, FinishReason.ERROR)  # it failed alone: the cause
+            culprits.append(group.handle)
+            continue
+        suspect = any(b in failed for b in group.beams)
+        if any(b.status is Status.RUNNING for b in group.beams):
+            group.beams[0].suspect = suspect  # it waits apart, and runs alone, as one
+            beam.requeue(sched, group)
+        elif suspect and not group.beams[0].suspect:  # preempted while the plans ran
+            group.beams[0].suspect = True
+            sched.waiting = [e for e in sched.waiting if e[-1].beam is not group]
+            heapq.heapify(sched.waiting)
+            sched.enqueue(group.beams[0])
     return culprits
 
 
@@ -84,6 +104,11 @@ def schedule_alone(sched: "Scheduler", step) -> bool:
     its own step, which clears it when it succeeds and requeues or ends it when it fails."""
     bs = sched.config.block_size
     for req in sorted(sched.suspects, key=Request.sort_key):
+        if req.beam is not None:  # a beam search's leader: the group runs alone, whole
+            if req.status is Status.WAITING and beam.admit(sched, req.beam, step):
+                step.alone = True
+                return True
+            continue
         if req.status is not Status.WAITING or req.num_pending:
             continue
         if len(sched.running) + 1 + len(req.fork_children) > sched.config.max_num_seqs:

@@ -133,6 +133,48 @@ class KVCacheManager:
         child.num_computed_tokens = c
         return pb.BlockCopy(src=parent.block_ids[full], dst=own[0]) if c % bs else None
 
+    def share(self, parent: "Request", child: "Request") -> None:
+        """Beam search: child takes a reference on every block of parent, the partial last one
+        too; whichever of them writes into a shared partial block first copies it (write_slots)."""
+        self.pool.touch(parent.block_ids)
+        child.block_ids = list(parent.block_ids)
+        full = parent.num_computed_tokens // self.block_size
+        child.block_hashes = parent.block_hashes[:full]
+        child.num_cached_blocks = min(parent.num_cached_blocks, full)
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def write_slots(self, req: "Request", n: int) -> tuple[list[int], pb.BlockCopy | None]:
+        """allocate_slots for a sequence that may share its partial last block (share): that
+        block is copied into one of its own first. Check write_cost first: this must not fail.
+        Only a sequence new to the worker may copy (its NewSeq carries the new table)."""
+        copy, last = None, req.block_ids[-1] if req.block_ids else -1
+        if req.num_computed_tokens % self.block_size and self.pool.ref_cnt[last] > 1:
+            if req.on_worker:
+                raise RuntimeError(f"{req.seq_id}: a held sequence would copy its last block")
+            own = self.pool.allocate(1)[0]
+            self.pool.free([last])
+            req.block_ids[-1] = own
+            copy = pb.BlockCopy(src=last, dst=own)
+        new = self.allocate_slots(req, n)
+        if new is None:
+            raise MemoryError(f"{req.seq_id}: write_slots without room")
+        return new, copy
+
+    def write_cost(self, work: list[tuple["Request", int]]) -> int:
+        """Free blocks write_slots needs for (sequence, tokens) pairs, taken in that order: the
+        last of the sequences sharing a partial block keeps it."""
+        refs: dict[int, int] = {}
+        need = 0
+        for req, n in work:
+            if req.num_computed_tokens % self.block_size:
+                last = req.block_ids[-1]
+                r = refs.get(last, self.pool.ref_cnt[last])
+                if r > 1:
+                    need += 1
+                    refs[last] = r - 1
+            need += max(0, self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids))
+        return need
+
     def fork_cost(self, parent: "Request", num_children: int, num_new_tokens: int) -> int:
         """Free blocks a fork step needs: the parent's growth plus one own block per child."""
         grow = self.blocks_for(parent.num_computed_tokens + num_new_tokens) - len(parent.block_ids)

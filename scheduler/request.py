@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from proto import internal_pb2 as pb
+from proto import internal_pb2 as pb, pagoda_pb2
+
+if TYPE_CHECKING:
+    from scheduler.beam import BeamGroup
 
 
 class Status(enum.Enum):
@@ -77,6 +81,13 @@ class Request:
     # writes nothing here.
     stream_started: bool = False
     num_unstreamed: int = 0
+    # Beam search (scheduler/beam.py): the group of a beam, and of the router's handle of the
+    # request (which carries beam_params and is never in the batch); a beam's cumulative logprob
+    # and whether its last token, the scheduler's choice, is still to be named in a plan.
+    beam: "BeamGroup | None" = None
+    beam_params: pagoda_pb2.BeamSearchParams | None = None
+    cum_logprob: float = 0.0
+    token_unsent: bool = False
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

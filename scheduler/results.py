@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from proto import internal_pb2 as pb
 from proto.columns import unpack_list
+from scheduler import beam
 from scheduler.outbox import Outbox
 from scheduler.request import FinishReason, Request, Status
 from scheduler.step import Step
@@ -27,11 +28,10 @@ def apply_result(sched: "Scheduler", step: Step, result: pb.StepResult,
     res_slots, res_tokens = unpack_list(result.slots), unpack_list(result.token_ids)
     if len(res_slots) != len(res_tokens):
         raise ValueError(f"step {result.step_id}: {len(res_slots)} slots but {len(res_tokens)} tokens")
-    if result.logprobs:
-        forward_logprobs(step, result.logprobs, outboxes)
+    beam_lps = forward_logprobs(step, result.logprobs, outboxes) if result.logprobs else {}
     RUNNING, kv = Status.RUNNING, sched.kv
     caching, block_size = kv.pool.enable_prefix_caching, kv.block_size
-    j, num_results, others = 0, len(res_slots), []
+    j, num_results, others, beams = 0, len(res_slots), [], []
     streams: dict[bytes, tuple] = {}  # gateway -> its outbox's column appends, looked up once
     for req, _, slot in step.entries:
         if j == num_results or res_slots[j] != slot:
@@ -41,6 +41,9 @@ def apply_result(sched: "Scheduler", step: Step, result: pb.StepResult,
         if req.status is Status.FINISHED:
             continue
         req.num_pending -= 1
+        if req.beam is not None:
+            beams.append((req, slot))  # its candidates, not its sampled token, matter
+            continue
         tokens = req.all_token_ids
         tokens.append(token)
         # A sequence preempted while the step ran keeps the token too (its recompute or swap-in
@@ -71,19 +74,28 @@ def apply_result(sched: "Scheduler", step: Step, result: pb.StepResult,
     if j != num_results:
         raise ValueError(f"step {result.step_id}: {num_results - j} sampled slots match no "
                          "sequence of the plan")
+    if beams:
+        others += beam.on_results(sched, beams, beam_lps)
     return others
 
 
-def forward_logprobs(step: Step, logprobs, outboxes: dict[bytes, Outbox]) -> None:
+def forward_logprobs(step: Step, logprobs, outboxes: dict[bytes, Outbox]) -> dict[int, pb.Logprobs]:
     """Logprobs go to the gateway as the worker computed them, named by request rather than
-    slot (the step's own entries say whose slot it was when the plan went out)."""
+    slot (the step's own entries say whose slot it was when the plan went out). A beam's are
+    its candidates: they are returned by slot, for the search."""
     by_slot = {slot: req for req, _, slot in step.entries}
+    beams = {}
     for lp in logprobs:
         req = by_slot.get(lp.slot)
         if req is None or req.status is Status.FINISHED:
+            continue
+        if req.beam is not None:
+            if not lp.prompt:
+                beams[lp.slot] = lp
             continue
         lp.request_id, lp.index, lp.slot = req.request_id, req.index, 0
         box = outboxes.get(req.gateway)
         if box is None:
             box = outboxes[req.gateway] = Outbox()
         box.logprobs.append(lp)
+    return beams

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from proto import internal_pb2 as pb, pagoda_pb2
 from proto.auth import PROTOCOL_VERSION
+from scheduler import beam
+from scheduler.admission import Rejected, check_admission  # noqa: F401 - Rejected: the API
 from scheduler.outbox import Outbox
 from scheduler.request import FinishReason, Request, Status
 from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -19,13 +21,6 @@ from scheduler.scheduler import Scheduler, SchedulerConfig
 log = logging.getLogger("pagoda.router")
 
 FAILED_ALONE = "the worker failed every step that computed this sequence"
-
-
-class Rejected(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 @dataclass
@@ -140,31 +135,9 @@ class Router:
     def add(self, gateway: bytes, add: pb.AddRequest) -> None:
         """Admit a request or raise Rejected: one that can never fit is refused now, not left
         waiting forever."""
-        if add.request_id in self.seqs:
-            raise Rejected("ALREADY_EXISTS", f"request_id {add.request_id!r} is already running")
-        if add.public_id and add.public_id in self.public:
-            raise Rejected("ALREADY_EXISTS", f"request_id {add.public_id!r} is already in flight; "
-                                             "request ids must be unique among running requests")
-        if not add.prompt_token_ids:
-            raise Rejected("INVALID_ARGUMENT", "prompt is empty")
-        n = max(1, add.n)
-        if self.workers:
-            info = self.cluster_info()
-            total = len(add.prompt_token_ids) + add.max_tokens
-            if total > info.max_model_len:
-                raise Rejected("INVALID_ARGUMENT",
-                               f"prompt ({len(add.prompt_token_ids)} tokens) plus max_tokens "
-                               f"({add.max_tokens}) exceeds max_model_len {info.max_model_len}")
-            blocks = -(-total // info.block_size) * n
-            if blocks > info.total_blocks:
-                raise Rejected("INVALID_ARGUMENT",
-                               f"prompt plus max_tokens needs {blocks} KV blocks for n={n}, "
-                               f"but a worker holds only {info.total_blocks}")
-        num_waiting = len(self.pending) + sum(w.scheduler.num_waiting for w in self.workers.values())
-        if num_waiting + n > self.config.max_waiting_requests:
-            raise Rejected("RESOURCE_EXHAUSTED",
-                           f"the waiting queue is full ({num_waiting} waiting, "
-                           f"--max-waiting-requests {self.config.max_waiting_requests})")
+        copies = check_admission(self, add)
+        width = add.beam_search.beam_width
+        n = 1 if width else max(1, add.n)  # a beam search is one handle (scheduler/beam.py)
         arrival, now = next(self.arrivals), time.monotonic()
         reqs = []
         for i in range(n):
@@ -179,10 +152,12 @@ class Router:
                 stop_token_ids=frozenset(add.stop_token_ids), priority=add.priority,
                 arrival=arrival, public_id=add.public_id, arrival_time=now,
                 cache_salt=add.cache_salt))
+        if width:
+            reqs[0].beam_params = add.beam_search
         self.seqs[add.request_id] = reqs
         if add.public_id:
             self.public[add.public_id] = add.request_id
-        self._route(reqs[0], copies=n)
+        self._route(reqs[0], copies=copies)
         if n > 1 and reqs[0].worker is not None:
             # The n sequences share the prompt's blocks: the others fork sequence 0 once it has
             # computed the prompt, on the same worker.
@@ -276,6 +251,8 @@ class Router:
         return reply
 
     def _route(self, req: Request, copies: int = 1) -> None:
+        if req.beam_params is not None:
+            copies = req.beam_params.beam_width
         if not self.workers:
             self.pending.append(req)
             return
@@ -307,7 +284,8 @@ class Router:
 
     def _worker_of(self, req: Request) -> WorkerState | None:
         state = self.workers.get(req.worker) if req.worker is not None else None
-        if state is not None and req.seq_id in state.scheduler.requests:
+        if state is not None and (req.seq_id in state.scheduler.requests
+                                  or req.seq_id in state.scheduler.groups):
             return state
         return None
 
@@ -366,6 +344,9 @@ class Router:
         box = self.outbox.get(req.gateway)
         if box is None:
             box = self.outbox[req.gateway] = Outbox()
+        if req.beam_params is not None:  # a beam search says nothing until it ends
+            box.deltas += beam.final_deltas(req, error)
+            return self._forget(req.request_id)
         first = not req.stream_started
         if req.num_unstreamed:
             box.add(req.request_id, req.index, req.all_token_ids[-req.num_unstreamed:],

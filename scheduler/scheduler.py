@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from proto import internal_pb2 as pb
-from scheduler import failures
+from scheduler import beam, failures
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.outbox import Outbox
 from scheduler.preemption import PreemptionPolicy
@@ -73,9 +73,12 @@ class Scheduler:
         # Waiting or running sequences of a failed step, kept off the waiting queue: each runs
         # alone until a step with it succeeds (scheduler/failures.py).
         self.suspects: list[Request] = []
+        self.groups: dict[str, beam.BeamGroup] = {}          # beam searches, by handle seq_id
 
     # -- intake -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        if req.beam_params is not None:
+            return beam.start(self, req)  # the router's handle: its beams are added there
         eos = frozenset() if req.ignore_eos else self.config.eos_token_ids
         req.stop_set = eos | req.stop_token_ids
         # The first output token sits at index num_prompt_tokens; with min_tokens m, output
@@ -99,6 +102,10 @@ class Scheduler:
             heapq.heappush(self.waiting, (req.priority, req.arrival, next(self._tiebreak), req))
 
     def abort(self, seq_id: str) -> Request | None:
+        if seq_id in self.groups:
+            group = self.groups[seq_id]
+            beam.end(self, group, FinishReason.ABORT)
+            return group.handle
         req = self.requests.get(seq_id)
         if req is not None:
             self.finish(req, FinishReason.ABORT)
@@ -159,6 +166,9 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING or req.suspect:
                 continue  # a victim earlier in this loop, or a suspect (it runs alone)
+            if req.beam is not None:
+                beam.schedule(self, req.beam, step)  # no plan ahead: its tokens are chosen here
+                continue
             known = len(req.all_token_ids) + req.num_pending
             if known >= req.length_limit:
                 continue  # its last token is on the way; it ends when that arrives
@@ -172,28 +182,29 @@ class Scheduler:
                 continue
             n = min(todo, step.budget)
             blocks = self.kv.allocate_slots(req, n)
-            while blocks is None and self._preempt_for(req, step):
+            while blocks is None and self.preempt_for(req, step):
                 blocks = self.kv.allocate_slots(req, n)
             if blocks is not None:
                 step.take(req, n, blocks)
 
-    def _preempt_for(self, req: Request, step: Step) -> bool:
+    def preempt_for(self, req: Request, step: Step) -> bool:
         """Preempt the lowest-priority, latest-arrived running sequence not yet given work this
-        step (the list is in that order). Returns False once req itself was the victim."""
+        step (the list is in that order). Returns False once req (or its beam group) was it."""
         victim = next(r for r in reversed(self.running) if r.status is Status.RUNNING)
         self.preempt(victim, step)
-        return victim is not req
+        return victim is not req and (victim.beam is None or victim.beam is not req.beam)
 
     def _fork(self, parent: Request, step: Step, may_preempt: bool = True) -> None:
         """The parent computes its prompt's last token and its children start from there, sharing
         its blocks; one token each, if the step has room for all of them. Only the running phase
         may preempt for it: a sequence admitted in this step must not leave again in it."""
         children = parent.fork_children
-        room = self.config.max_num_seqs - len(self.running) - len(step.forked) >= len(children)
+        room = self.config.max_num_seqs - len(self.running) - len(step.forked) - \
+            beam.reserved(self) >= len(children)
         if not room or 1 + len(children) > step.budget:
             return  # a later step forks it
         while self.kv.fork_cost(parent, len(children), 1) > self.kv.pool.num_free:
-            if not may_preempt or not self._preempt_for(parent, step):
+            if not may_preempt or not self.preempt_for(parent, step):
                 return
         blocks = self.kv.allocate_slots(parent, 1)
         for child in children:  # from the parent's state before this step's token
@@ -210,7 +221,7 @@ class Scheduler:
         step.forked += children
 
     def _room_for(self, req: Request, step: Step) -> bool:
-        seqs = len(self.running) + len(step.forked) + 1 + len(req.fork_children)
+        seqs = len(self.running) + len(step.forked) + 1 + len(req.fork_children) + beam.reserved(self)
         return seqs <= self.config.max_num_seqs
 
     def _schedule_swapped(self, step: Step) -> None:
@@ -233,6 +244,11 @@ class Scheduler:
             req = self.waiting[0][-1]
             if req.status is not Status.WAITING or req.suspect:
                 heapq.heappop(self.waiting)  # aborted while waiting, or now waits as a suspect
+                continue
+            if req.beam is not None:  # a beam search joins whole
+                if not beam.admit(self, req.beam, step):
+                    return
+                heapq.heappop(self.waiting)
                 continue
             if req.num_pending or not self._room_for(req, step):
                 return  # strict priority order: nothing jumps the queue
@@ -325,6 +341,8 @@ class Scheduler:
         """Swap out to CPU when the cost model says moving the blocks twice beats computing the
         tokens again; else recompute: free the blocks and requeue. Freed blocks keep their
         hashes, so a recompute often finds most of its prefix still cached."""
+        if req.beam is not None:
+            return beam.preempt(self, req.beam, step)
         step.preempted = True
         req.num_preemptions += 1
         if not req.suspect and self.preemption.choose(req) == "swap":
@@ -349,8 +367,13 @@ class Scheduler:
             req.on_worker = False
 
     def drain(self) -> list[Request]:
-        """The worker is gone: hand back every unfinished sequence, reset to be recomputed."""
-        out = sorted(self.requests.values(), key=Request.sort_key)
+        """The worker is gone: hand back every unfinished sequence, reset to be recomputed (a
+        beam search as its handle: it starts again from its prompt)."""
+        for group in self.groups.values():
+            group.handle.beam, group.handle.status = None, Status.WAITING
+        out = sorted([r for r in self.requests.values() if r.beam is None] +
+                     [g.handle for g in self.groups.values()], key=Request.sort_key)
+        self.groups.clear()
         for req in out:
             self.kv.free(req)
             req.on_worker, req.slot = False, -1

@@ -25,6 +25,8 @@ class Step:
     swap_in: list[pb.BlockCopy] = field(default_factory=list)
     copy: list[pb.BlockCopy] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)
+    next_token_slots: list[int] = field(default_factory=list)  # beam search: a held sequence's
+    next_token_ids: list[int] = field(default_factory=list)    # next token, chosen by the scheduler
     preempted: bool = False
     forked: list["Request"] = field(default_factory=list)  # children that joined the batch
     alone: bool = False             # a suspect's step: nothing else runs in it
@@ -70,4 +72,5 @@ class Step:
                 for req, n in self.new],
             running_slots=pack([req.slot for req, _ in self.held]),
             running_num_tokens=pack([n for _, n in self.held]),
-            new_block_slots=pack(self.new_block_slots), new_block_ids=pack(self.new_block_ids))
+            new_block_slots=pack(self.new_block_slots), new_block_ids=pack(self.new_block_ids),
+            next_token_slots=pack(self.next_token_slots), next_token_ids=pack(self.next_token_ids))

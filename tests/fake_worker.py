@@ -4,13 +4,16 @@ whole context read back through the block table. A wrong block table, a stale pr
 lost token changes the output, so tests can compare against a run with no cache at all."""
 from __future__ import annotations
 
+import random
 from collections import deque
 from dataclasses import dataclass
+
+import numpy as np
 
 from launch.models import DEFAULT_MODEL
 from proto import internal_pb2 as pb
 from proto.auth import PROTOCOL_VERSION
-from proto.columns import pack, unpack_list
+from proto.columns import pack, pack_f32, unpack_list
 
 VOCAB = 1000
 EOS = 0
@@ -78,6 +81,20 @@ def reference_output(prompt: list[int], max_tokens: int, seed: int = 0, min_toke
     return out
 
 
+def beam_distribution(context: list[int]) -> list[tuple[int, float]]:
+    """Beam search's "model": 40 next tokens with float32 logprobs, best first, EOS among them,
+    drawn from the whole context (as read back through the block table); every other token
+    has probability 0. Distinct values, so rankings have no ties."""
+    h = 1469598103934665603
+    for t in context:
+        h = ((h ^ t) * 1099511628211) & (2 ** 64 - 1)
+    rng = random.Random(h)
+    tokens = [EOS] + rng.sample(range(1, VOCAB - 1), 39)
+    values = np.float32(-np.array([rng.uniform(0.05, 9.0) for _ in tokens]))
+    order = np.argsort(-values, kind="stable")
+    return [(tokens[i], float(values[i])) for i in order]
+
+
 @dataclass
 class Seq:
     tokens: list[int]
@@ -86,6 +103,7 @@ class Seq:
     seed: int = 0
     num_prompt_tokens: int = 0
     min_tokens: int = 0
+    beam_k: int = 0  # SamplingConfig.beam_candidates
 
 
 class FakeWorker:
@@ -146,17 +164,19 @@ class FakeWorker:
             assert s.slot not in self.seqs, f"slot {s.slot} ({s.seq_id}) is still live"
             seq = Seq(list(s.token_ids), list(s.block_ids), s.num_computed_tokens,
                       s.sampling.seed if s.sampling.has_seed else 0, s.num_prompt_tokens,
-                      s.sampling.min_tokens)
+                      s.sampling.min_tokens, s.sampling.beam_candidates)
             self.seqs[s.slot] = seq
             work.append((s.slot, seq, s.num_new_tokens))
         for slot, block in zip(unpack_list(plan.new_block_slots), unpack_list(plan.new_block_ids)):
             self.seqs[slot].blocks.append(block)
+        for slot, token in zip(unpack_list(plan.next_token_slots), unpack_list(plan.next_token_ids)):
+            self.seqs[slot].tokens.append(token)
         for slot, n in zip(unpack_list(plan.running_slots), unpack_list(plan.running_num_tokens)):
             work.append((slot, self.seqs[slot], n))
         for sid, seq, n in work:
             if is_poisoned(seq.tokens, seq.num_prompt_tokens):
                 raise Poisoned(f"slot {sid} broke the forward of step {plan.step_id}")
-        slots, tokens = [], []
+        slots, tokens, logprobs = [], [], []
         for sid, seq, n in work:
             assert n >= 1 and seq.num_computed + n <= len(seq.tokens), (sid, n, seq.num_computed)
             assert len(seq.blocks) * bs >= seq.num_computed + n, f"{sid}: too few blocks"
@@ -165,8 +185,18 @@ class FakeWorker:
             seq.num_computed += n
             if seq.num_computed == len(seq.tokens):
                 context = [self.cache[seq.blocks[p // bs] * bs + p % bs] for p in range(len(seq.tokens))]
-                tok = next_token(context, seq.seed, seq.num_prompt_tokens, seq.min_tokens)
-                seq.tokens.append(tok)
+                if seq.beam_k:  # candidates; the plan names the next token
+                    top = beam_distribution(context)[:seq.beam_k]
+                    tok = top[0][0]
+                    logprobs.append(pb.Logprobs(
+                        slot=sid, first_position=len(seq.tokens), token_ids=pack([tok]),
+                        logprobs=pack_f32([top[0][1]]), ranks=pack([1]), k=len(top),
+                        top_token_ids=pack([t for t, _ in top]),
+                        top_logprobs=pack_f32([v for _, v in top])))
+                else:
+                    tok = next_token(context, seq.seed, seq.num_prompt_tokens, seq.min_tokens)
+                    seq.tokens.append(tok)
                 slots.append(sid)
                 tokens.append(tok)
-        return pb.StepResult(step_id=plan.step_id, slots=pack(slots), token_ids=pack(tokens))
+        return pb.StepResult(step_id=plan.step_id, slots=pack(slots), token_ids=pack(tokens),
+                             logprobs=logprobs)

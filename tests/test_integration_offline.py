@@ -15,6 +15,7 @@ import pytest
 from proto import pagoda_pb2 as pb
 from tests.cluster import ROOT, wait_for
 from tests.test_integration_api import chat_ids, hf_generate, hf_tokenizer  # noqa: F401 - a fixture
+from tests.test_integration_beam import NEW_TOKENS, hf_beams
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +33,7 @@ def alive(pid: int) -> bool:
 
 
 def test_llm_generate_and_chat_equal_transformers(smollm2_hf, hf_tokenizer):
-    from pagoda import LLM, SamplingParams
+    from pagoda import LLM, BeamSearchParams, SamplingParams
 
     prompts = ["The three primary colors are", "def fibonacci(n):"]
     with LLM(**FLAGS) as llm:
@@ -54,6 +55,13 @@ def test_llm_generate_and_chat_equal_transformers(smollm2_hf, hf_tokenizer):
         assert chat.token_ids == reference  # it ends at EOS, where transformers does
         assert (chat.finish_reason, chat.stop_reason) == ("stop", reference[-1])
         assert [len(p) for p in chat.logprobs] and all(t in p for t, p in zip(chat.token_ids, chat.logprobs))
+
+        # Beam search, as vLLM's LLM.beam_search: the beams best first, as transformers' are.
+        ids = [504, 3575, 282, 4649, 314]
+        beams = llm.beam_search(ids, BeamSearchParams(beam_width=2, max_tokens=NEW_TOKENS))[0]
+        expected = hf_beams(smollm2_hf, ids, 2, 1.0, "false")
+        assert [c.token_ids for c in beams.outputs] == [tokens for tokens, _ in expected]
+        assert beams.outputs[0].cumulative_logprob == pytest.approx(expected[0][1], abs=0.05)
     assert wait_for(lambda: not any(alive(p) for p in pids), timeout=15)
 
 

@@ -12,7 +12,7 @@ import torch
 
 from tests.plan_driver import PlanDriver
 from proto import internal_pb2
-from proto.columns import pack, unpack_list
+from proto.columns import pack, unpack_f32, unpack_list
 from worker.config import ModelConfig
 from worker.runner import ModelRunner
 from tests.worker_tiny_models import VARIANTS, make_hf_model, reference_logits, runner_args, save_model
@@ -222,3 +222,30 @@ def test_triton_backend_under_the_interpreter(tmp_path):
     proc = subprocess.run([sys.executable, "-c", TRITON_CHECK, str(tmp_path)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "triton ok" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_beam_candidates_come_back_and_the_plan_names_the_next_token(checkpoint, runner):
+    """A beam's row returns its top k candidates and keeps only what the plan appends: the
+    scheduler's choice (here the third-best candidate), whose next logits are transformers'."""
+    _, hf_model, _ = checkpoint
+    prompt, k = PROMPTS[1], 4
+    beam = internal_pb2.SamplingConfig(beam_candidates=k)
+    first = runner.execute(internal_pb2.StepPlan(step_id=0, new_seqs=[internal_pb2.NewSeq(
+        seq_id="beam", slot=A, token_ids=prompt, sampling=beam, block_ids=[5],
+        num_new_tokens=len(prompt))]))
+    [lp] = first.logprobs
+    ref = reference_logits(hf_model, prompt, [0])[0].log_softmax(-1)
+    top = ref.topk(k)
+    assert (lp.slot, lp.k, unpack_list(lp.top_token_ids)) == (A, k, top.indices.tolist())
+    torch.testing.assert_close(torch.tensor(unpack_f32(lp.top_logprobs)), top.values, atol=1e-4, rtol=0)
+    assert runner.batch.tokens(A).tolist() == prompt  # its own sample is not appended
+    chosen = unpack_list(lp.top_token_ids)[2]
+    second = runner.execute(internal_pb2.StepPlan(
+        step_id=1, next_token_slots=pack([A]), next_token_ids=pack([chosen]),
+        running_slots=pack([A]), running_num_tokens=pack([1])))
+    assert runner.batch.tokens(A).tolist() == prompt + [chosen]
+    ref = reference_logits(hf_model, prompt + [chosen], [0])[0].log_softmax(-1)
+    assert unpack_list(second.logprobs[0].top_token_ids) == ref.topk(k).indices.tolist()
+    bad = runner.execute(internal_pb2.StepPlan(step_id=2, next_token_slots=pack([A, A]),
+                                               next_token_ids=pack([1, 2])))
+    assert bad.error == "bad plan: next_token_slots names a slot twice"

@@ -27,11 +27,16 @@ def check_plan(plan: internal_pb2.StepPlan, num_blocks: int, num_cpu_blocks: int
     try:
         slots, counts = unpack(plan.running_slots), unpack(plan.running_num_tokens)
         block_slots, block_ids = unpack(plan.new_block_slots), unpack(plan.new_block_ids)
+        next_slots, next_ids = unpack(plan.next_token_slots), unpack(plan.next_token_ids)
     except ValueError as e:
         return str(e)
-    if len(slots) != len(counts) or len(block_slots) != len(block_ids):
-        return "running or new-block columns of different lengths"
+    if len(slots) != len(counts) or len(block_slots) != len(block_ids) or \
+            len(next_slots) != len(next_ids):
+        return "running, new-block or next-token columns of different lengths"
+    if len(np.unique(next_slots)) != len(next_slots):
+        return "next_token_slots names a slot twice"
     checks = [_ids_below("new_block_ids", block_ids, num_blocks),
+              _ids_below("next_token_ids", next_ids, vocab_size),
               _ids_below("running_num_tokens", counts, 1 << 20)]
     for c in plan.copy:
         checks.append(_ids_below("copy", (c.src, c.dst), num_blocks))

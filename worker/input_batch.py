@@ -131,7 +131,10 @@ class InputBatch:
         self.num_computed[slots] += counts
 
     def append_tokens(self, slots: np.ndarray, tokens: np.ndarray) -> None:
-        """The tokens sampled for these rows; the scheduler appends the same ones on its side."""
+        """The tokens sampled for these rows (the scheduler appends the same ones on its side),
+        or those a plan names (beam search)."""
+        if len(slots) and (self.num_tokens[slots] >= self.width).any():
+            raise ValueError(f"a token past max_model_len {self.max_model_len}")
         self.token_ids[slots, self.num_tokens[slots]] = tokens
         self.num_tokens[slots] += 1
 

@@ -176,6 +176,9 @@ class ModelRunner:
                       new.num_prompt_tokens, sampling)
         batch.append_blocks(unpack(plan.new_block_slots).astype(np.int64),
                             unpack(plan.new_block_ids))
+        next_slots = unpack(plan.next_token_slots).astype(np.int64)
+        batch.check_held(next_slots)
+        batch.append_tokens(next_slots, unpack(plan.next_token_ids))  # beam search's choices
         running = unpack(plan.running_slots).astype(np.int64)
         batch.check_held(running)
         # Plan order: new sequences first, then the held ones; the result follows it.
@@ -204,7 +207,11 @@ class ModelRunner:
         else:
             tokens = self.tp.receive_tokens(len(sampled_slots))
         batch.advance(slots, counts)
-        batch.append_tokens(sampled_slots, tokens)
+        keep = [i for i, p in enumerate(params) if not p.beam_candidates] if len(sampled_slots) else []
+        if len(keep) == len(sampled_slots):
+            batch.append_tokens(sampled_slots, tokens)
+        else:  # a beam's next token is the scheduler's choice, named in a later plan
+            batch.append_tokens(sampled_slots[keep], tokens[keep])
         result.slots = pack(sampled_slots)
         result.token_ids = pack(tokens)
 
@@ -226,11 +233,11 @@ class ModelRunner:
 
     def _sampled_logprobs(self, slots, params, logits, sampled, positions, result) -> None:
         """Logprobs of the sampled tokens, for the sequences that asked."""
-        asking = [i for i, p in enumerate(params) if p.HasField("logprobs")]
+        asking = [i for i, p in enumerate(params) if p.HasField("logprobs") or p.beam_candidates]
         if not asking:
             return
         index = torch.tensor(asking, device=logits.device)
-        ks = [params[i].logprobs for i in asking]
+        ks = [max(params[i].logprobs, params[i].beam_candidates) for i in asking]
         chosen = sampled[index]
         lps = compute_logprobs(logits[index], chosen, max(ks))
         for j, (i, k) in enumerate(zip(asking, ks)):

@@ -1,0 +1,53 @@
+"""Whether the router can take a request at all: refused now rather than left waiting forever."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from proto import internal_pb2 as pb
+
+if TYPE_CHECKING:
+    from scheduler.router import Router
+
+
+class Rejected(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def check_admission(router: "Router", add: pb.AddRequest) -> int:
+    """Raises Rejected for a request the cluster cannot take; returns how many sequences' blocks
+    it may hold at worst (n, or beam_width: beams share blocks, but may each hold their own)."""
+    if add.request_id in router.seqs:
+        raise Rejected("ALREADY_EXISTS", f"request_id {add.request_id!r} is already running")
+    if add.public_id and add.public_id in router.public:
+        raise Rejected("ALREADY_EXISTS", f"request_id {add.public_id!r} is already in flight; "
+                                         "request ids must be unique among running requests")
+    if not add.prompt_token_ids:
+        raise Rejected("INVALID_ARGUMENT", "prompt is empty")
+    n = max(1, add.n)
+    width = add.beam_search.beam_width
+    if width > router.config.max_num_seqs:
+        raise Rejected("INVALID_ARGUMENT", f"beam_search.beam_width {width} exceeds "
+                                           f"--max-num-seqs {router.config.max_num_seqs}")
+    copies = width or n  # beams share blocks, but may each hold their own at worst
+    if router.workers:
+        info = router.cluster_info()
+        total = len(add.prompt_token_ids) + add.max_tokens
+        if total > info.max_model_len:
+            raise Rejected("INVALID_ARGUMENT",
+                           f"prompt ({len(add.prompt_token_ids)} tokens) plus max_tokens "
+                           f"({add.max_tokens}) exceeds max_model_len {info.max_model_len}")
+        blocks = -(-total // info.block_size) * copies
+        if blocks > info.total_blocks:
+            raise Rejected("INVALID_ARGUMENT",
+                           f"prompt plus max_tokens needs {blocks} KV blocks for "
+                           f"{f'beam_width={width}' if width else f'n={n}'}, "
+                           f"but a worker holds only {info.total_blocks}")
+    num_waiting = len(router.pending) + sum(w.scheduler.num_waiting for w in router.workers.values())
+    if num_waiting + n > router.config.max_waiting_requests:
+        raise Rejected("RESOURCE_EXHAUSTED",
+                       f"the waiting queue is full ({num_waiting} waiting, "
+                       f"--max-waiting-requests {router.config.max_waiting_requests})")
+    return copies
