@@ -207,7 +207,7 @@ class ModelRunner:
         else:
             tokens = self.tp.receive_tokens(len(sampled_slots))
         batch.advance(slots, counts)
-        keep = [i for i, p in enumerate(params) if not p.beam_candidates] if len(sampled_slots) else []
+        keep = [i for i, s in enumerate(sampled_slots.tolist()) if not batch.sampling[s].beam_candidates]
         if len(keep) == len(sampled_slots):
             batch.append_tokens(sampled_slots, tokens)
         else:  # a beam's next token is the scheduler's choice, named in a later plan
