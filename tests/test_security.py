@@ -100,6 +100,8 @@ def test_insecure_is_explicit_and_loopback_only(tmp_path):
 
 def test_a_refused_gateway_says_why_and_stays_without_a_cluster(caplog):
     from gateway.scheduler_client import SchedulerClient
+    from proto.auth import PROTOCOL_VERSION
+    OTHER = PROTOCOL_VERSION + 1
 
     async def body():
         ctx = zmq.asyncio.Context()
@@ -111,13 +113,13 @@ def test_a_refused_gateway_says_why_and_stays_without_a_cluster(caplog):
             peer, data = await asyncio.wait_for(router.recv_multipart(), 5)
             hello = ipb.GatewayMessage.FromString(data).hello
             await router.send_multipart([peer, ipb.SchedulerMessage(
-                refused="protocol_version: the gateway speaks version 1, this scheduler 2"
+                refused=f"protocol_version: the gateway speaks version {PROTOCOL_VERSION}, this scheduler {OTHER}"
             ).SerializeToString()])
             await until(lambda: client.refused)
             # An answer from a scheduler of another version is not believed either.
             await router.send_multipart([peer, ipb.SchedulerMessage(info=ipb.ClusterInfo(
-                num_workers=1, protocol_version=2)).SerializeToString()])
-            await until(lambda: "version 2" in client.refused)
+                num_workers=1, protocol_version=OTHER)).SerializeToString()])
+            await until(lambda: f"version {OTHER}" in client.refused)
             return hello, client.info
         finally:
             await client.close()
@@ -126,7 +128,7 @@ def test_a_refused_gateway_says_why_and_stays_without_a_cluster(caplog):
 
     import zmq.asyncio
     hello, info = asyncio.run(body())
-    assert (hello.protocol_version, hello.model) == (1, "SmolLM2-135M-Instruct")
+    assert (hello.protocol_version, hello.model) == (PROTOCOL_VERSION, "SmolLM2-135M-Instruct")
     assert info is None
     assert "the scheduler refused this gateway: protocol_version" in caplog.text
 
@@ -196,7 +198,7 @@ def test_a_plan_with_ids_outside_the_cache_or_vocabulary_is_refused_by_the_worke
            "new_seqs[t].token_ids": dict(new_seqs=[ipb.NewSeq(seq_id="t", token_ids=[100])]),
            "new_seqs[u] computes": dict(new_seqs=[ipb.NewSeq(seq_id="u", token_ids=[1],
                                                              num_new_tokens=2)]),
-           "running or new-block": dict(running_num_tokens=pack([1, 1]))}
+           "running, new-block or next-token": dict(running_num_tokens=pack([1, 1]))}
     for field, change in bad.items():
         plan = ipb.StepPlan()
         plan.CopyFrom(ok)
