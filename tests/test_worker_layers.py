@@ -113,3 +113,19 @@ def test_cpu_logits_in_vocab_slices_equal_float64(rows, monkeypatch):
     want = h.double() @ weight.double().t()
     assert got.shape == (rows, vocab) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 9, 16, 17, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_cpu_linear_equals_float64_on_both_sides_of_few_rows(rows, bias):
+    """worker.layers.linear runs few rows as W @ x^T and more as F.linear: both are x W^T + b
+    to float32 rounding, contiguous, in the input's dtype."""
+    from worker.layers import FEW_ROWS, linear
+    assert FEW_ROWS == 16  # the parametrization straddles it
+    weight = torch.randn(96, 40, generator=GEN)
+    b = torch.randn(96, generator=GEN) if bias else None
+    x = torch.randn(rows, 40, generator=GEN)
+    got = linear(x, weight, b)
+    want = x.double() @ weight.double().t() + (b.double() if bias else 0)
+    assert got.is_contiguous() and got.dtype == torch.float32 and got.shape == (rows, 96)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

@@ -7,13 +7,12 @@ matters on a CPU where every extra small GEMM costs a dispatch and a pass over t
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels.select import AttentionBackend
 from worker.attention import AttentionMetadata, PagedAttention
 from worker.config import ModelConfig
-from worker.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
+from worker.layers import FEW_ROWS, Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary, linear
 from worker.parallel import TensorParallel, row_parallel_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -38,7 +37,7 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.shard_sizes = [self.q_size, self.kv_size, self.kv_size]
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.attention_bias)
         self.o_proj = row_parallel_linear(self.q_size, config.hidden_size, config.o_proj_bias, tp)
         self.attn = PagedAttention(backend, self.head_dim ** -0.5)
@@ -60,7 +59,7 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.shard_sizes = [config.intermediate_size, config.intermediate_size]
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = row_parallel_linear(config.intermediate_size, config.hidden_size,
                                              config.mlp_bias, tp)
         self.act = SiluAndMul()
@@ -129,8 +128,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Only for the rows that sample: the vocab projection is the largest matmul per token."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        if hidden.device.type != "cpu":
-            return F.linear(hidden, weight).float()
+        if hidden.device.type != "cpu" or hidden.shape[0] <= FEW_ROWS:
+            return linear(hidden, weight).float()
         # On a CPU one [rows, hidden] x [hidden, vocab] product runs at a third to a half of the
         # GEMM rate of the layers' (BLAS blocks it badly for so wide an output); the same product
         # in slices of the vocabulary, each written in place into its columns, runs near that

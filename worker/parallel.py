@@ -20,10 +20,10 @@ from datetime import timedelta
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from worker.config import ModelConfig
+from worker.layers import Linear, linear
 
 # Control messages from rank 0: the plan to run, "forget every sequence", "still here" (sent
 # while idle, so a waiting rank never reaches the timeout), and "exit".
@@ -170,7 +170,7 @@ class RowParallelLinear(nn.Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        out = self.tp.all_reduce(linear(x, self.weight))
         return out if self.bias is None else out.add_(self.bias)
 
 
@@ -178,5 +178,5 @@ def row_parallel_linear(in_features: int, out_features: int, bias: bool,
                         tp: TensorParallel) -> nn.Linear:
     """An nn.Linear without a group, so that one rank computes exactly what it always did."""
     if tp.size == 1:
-        return nn.Linear(in_features, out_features, bias=bias)
+        return Linear(in_features, out_features, bias=bias)
     return RowParallelLinear(in_features, out_features, bias, tp)
