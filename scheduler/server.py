@@ -23,9 +23,10 @@ import zmq
 from proto import internal_pb2 as pb
 from proto.auth import CurveServer
 from proto.polling import poll, resolve_busy_poll_us
+from proto.sizes import (DEFAULT_MAX_MODEL_LEN, MAX_LOGPROBS, MAX_WORKERS, largest_gateway_message,
+                         largest_worker_message)
 from scheduler import checks
 from scheduler.deadlines import overdue_workers
-from proto.sizes import DEFAULT_MAX_MODEL_LEN, MAX_LOGPROBS, MAX_WORKERS, largest_gateway_message, largest_worker_message
 from scheduler.outbox import split
 from scheduler.router import Rejected, Router, RouterConfig
 

@@ -47,6 +47,8 @@ class InputBatch:
         self.num_prompt = np.zeros(rows, np.int64)
         self.num_blocks = np.zeros(rows, np.int64)
         self.held = np.zeros(rows, bool)
+        # Beam search rows: the scheduler names their next token in a later plan.
+        self.beam = np.zeros(rows, bool)
         self.sampling: dict[int, internal_pb2.SamplingConfig] = {}  # by slot
 
     # ------------------------------------------------------------------ patches from a plan
@@ -66,6 +68,7 @@ class InputBatch:
         self.num_computed[slot] = num_computed
         self.num_prompt[slot] = num_prompt
         self.held[slot] = True
+        self.beam[slot] = sampling.beam_candidates > 0
         self.sampling[slot] = sampling
 
     def drop(self, slots) -> None:
@@ -150,7 +153,7 @@ class InputBatch:
             return
         new = max(rows, 2 * have)
         for name in ("token_ids", "block_table", "num_tokens", "num_computed", "num_prompt",
-                     "num_blocks", "held"):
+                     "num_blocks", "held", "beam"):
             old = getattr(self, name)
             grown = np.zeros((new, *old.shape[1:]), old.dtype)
             grown[:have] = old

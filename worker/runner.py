@@ -143,7 +143,7 @@ class ModelRunner:
     def execute(self, plan: internal_pb2.StepPlan) -> internal_pb2.StepResult:
         result = internal_pb2.StepResult(step_id=plan.step_id)
         start = time.perf_counter()
-        if self.tp.rank == 0:  # every rank runs the plan, checks included
+        if self.tp.rank == 0 and self.tp.size > 1:  # every rank runs the plan, checks included
             self.tp.send(PLAN, plan.SerializeToString())
         if why := check_plan(plan, self.cache.num_blocks, self.cache.num_cpu_blocks,
                              self.config.vocab_size):
@@ -207,11 +207,11 @@ class ModelRunner:
         else:
             tokens = self.tp.receive_tokens(len(sampled_slots))
         batch.advance(slots, counts)
-        keep = [i for i, s in enumerate(sampled_slots.tolist()) if not batch.sampling[s].beam_candidates]
-        if len(keep) == len(sampled_slots):
+        beam = batch.beam[sampled_slots]
+        if not beam.any():
             batch.append_tokens(sampled_slots, tokens)
         else:  # a beam's next token is the scheduler's choice, named in a later plan
-            batch.append_tokens(sampled_slots[keep], tokens[keep])
+            batch.append_tokens(sampled_slots[~beam], tokens[~beam])
         result.slots = pack(sampled_slots)
         result.token_ids = pack(tokens)
 
