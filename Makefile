@@ -7,9 +7,13 @@ TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install proto run test test-unit test-integration bench clean
+.PHONY: install proto kernels run test test-unit test-integration bench clean
 
-install: $(VENV)/.installed proto
+install: $(VENV)/.installed proto kernels
+
+# The CPU matmul kernel (kernels/cpu_gemm.py): skipped with a line saying why where it cannot build.
+kernels: $(VENV)/.installed
+	$(PY) -m kernels.cpu_gemm --build
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,4 +43,4 @@ bench: install
 	$(PY) bench/throughput.py
 
 clean:
-	rm -rf $(VENV) .cache proto/*_pb2*.py proto/*_pb2*.pyi
+	rm -rf $(VENV) .cache kernels/build proto/*_pb2*.py proto/*_pb2*.pyi

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 import worker.runner
+from kernels import cpu_gemm
 from kernels.select import TorchBackend
 from tests.plan_driver import PlanDriver
 from tests.worker_tiny_models import make_hf_model, runner_args, save_model
@@ -97,12 +98,15 @@ def test_the_model_calls_the_backend_only_through_forward(tmp_path, monkeypatch)
     assert spy.calls - calls_at_start == 3 * runner.config.num_layers  # 3 steps x 2 layers
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
 @pytest.mark.parametrize("rows", [1, 7, 64])
-def test_cpu_logits_in_vocab_slices_equal_float64(rows, monkeypatch):
-    """The CPU logits product runs in slices of the vocabulary written in place: every column,
-    the last partial slice's too, must hold the float64 product's value."""
+def test_cpu_logits_equal_float64(rows, kernel, monkeypatch):
+    """The CPU logits product: through kernels/cpu_gemm.c, or without it in slices of the
+    vocabulary written in place; every column, the last partial slice's too, must hold the
+    float64 product's value."""
     from worker.model import LlamaForCausalLM
     monkeypatch.setattr("worker.model._VOCAB_SLICE", 96)
+    monkeypatch.setattr("worker.layers._kernel", kernel and cpu_gemm.available())
     vocab, hidden = 1000, 64                      # 10 full slices and a partial one
     weight = torch.randn(vocab, hidden, generator=GEN)
     h = torch.randn(rows, hidden, generator=GEN)
@@ -115,13 +119,15 @@ def test_cpu_logits_in_vocab_slices_equal_float64(rows, monkeypatch):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 9, 16, 17, 64])
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
+@pytest.mark.parametrize("rows", [1, 2, 9, 64, 1024, 1025])
 @pytest.mark.parametrize("bias", [False, True])
-def test_cpu_linear_equals_float64_on_both_sides_of_few_rows(rows, bias):
-    """worker.layers.linear runs few rows as W @ x^T and more as F.linear: both are x W^T + b
-    to float32 rounding, contiguous, in the input's dtype."""
-    from worker.layers import FEW_ROWS, linear
-    assert FEW_ROWS == 16  # the parametrization straddles it
+def test_cpu_linear_equals_float64(rows, bias, kernel, monkeypatch):
+    """worker.layers.linear runs up to KERNEL_MAX_ROWS rows through kernels/cpu_gemm.c and more
+    through F.linear: both are x W^T + b to float32 rounding, contiguous, in the input's dtype."""
+    from worker.layers import KERNEL_MAX_ROWS, linear
+    assert KERNEL_MAX_ROWS == 1024  # the parametrization straddles it
+    monkeypatch.setattr("worker.layers._kernel", kernel and cpu_gemm.available())
     weight = torch.randn(96, 40, generator=GEN)
     b = torch.randn(96, generator=GEN) if bias else None
     x = torch.randn(rows, 40, generator=GEN)
@@ -129,3 +135,18 @@ def test_cpu_linear_equals_float64_on_both_sides_of_few_rows(rows, bias):
     want = x.double() @ weight.double().t() + (b.double() if bias else 0)
     assert got.is_contiguous() and got.dtype == torch.float32 and got.shape == (rows, 96)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_matmul_flag_turns_the_kernel_off(monkeypatch):
+    """--cpu-matmul torch: projections go through F.linear even where the kernel could run."""
+    import worker.layers as layers
+    monkeypatch.setattr(layers, "_kernel", False)
+    assert layers.use_cpu_kernel(False) is False
+    calls = []
+    monkeypatch.setattr(cpu_gemm, "xwt", lambda *a: calls.append(a))
+    layers.linear(torch.randn(3, 8), torch.randn(4, 8))
+    assert calls == []
+    if cpu_gemm.available():
+        assert layers.use_cpu_kernel(True) is True
+        layers.linear(torch.randn(3, 8), torch.randn(4, 8))
+        assert len(calls) == 1

@@ -12,19 +12,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_gemm
 
-# Rows up to which a CPU projection runs as W @ x^T. MKL's x @ W^T with few rows streams the
-# weights from memory at a third to a half of the rate W @ x^T does (measured on AVX2 EPYC, 2
-# threads, weights out of cache: 2-16 rows in 40-100 ms per 424 MB of layers against 90-400 ms);
-# a decode step with few sequences is that stream and little else.
-FEW_ROWS = 16
+
+# Rows up to which an fp32 CPU projection runs through kernels/cpu_gemm.c: it beats MKL's sgemm
+# from 1 row (2-3x for 1-64 rows, the decode steps) to about 1024 (bench/bench_gemm.py); MKL
+# wins on full prefill chunks.
+KERNEL_MAX_ROWS = 1024
+_kernel = False
+
+
+def use_cpu_kernel(wanted: bool) -> bool:
+    """--cpu-matmul: whether fp32 CPU projections go through pagoda's kernel (when it can be
+    built and the CPU has AVX2). Returns whether they do."""
+    global _kernel
+    _kernel = wanted and cpu_gemm.available()
+    return _kernel
+
+
+def kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (_kernel and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= KERNEL_MAX_ROWS
+            and x.dtype == weight.dtype == torch.float32)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, for a 2-D x on the CPU with 2 to FEW_ROWS rows as (W @ x^T)^T made contiguous."""
-    if x.device.type != "cpu" or x.dim() != 2 or not 2 <= x.shape[0] <= FEW_ROWS:
+    """F.linear, through kernels/cpu_gemm.c where kernel_fits."""
+    if not kernel_fits(x, weight):
         return F.linear(x, weight, bias)
-    out = torch.mm(weight, x.t()).t().contiguous()
+    out = cpu_gemm.xwt(x, weight)
     return out if bias is None else out.add_(bias)
 
 

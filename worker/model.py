@@ -12,7 +12,7 @@ from torch import nn
 from kernels.select import AttentionBackend
 from worker.attention import AttentionMetadata, PagedAttention
 from worker.config import ModelConfig
-from worker.layers import FEW_ROWS, Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary, linear
+from worker.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary, kernel_fits, linear
 from worker.parallel import TensorParallel, row_parallel_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -128,9 +128,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Only for the rows that sample: the vocab projection is the largest matmul per token."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        if hidden.device.type != "cpu" or hidden.shape[0] <= FEW_ROWS:
+        if hidden.device.type != "cpu" or kernel_fits(hidden, weight):
             return linear(hidden, weight).float()
-        # On a CPU one [rows, hidden] x [hidden, vocab] product runs at a third to a half of the
+        # Without pagoda's kernel, on a CPU one [rows, hidden] x [hidden, vocab] product runs at a third to a half of the
         # GEMM rate of the layers' (BLAS blocks it badly for so wide an output); the same product
         # in slices of the vocabulary, each written in place into its columns, runs near that
         # rate (tests/test_worker_layers.py holds it to a float64 product).

@@ -1,0 +1,122 @@
+"""x @ w^T in fp32 on the CPU through kernels/csrc/cpu_gemm.c, a small AVX2 kernel built with the
+system C compiler and called through ctypes.
+
+Why: on the developers' AVX2 EPYC (2 threads, torch 2.13's MKL), MKL's sgemm runs a step's
+projections at a fraction of the machine's rate whenever x has fewer than a few hundred rows,
+which is every decode step (bench/bench_gemm.py; docs/benchmarks.md has the figures). This kernel
+reads each weight once per 96 rows of x and keeps 12 dot products in registers, so that it runs
+near the memory bandwidth with one row and near the FMA peak from a few dozen rows on.
+
+The shared library is built from the source on first use into kernels/build/ (`make install`
+does it ahead), named by a hash of the source and flags, so an edited source is rebuilt and a
+stale library is never loaded. Without a compiler, or on a CPU without AVX2 and FMA, available()
+is False and the caller uses torch.
+
+    python -m kernels.cpu_gemm --build
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_gemm.c"
+BUILD_DIR = Path(__file__).resolve().parent / "build"
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def library_path() -> Path:
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return BUILD_DIR / f"cpu_gemm-{digest}.so"
+
+
+def build() -> Path:
+    """Compiles the library unless the one for this source exists; returns its path."""
+    path = library_path()
+    if path.exists():
+        return path
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside its final name and renamed: processes that start at once never load half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True,
+                       capture_output=True, text=True)
+        os.replace(tmp, path)
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"{compiler} failed: {e.stderr.strip()}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _cpu_supported() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def available() -> bool:
+    """Loads the library on first call; False (and one log line saying why) where it cannot run."""
+    global _lib, _tried
+    if not _tried:
+        _tried = True
+        if not _cpu_supported():
+            logger.info("CPU matmul kernel off: the CPU lacks AVX2 (torch reports %s)",
+                        torch.backends.cpu.get_cpu_capability())
+            return False
+        try:
+            lib = ctypes.CDLL(str(build()))
+        except (OSError, RuntimeError) as e:
+            logger.warning("CPU matmul kernel off, using torch's matmul: %s", e)
+            return False
+        fn = lib.cpu_gemm_xwt
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
+                       ctypes.c_int]
+        fn.restype = None
+        _lib = lib
+    return _lib is not None
+
+
+def xwt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T -> [M, N], fp32 CPU tensors whose rows are contiguous. Call only
+    after available() returned True."""
+    M, K = x.shape
+    N = w.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    out = torch.empty(M, N, dtype=torch.float32)
+    if M and N:
+        _lib.cpu_gemm_xwt(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), out.data_ptr(), N,
+                          M, N, K, torch.get_num_threads())
+    return out
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--build"]:
+        sys.exit(__doc__)
+    if not _cpu_supported():
+        print(f"kernels/cpu_gemm: not built, the CPU lacks AVX2 ({torch.backends.cpu.get_cpu_capability()})")
+    else:
+        try:
+            print(f"kernels/cpu_gemm: {build()}")
+        except RuntimeError as e:  # a missing compiler costs speed, not the install
+            print(f"kernels/cpu_gemm: not built ({e}); the worker uses torch's matmul")

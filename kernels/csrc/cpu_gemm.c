@@ -1,0 +1,113 @@
+/* out[M, N] = x[M, K] @ w[N, K]^T in fp32, for the CPU projections of a step with few rows.
+ *
+ * MKL's sgemm streams the weights at a fraction of the memory bandwidth when x has few rows
+ * (kernels/cpu_gemm.py has the figures). Here each thread takes a contiguous share of w's rows
+ * and reads it once, in its own layout: four rows at a time stay in L1 while every 3-row block
+ * of x passes over them, and each (x row, w row) pair is a dot product held in one AVX2
+ * register, 12 of them at once, reduced to floats at the end of the row.
+ *
+ * Built with -O3 -mavx2 -mfma -fopenmp; libgomp.so.1 resolves to the copy torch has loaded, so
+ * these threads are torch's threads. */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+
+/* Lanes [0, n) of a load set, the rest 0 (the tail of K). */
+static inline __m256i tail_mask(int n) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes);
+}
+
+/* The four 8-lane sums of a, b, c, d as one 4-lane vector. */
+static inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+static inline float hsum(__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* The sums of nr (4 or 1) accumulators into dst[0, nr). */
+static inline void store_sums(float *dst, const __m256 *acc, int nr) {
+    if (nr == 4)
+        _mm_storeu_ps(dst, sum4(acc[0], acc[1], acc[2], acc[3]));
+    else
+        dst[0] = hsum(acc[0]);
+}
+
+/* MR rows of x against NR rows of w (MR * NR <= 12 registers of sums). */
+#define BLOCK(MR, NR)                                                                         \
+static void block_##MR##x##NR(const float *x, int64_t ldx, const float *w, int64_t ldw,    \
+                              float *out, int64_t ldo, int K) {                            \
+    __m256 acc[MR][NR];                                                                     \
+    for (int i = 0; i < MR; i++)                                                            \
+        for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();                       \
+    int k = 0;                                                                              \
+    for (; k + 8 <= K; k += 8) {                                                            \
+        __m256 wv[NR];                                                                      \
+        for (int j = 0; j < NR; j++) wv[j] = _mm256_loadu_ps(w + j * ldw + k);              \
+        for (int i = 0; i < MR; i++) {                                                      \
+            __m256 xv = _mm256_loadu_ps(x + i * ldx + k);                                   \
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]); \
+        }                                                                                   \
+    }                                                                                       \
+    if (k < K) {                                                                            \
+        __m256i mask = tail_mask(K - k);                                                    \
+        __m256 wv[NR];                                                                      \
+        for (int j = 0; j < NR; j++) wv[j] = _mm256_maskload_ps(w + j * ldw + k, mask);     \
+        for (int i = 0; i < MR; i++) {                                                      \
+            __m256 xv = _mm256_maskload_ps(x + i * ldx + k, mask);                          \
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]); \
+        }                                                                                   \
+    }                                                                                       \
+    for (int i = 0; i < MR; i++) store_sums(out + i * ldo, acc[i], NR);                     \
+}
+
+BLOCK(3, 4) BLOCK(2, 4) BLOCK(1, 4)
+BLOCK(3, 1) BLOCK(2, 1) BLOCK(1, 1)
+
+#define MAX_ROW_CHUNK 96
+
+typedef void (*block_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int);
+
+/* Rows [n0, n1) of w, all M rows of x. */
+static void columns(const float *x, int64_t ldx, const float *w, int64_t ldw, float *out,
+                    int64_t ldo, int M, int64_t n0, int64_t n1, int K) {
+    static const block_fn four[4] = {0, block_1x4, block_2x4, block_3x4};
+    static const block_fn one[4] = {0, block_1x1, block_2x1, block_3x1};
+    for (int64_t n = n0; n < n1;) {
+        int nr = n1 - n >= 4 ? 4 : 1;
+        const block_fn *fns = nr == 4 ? four : one;
+        for (int m = 0; m < M;) {
+            int mr = M - m >= 3 ? 3 : M - m;
+            fns[mr](x + m * ldx, ldx, w + n * ldw, ldw, out + m * ldo + n, ldo, K);
+            m += mr;
+        }
+        n += nr;
+    }
+}
+
+void cpu_gemm_xwt(const float *x, int64_t ldx, const float *w, int64_t ldw, float *out,
+                  int64_t ldo, int M, int64_t N, int K, int num_threads) {
+    if (M <= 0 || N <= 0)
+        return;
+    /* Shares in whole 4-row groups; the last thread takes the rest. */
+    int64_t groups = N / 4;
+    /* Equal chunks of at most MAX_ROW_CHUNK rows, in whole 3-row blocks. */
+    int chunks = (M + MAX_ROW_CHUNK - 1) / MAX_ROW_CHUNK;
+    int chunk = ((M + chunks - 1) / chunks + 2) / 3 * 3;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t n0 = groups * t / nt * 4;
+        int64_t n1 = t == nt - 1 ? N : groups * (t + 1) / nt * 4;
+        /* x in chunks of rows that stay in L2 while the share of w passes over them. */
+        for (int m0 = 0; m0 < M; m0 += chunk) {
+            int mc = M - m0 < chunk ? M - m0 : chunk;
+            columns(x + m0 * ldx, ldx, w, ldw, out + m0 * ldo, ldo, mc, n0, n1, K);
+        }
+    }
+}

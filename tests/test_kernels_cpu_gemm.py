@@ -1,0 +1,82 @@
+"""kernels/cpu_gemm.c against a float64 product: every block shape and tail of the kernel, strided
+rows, any thread count, and the build that refuses to load a stale or missing library."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from kernels import cpu_gemm
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no AVX2 or no C compiler")
+
+GEN = torch.Generator().manual_seed(0)
+
+
+def check(x: torch.Tensor, w: torch.Tensor, threads: int = 2) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_gemm.xwt(x, w)
+    finally:
+        torch.set_num_threads(before)
+    want = x.double() @ w.double().t()
+    assert got.shape == want.shape and got.dtype == torch.float32 and got.is_contiguous()
+    # fp32 products summed over K: the error grows like sqrt(K) eps |x||w|.
+    tol = 4e-6 * (x.shape[1] ** 0.5 + 1) * (x.abs().max().item() * w.abs().max().item() + 1)
+    assert (got.double() - want).abs().max().item() <= tol
+
+
+# Rows 1-3 and their sums cover every block of x (3, 2, 1 rows); N mod 4 the single-row blocks of
+# w; K mod 8 the masked tail; 97 rows two row chunks; 49152 x 576 the LM head of SmolLM2.
+@pytest.mark.parametrize("M,N,K", [
+    (1, 1, 1), (1, 4, 8), (2, 5, 7), (3, 8, 9), (4, 13, 16), (5, 7, 15), (15, 960, 576),
+    (16, 576, 1536), (64, 3072, 576), (97, 9, 33), (200, 37, 100), (16, 49152, 576)])
+def test_equals_float64(M, N, K):
+    check(torch.randn(M, K, generator=GEN), torch.randn(N, K, generator=GEN))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+def test_any_thread_count_covers_every_column(threads):
+    """Shares of w's rows in 4-row groups, the last thread taking the rest: with more threads than
+    groups some get nothing, and no column is left unwritten."""
+    check(torch.randn(5, 19, generator=GEN), torch.randn(23, 19, generator=GEN), threads)
+
+
+def test_strided_rows_and_columns():
+    """x a column slice of a wider tensor (row stride > K), as q and k are in qkv; a transposed w
+    is made contiguous first."""
+    wide = torch.randn(7, 50, generator=GEN)
+    check(wide[:, 3:43], torch.randn(11, 40, generator=GEN))
+    check(torch.randn(7, 40, generator=GEN), torch.randn(40, 11, generator=GEN).t())
+
+
+def test_empty_shapes():
+    assert cpu_gemm.xwt(torch.randn(0, 8), torch.randn(5, 8)).shape == (0, 5)
+    assert cpu_gemm.xwt(torch.randn(3, 8), torch.randn(0, 8)).shape == (3, 0)
+    assert torch.equal(cpu_gemm.xwt(torch.randn(3, 0), torch.randn(4, 0)), torch.zeros(3, 4))
+
+
+@settings(max_examples=60, deadline=None)
+@given(M=st.integers(1, 40), N=st.integers(1, 40), K=st.integers(1, 70), threads=st.integers(1, 4))
+def test_any_shape_equals_float64(M, N, K, threads):
+    g = torch.Generator().manual_seed(M * 10_000 + N * 100 + K)
+    check(torch.randn(M, K, generator=g), torch.randn(N, K, generator=g), threads)
+
+
+def test_library_is_named_by_its_source(tmp_path, monkeypatch):
+    """An edited source gets a new library name, so a stale build is never loaded."""
+    source = tmp_path / "cpu_gemm.c"
+    source.write_bytes(cpu_gemm.SOURCE.read_bytes())
+    monkeypatch.setattr(cpu_gemm, "SOURCE", source)
+    before = cpu_gemm.library_path()
+    source.write_bytes(source.read_bytes() + b"\n/* edited */\n")
+    assert cpu_gemm.library_path() != before
+
+
+def test_build_without_a_compiler_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "BUILD_DIR", tmp_path)
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(RuntimeError, match="false failed"):
+        cpu_gemm.build()
+    assert list(tmp_path.iterdir()) == []  # no half-written library left behind
