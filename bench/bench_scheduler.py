@@ -52,7 +52,7 @@ def null_worker(address: str, busy_poll_us: float, forward_s: float = 0.0, stamp
     sevens = np.full(1 << 16, 7, dtype=np.int32)
     sock.send(pb.WorkerMessage(hello=pb.WorkerHello(
         worker_id="null", model="null", num_blocks=65536, block_size=16, max_model_len=8192,
-        vocab_size=50000, eos_token_ids=[0], protocol_version=1)).SerializeToString())
+        vocab_size=50000, eos_token_ids=[0], protocol_version=PROTOCOL_VERSION)).SerializeToString())
     busy_us, reply, times = 0.0, b"", []
     while True:
         if not poll(sock, 1000, busy_us):
