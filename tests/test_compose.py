@@ -92,3 +92,13 @@ def test_commands_run_this_repository_with_flags_it_accepts_and_publish_its_port
         if name == "gateway":
             assert args.scheduler_gateway_address == "tcp://scheduler:5555"
             assert published == {args.port, args.http_port, args.gateway_metrics_port}
+
+
+def test_the_image_builds_the_cpu_matmul_kernel_and_never_ships_a_host_build():
+    """The worker's CPU matmul kernel is built in the image, with a compiler the image installs;
+    a library built on the developer's host (another libc, maybe another CPU) stays out."""
+    text = (ROOT / "Dockerfile").read_text()
+    assert "python -m kernels.cpu_gemm --build" in text
+    assert all(pkg in text.split("apt-get install", 1)[1].split("&&", 1)[0] for pkg in ("gcc", "libc6-dev"))
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert "kernels/build" in ignored and ".venv" in ignored
