@@ -245,6 +245,8 @@ def run_pipelined(opts, forward_s: float) -> dict:
     if profiler:
         profiler.enable()
     server.serve()
+    # The loop may stop before another wait ends after the last plan: its end closes the count.
+    waits.append((time.perf_counter(), waits[-1][1]))
     if profiler:
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
