@@ -7,6 +7,7 @@ compares with transformers.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -116,12 +117,25 @@ def run_one_plan(sock) -> bytes:
     return ident
 
 
-def test_a_killed_rank_takes_its_worker_down_with_a_goodbye(tiny_model, scheduler_socket):  # noqa: F811
-    sock, address = scheduler_socket
-    proc = start_tp_worker(tiny_model, address, 2)
+@contextlib.contextmanager
+def two_rank_worker(model: Path, sock, address: str):
+    """A 2-rank worker that has run one plan: yields (process, rank 1's pid, its output once it
+    exits). The process is killed if the test leaves it running."""
+    proc = start_tp_worker(model, address, 2)
+    output: list[str] = []
     try:
         run_one_plan(sock)
         [rank1] = children(proc.pid)
+        yield proc, rank1, output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output.append(proc.communicate()[0])
+
+
+def test_a_killed_rank_takes_its_worker_down_with_a_goodbye(tiny_model, scheduler_socket):  # noqa: F811
+    sock, address = scheduler_socket
+    with two_rank_worker(tiny_model, sock, address) as (proc, rank1, output):
         killed_at = time.monotonic()
         os.kill(rank1, signal.SIGKILL)
         _, msg = receive(sock, timeout_s=10)
@@ -130,29 +144,18 @@ def test_a_killed_rank_takes_its_worker_down_with_a_goodbye(tiny_model, schedule
         assert msg.WhichOneof("kind") == "goodbye"
         assert noticed < 2.0  # checked between steps (0.2 s), not after the scheduler's timeout
         assert proc.wait(timeout=30) == 1
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        output = proc.communicate()[0]
-    assert "a tensor-parallel rank is lost (rank 1" in output, output
+    assert "a tensor-parallel rank is lost (rank 1" in output[0], output[0]
 
 
 def test_sigterm_stops_every_rank_after_a_goodbye(tiny_model, scheduler_socket):  # noqa: F811
     sock, address = scheduler_socket
-    proc = start_tp_worker(tiny_model, address, 2)
-    try:
-        run_one_plan(sock)
-        [rank1] = children(proc.pid)
+    with two_rank_worker(tiny_model, sock, address) as (proc, rank1, output):
         proc.send_signal(signal.SIGTERM)
         _, msg = receive(sock, timeout_s=10)
         assert msg.WhichOneof("kind") == "goodbye"
         assert proc.wait(timeout=30) == 0
         assert wait_for(lambda: not alive(rank1), 10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        output = proc.communicate()[0]
-    assert "Traceback" not in output, output
+    assert "Traceback" not in output[0], output[0]
 
 
 @pytest.mark.integration
