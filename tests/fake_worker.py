@@ -60,9 +60,17 @@ def next_token(context: list[int], seed: int = 0, num_prompt_tokens: int | None 
         at = eos_index(context[:num_prompt_tokens], min_tokens)
         if at is not None and len(context) - num_prompt_tokens == at:
             return EOS
-    h = 1469598103934665603 ^ seed
-    for t in context:
+    return _token_of(_fold(1469598103934665603 ^ seed, context))
+
+
+def _fold(h: int, tokens) -> int:
+    """FNV-1a over token ids: the fake model's whole state, so a context can be extended."""
+    for t in tokens:
         h = ((h ^ t) * 1099511628211) & (2 ** 64 - 1)
+    return h
+
+
+def _token_of(h: int) -> int:
     return 1 + h % (VOCAB - 2)  # never EOS nor EOS_MARK
 
 
@@ -70,11 +78,12 @@ def reference_output(prompt: list[int], max_tokens: int, seed: int = 0, min_toke
                      stop_token_ids=(), ignore_eos: bool = False) -> list[int]:
     """What a correct scheduler streams: up to and including the first stop token that
     min_tokens allows (EOS unless ignore_eos, or a stop id), else max_tokens tokens."""
-    ctx, out = list(prompt), []
+    out, h = [], _fold(1469598103934665603 ^ seed, prompt)  # next_token's, one token at a time
+    at = eos_index(prompt, min_tokens)
     stops = set(stop_token_ids) | (set() if ignore_eos else {EOS})
     for _ in range(max_tokens):
-        t = next_token(ctx, seed, len(prompt), min_tokens)
-        ctx.append(t)
+        t = EOS if len(out) == at else _token_of(h)
+        h = _fold(h, (t,))
         out.append(t)
         if t in stops and len(out) > min_tokens:
             break

@@ -115,6 +115,7 @@ def test_streams_nobody_reads_end_resource_exhausted_with_bounded_memory(tmp_pat
         unread = [pagoda_pb2_grpc.GenerationStub(slow).GenerateStream(request(i, 3000), timeout=120)
                   for i in range(20)]
         reader = Stream(cluster.stub, request(20, 200))  # the same bound, read as it comes
+        assert wait_for(lambda: reader.tokens, 30)  # all 21 run (the reader came last)
         assert wait_for(cluster.idle_and_free, 90), cluster.scheduler_metrics()
         grown = rss_bytes(cluster.gateway.pid) - before
         reader.join(30)

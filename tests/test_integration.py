@@ -18,13 +18,11 @@ from tests.cluster import wait_for
 pytestmark = pytest.mark.integration
 GRPCURL = str(Path(sys.executable).parent / "grpcurl")
 
+# Eight: each run alone costs a whole generation of its own.
 PROMPTS = [
     "What is the capital of France?", "Name three colors.", "Write a haiku about the sea.",
     "What is 2 + 2?", "Who wrote Hamlet?", "Give me a synonym for happy.",
-    "Translate 'good morning' to Spanish.", "What is the largest planet?",
-    "List two fruits.", "How many legs does a spider have?", "What color is the sky?",
-    "Say hello in French.", "What is water made of?", "Name a famous painter.",
-    "What is the boiling point of water?", "Tell me a fun fact about cats.",
+    "Translate 'good morning' to Spanish.", "How many legs does a spider have?",
 ]
 
 

@@ -51,12 +51,16 @@ def test_model_info_reports_what_the_scheduler_stops_on(stub):
 
 def test_chat_answers_end_at_eos_as_transformers_does(stub, smollm2_hf, hf_tokenizer):
     assert smollm2_hf.generation_config.eos_token_id in (IM_END, [IM_END])
-    for content in CHAT_PROMPTS:
-        request = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=content)],
-                                     sampling=pb.SamplingParams(temperature=0),
-                                     stopping=pb.StoppingCriteria(max_tokens=128),
-                                     return_prompt_token_ids=True)
-        got = stub.Generate(request, timeout=300)
+
+    def answer(content: str) -> pb.GenerateResponse:
+        return stub.Generate(pb.GenerateRequest(
+            messages=[pb.ChatMessage(role="user", content=content)],
+            sampling=pb.SamplingParams(temperature=0), stopping=pb.StoppingCriteria(max_tokens=128),
+            return_prompt_token_ids=True), timeout=300)
+
+    with ThreadPoolExecutor(len(CHAT_PROMPTS)) as pool:  # batched: each must still end alone
+        answers = list(pool.map(answer, CHAT_PROMPTS))
+    for content, got in zip(CHAT_PROMPTS, answers):
         ids = chat_ids(hf_tokenizer, content)
         assert list(got.prompt_token_ids) == ids, content
         reference = hf_generate(smollm2_hf, ids, 128)  # stops at its EOS, which it includes

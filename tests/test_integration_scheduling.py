@@ -39,19 +39,26 @@ def tiny(request, tmp_path_factory):
     c.stop()
 
 
-def test_preempted_outputs_equal_the_undisturbed_run(tiny):
+def answers(stub) -> list[list[int]]:
+    with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        return list(pool.map(lambda q: list(stub.Generate(greedy(q), timeout=600).token_ids), QUESTIONS))
+
+
+@pytest.fixture(scope="module")
+def undisturbed(stub):
+    """The session cluster's answers: its pool holds all six at once, so nothing is preempted."""
+    return answers(stub)
+
+
+def test_preempted_outputs_equal_the_undisturbed_run(tiny, undisturbed):
     with grpc.insecure_channel(tiny.target) as ch:
-        stub = pagoda_pb2_grpc.GenerationStub(ch)
-        alone = [list(stub.Generate(greedy(q), timeout=300).token_ids) for q in QUESTIONS]
         before = tiny.metric("pagoda_num_preemptions_total")
-        with ThreadPoolExecutor(len(QUESTIONS)) as pool:
-            together = list(pool.map(lambda q: list(stub.Generate(greedy(q), timeout=600).token_ids),
-                                     QUESTIONS))
+        together = answers(pagoda_pb2_grpc.GenerationStub(ch))
     metrics = tiny.scheduler_metrics()
     by_mode = {k: v for k, v in metrics.items() if k.startswith("pagoda_num_preemptions_total")}
     assert tiny.metric("pagoda_num_preemptions_total") > before, by_mode
     assert any(f'mode="{tiny.mode}"' in k and v > 0 for k, v in by_mode.items()), by_mode
-    assert together == alone
+    assert together == undisturbed
     assert tiny.metric("pagoda_kv_blocks_free") == tiny.metric("pagoda_kv_blocks_total")
 
 

@@ -24,7 +24,7 @@ from proto import internal_pb2
 from proto.columns import unpack_list
 from tests.cluster import wait_for
 from tests.plan_driver import PlanDriver
-from tests.test_model_parity import NEW_TOKENS, SMOLLM2_PROMPTS, TINY_PROMPTS
+from tests.test_model_parity import SMOLLM2_PROMPTS, TINY_PROMPTS
 from tests.test_worker_main import receive, scheduler_socket, send  # noqa: F401 (a fixture)
 from tests.worker_tiny_models import make_hf_model, runner_args, save_model
 from worker.config import ModelConfig
@@ -32,6 +32,9 @@ from worker.parallel import refusal
 from worker.runner import ModelRunner
 
 ROOT = Path(__file__).resolve().parent.parent
+# Fewer than test_model_parity's: a gloo all-reduce per layer makes each step slow on two cores,
+# and the logits are compared at every step.
+NEW_TOKENS = 16
 WORKER_FLAGS = ["--dtype", "float32", "--device", "cpu", "--max-num-batched-tokens", "64",
                 "--insecure"]
 
