@@ -25,7 +25,7 @@ from zmq.utils.monitor import recv_monitor_message
 from proto import internal_pb2
 from proto.auth import check_auth_args, secure_client
 from proto.sizes import largest_step_plan
-from proto.polling import poll, resolve_busy_poll_us
+from proto.polling import receive, resolve_busy_poll_us
 from worker.args import add_worker_args
 from worker.heartbeat import heartbeats, main_routing_id
 from worker.parallel import GroupLost
@@ -118,10 +118,9 @@ def _serve(runner, link, send, goodbye, stop, busy_poll_us, ranks) -> int:
             send(internal_pb2.WorkerMessage(hello=runner.hello()))
             last_sent = time.monotonic()
         wait_ms = max(0, int(min(STOP_CHECK_S, HEARTBEAT_S - (time.monotonic() - last_sent)) * 1000))
-        events = poll(sock, wait_ms, busy_us)
+        frames = receive(sock, wait_ms, busy_us)
         busy_us = 0.0
-        if events:
-            frames = sock.recv_multipart()
+        if frames is not None:
             msg = internal_pb2.SchedulerToWorker()
             try:
                 msg.ParseFromString(frames[-1])
