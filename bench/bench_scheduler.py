@@ -45,8 +45,10 @@ def null_worker(address: str, busy_poll_us: float, forward_s: float = 0.0, stamp
                 max_plans: int = 0) -> None:
     """Answers every plan at once: one token for each sequence that reaches its end. State lives
     in arrays indexed by slot, so that its own time stays small next to the scheduler's. It waits
-    for plans as worker/main.py does (proto.polling.receive). A plan whose step_id is 0 is a ping: it is answered with
-    the previous reply's bytes, unparsed."""
+    for plans as worker/main.py does (proto.polling.receive). A plan whose step_id is 0 is a
+    ping: it is answered with the previous reply's bytes, unparsed. With stamps, it reports for
+    each plan when it arrived, when its forward ended, and whether it was already waiting in the
+    socket when the worker turned to it (the scheduler was ahead)."""
     sock = zmq.Context().socket(zmq.DEALER)
     sock.connect(address)
     num_tokens = np.zeros(1 << 16, dtype=np.int64)
@@ -55,10 +57,11 @@ def null_worker(address: str, busy_poll_us: float, forward_s: float = 0.0, stamp
     sock.send(pb.WorkerMessage(hello=pb.WorkerHello(
         worker_id="null", model="null", num_blocks=65536, block_size=16, max_model_len=8192,
         vocab_size=50000, eos_token_ids=[0], protocol_version=PROTOCOL_VERSION)).SerializeToString())
-    busy_us, reply, times = 0.0, b"", []
+    busy_us, reply, times, ends, ready = 0.0, b"", [], [], []
     if forward_s:
         precise_sleep()
     while True:
+        waiting = bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
         frames = receive(sock, 1000, busy_us)
         if frames is None:
             continue
@@ -70,13 +73,14 @@ def null_worker(address: str, busy_poll_us: float, forward_s: float = 0.0, stamp
         msg = pb.SchedulerToWorker.FromString(data)
         if msg.WhichOneof("kind") == "shutdown":
             if stamps is not None:
-                stamps.put(times)
+                stamps.put((times, ends, ready))
             return
         plan = msg.plan
         start = time.perf_counter()
         times.append(start)
-        if len(times) == max_plans:  # enough: report when each plan arrived and stop answering
-            stamps.put(times)
+        ready.append(waiting)
+        if len(times) == max_plans:  # enough: report the stamps and stop answering
+            stamps.put((times, ends, ready))
             return
         slots = unpack(plan.running_slots).astype(np.int64)
         counts = unpack(plan.running_num_tokens)
@@ -94,6 +98,7 @@ def null_worker(address: str, busy_poll_us: float, forward_s: float = 0.0, stamp
         reply = pb.WorkerMessage(result=result).SerializeToString()
         if forward_s:  # the forward: a GPU busy for forward_s from the plan's arrival
             wait_until(start + forward_s)
+        ends.append(time.perf_counter())
         sock.send(reply)
 
 
@@ -281,14 +286,20 @@ def run_pipelined(opts, forward_s: float) -> dict:
     scheduler.server.poll = poll
     worker.join(5)
     gw.terminate()
-    periods = sorted(b - a for a, b in zip(got[0][warmup:], got[0][warmup + 1:]))
+    arrived, ended, ready = got[0]
+    periods = sorted(b - a for a, b in zip(arrived[warmup:], arrived[warmup + 1:]))
+    # From a forward's end to the next plan's arrival: the worker's own turn-around, when the
+    # plan was already waiting.
+    turns = [arrived[i + 1] - ended[i] for i in range(warmup, len(arrived) - 1) if ready[i + 1]]
     # Busy = wall minus waits, between the arrivals of the first measured and the last plan
     # (perf_counter is CLOCK_MONOTONIC, shared by the two processes).
-    first, last = got[0][warmup], got[0][-1]
+    first, last = arrived[warmup], arrived[-1]
     w0 = next(w for t, w in waits if t >= first)
     t1, w1 = next((t, w) for t, w in waits if t >= last)
     return {"period": statistics.median(periods), "p90": periods[int(0.9 * len(periods))],
-            "busy": ((t1 - first) - (w1 - w0)) / (len(got[0]) - warmup - 1)}
+            "busy": ((t1 - first) - (w1 - w0)) / (len(arrived) - warmup - 1),
+            "ready": sum(ready[warmup + 1:]) / len(ready[warmup + 1:]),
+            "turn": statistics.median(turns) if turns else float("nan")}
 
 
 def main() -> None:
@@ -331,8 +342,9 @@ def main() -> None:
         print(f"forward {ms(forward)} ms, {'synchronous' if opts.sync else 'one plan ahead'}: step "
               f"period median {ms(r['period'])} ms (p90 {ms(r['p90'])}), "
               f"{r['period'] / floor:.3f}x max(forward, own time); the loop busy "
-              f"{ms(r['busy'])} ms per step (all but its waits in poll)",
-              flush=True)
+              f"{ms(r['busy'])} ms per step (all but its waits in poll); the next plan was "
+              f"already waiting at {100 * r['ready']:.1f}% of forward ends, and then arrived "
+              f"{ms(r['turn'])} ms after the end (median)", flush=True)
 
 
 if __name__ == "__main__":

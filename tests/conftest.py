@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -38,12 +39,29 @@ def stub(cluster):
     channel.close()
 
 
-@pytest.fixture(scope="session")
-def smollm2_hf():
-    """transformers' own SmolLM2 from the same GGUF file, in fp32: the reference for outputs."""
+_smollm2_hf: Future | None = None
+
+
+def _load_smollm2_hf():
     import torch
     from transformers import AutoModelForCausalLM
 
     from launch.models import resolve_model
     path = resolve_model("")
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected what will not run
+def pytest_collection_modifyitems(session, config, items):
+    """transformers takes about 35 s to convert the GGUF, nearly all of it single-threaded
+    Python: begin at once, beside the session cluster's start, if any selected test needs it."""
+    global _smollm2_hf
+    if any("smollm2_hf" in getattr(item, "fixturenames", ()) for item in items):
+        import transformers  # noqa: F401 - imported here, so that no two threads import it at once
+        _smollm2_hf = ThreadPoolExecutor(1, thread_name_prefix="smollm2-hf").submit(_load_smollm2_hf)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """transformers' own SmolLM2 from the same GGUF file, in fp32: the reference for outputs."""
+    return (_smollm2_hf or ThreadPoolExecutor(1).submit(_load_smollm2_hf)).result()

@@ -20,7 +20,7 @@ from tests.cluster import wait_for
 
 pytestmark = pytest.mark.integration
 
-NUM_FUZZ = 2000
+NUM_FUZZ = 1000  # of each message type
 
 
 def _peer(ctx, address, keys_dir, role, stranger=False, plain=False):

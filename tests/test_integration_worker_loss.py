@@ -27,7 +27,7 @@ def test_killed_worker_streams_continue_on_the_other(tmp_path):
     log = tmp_path / "cluster.log"
     cluster = Cluster("--dtype", "float32", "--num-gpu-blocks-override", "256",
                       # Above a forward's time while the launcher's new worker loads beside it.
-                      "--worker-timeout", "20", num_workers=2, log_path=log)
+                      "--worker-timeout", "8", num_workers=2, log_path=log)
     try:
         cluster.start()
         assert cluster.wait_for_workers(2)
