@@ -59,7 +59,7 @@ def null_worker(address: str, busy_poll_us: float, forward_s: float = 0.0, stamp
         vocab_size=50000, eos_token_ids=[0], protocol_version=PROTOCOL_VERSION)).SerializeToString())
     busy_us, reply, times, ends, ready = 0.0, b"", [], [], []
     if forward_s:
-        precise_sleep()
+        tighten_timer_slack()
     while True:
         waiting = bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
         frames = receive(sock, 1000, busy_us)
@@ -109,7 +109,7 @@ def null_worker(address: str, busy_poll_us: float, forward_s: float = 0.0, stamp
 SPIN_S = 200e-6
 
 
-def precise_sleep() -> None:
+def tighten_timer_slack() -> None:
     """This thread's timer slack down to 1 ns (Linux's prctl PR_SET_TIMERSLACK)."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(29, 1, 0, 0, 0)

@@ -64,4 +64,4 @@ def pytest_collection_modifyitems(session, config, items):
 @pytest.fixture(scope="session")
 def smollm2_hf():
     """transformers' own SmolLM2 from the same GGUF file, in fp32: the reference for outputs."""
-    return (_smollm2_hf or ThreadPoolExecutor(1).submit(_load_smollm2_hf)).result()
+    return _smollm2_hf.result() if _smollm2_hf else _load_smollm2_hf()

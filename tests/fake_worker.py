@@ -56,11 +56,14 @@ def eos_index(prompt: list[int], min_tokens: int = 0) -> int | None:
 
 def next_token(context: list[int], seed: int = 0, num_prompt_tokens: int | None = None,
                min_tokens: int = 0) -> int:
+    at, produced = None, len(context)
     if num_prompt_tokens is not None:
         at = eos_index(context[:num_prompt_tokens], min_tokens)
-        if at is not None and len(context) - num_prompt_tokens == at:
-            return EOS
-    return _token_of(_fold(1469598103934665603 ^ seed, context))
+        produced -= num_prompt_tokens
+    return _sample(_fold(_FNV_BASIS ^ seed, context), at, produced)
+
+
+_FNV_BASIS = 1469598103934665603
 
 
 def _fold(h: int, tokens) -> int:
@@ -70,19 +73,20 @@ def _fold(h: int, tokens) -> int:
     return h
 
 
-def _token_of(h: int) -> int:
-    return 1 + h % (VOCAB - 2)  # never EOS nor EOS_MARK
+def _sample(h: int, eos_at: int | None, produced: int) -> int:
+    """The token after `produced` output tokens whose context folds to h."""
+    return EOS if produced == eos_at else 1 + h % (VOCAB - 2)  # else never EOS nor EOS_MARK
 
 
 def reference_output(prompt: list[int], max_tokens: int, seed: int = 0, min_tokens: int = 0,
                      stop_token_ids=(), ignore_eos: bool = False) -> list[int]:
     """What a correct scheduler streams: up to and including the first stop token that
     min_tokens allows (EOS unless ignore_eos, or a stop id), else max_tokens tokens."""
-    out, h = [], _fold(1469598103934665603 ^ seed, prompt)  # next_token's, one token at a time
-    at = eos_index(prompt, min_tokens)
+    # next_token, with the context folded one token at a time.
+    out, h, at = [], _fold(_FNV_BASIS ^ seed, prompt), eos_index(prompt, min_tokens)
     stops = set(stop_token_ids) | (set() if ignore_eos else {EOS})
     for _ in range(max_tokens):
-        t = EOS if len(out) == at else _token_of(h)
+        t = _sample(h, at, len(out))
         h = _fold(h, (t,))
         out.append(t)
         if t in stops and len(out) > min_tokens:
@@ -94,10 +98,7 @@ def beam_distribution(context: list[int]) -> list[tuple[int, float]]:
     """Beam search's "model": 40 next tokens with float32 logprobs, best first, EOS among them,
     drawn from the whole context (as read back through the block table); every other token
     has probability 0. Distinct values, so rankings have no ties."""
-    h = 1469598103934665603
-    for t in context:
-        h = ((h ^ t) * 1099511628211) & (2 ** 64 - 1)
-    rng = random.Random(h)
+    rng = random.Random(_fold(_FNV_BASIS, context))
     tokens = [EOS] + rng.sample(range(1, VOCAB - 1), 39)
     values = np.float32(-np.array([rng.uniform(0.05, 9.0) for _ in tokens]))
     order = np.argsort(-values, kind="stable")

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.integration
 
 QUESTIONS = ["Tell me about rivers.", "Write a short poem about the sea.",
              "Explain how a bicycle works.", "What is the capital of France?"]
-# The session cluster's flags (tests/conftest.py), so that only the split differs.
 MAX_TOKENS = 32
+# The session cluster's flags (tests/conftest.py), so that only the split differs.
 FLAGS = ["--dtype", "float32", "--num-gpu-blocks-override", "256", "--max-num-seqs", "32"]
 
 
