@@ -6,6 +6,7 @@ ephemeral port.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -13,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway import metrics
+from gateway.edge import EdgeConfig
 from gateway.http_listener import HttpServer
 from gateway.http_server import HttpApi
 from gateway.auth import ApiKeyInterceptor, server_credentials
@@ -44,7 +46,8 @@ class Gateway:
                  http_port: int = 0, max_http_body_bytes: int = 1 << 20,
                  max_concurrent_rpcs: int | None = None, max_request_bytes: int | None = None,
                  keys_dir: str | None = None, api_keys: tuple[str, ...] = (),
-                 ssl: tuple[str, str] | None = None, max_response_bytes: int | None = None):
+                 ssl: tuple[str, str] | None = None, max_response_bytes: int | None = None,
+                 edge: EdgeConfig = EdgeConfig()):
         self.tokenizer = tokenizer
         self.host = host
         self.port = port
@@ -62,12 +65,14 @@ class Gateway:
             # Without this a second gateway on the same port would silently share it.
             ("grpc.so_reuseport", 0),
         ])
-        self.servicer = GenerationServicer(tokenizer, self.client, limits, api_keys)
+        self.edge = edge
+        self.servicer = GenerationServicer(tokenizer, self.client, limits, api_keys,
+                                           shared_prefix_cache=edge.shared_prefix_cache)
         pagoda_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
         # OpenAI-compatible HTTP on the same host and loop (0 = off), behind the same keys.
         self.http_port = http_port
-        self.http = HttpServer(HttpApi(self.servicer, max_http_body_bytes), host, http_port) \
-            if http_port else None
+        self.http = HttpServer(HttpApi(self.servicer, max_http_body_bytes, edge), host,
+                               http_port, edge, ssl) if http_port else None
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -97,10 +102,12 @@ class Gateway:
     async def stop(self, grace: float | None = 5.0) -> None:
         # Tell load balancers first, then let RPCs in flight finish (their finally blocks still
         # need the scheduler socket to send aborts), then close the socket.
+        # One drain: HTTP and gRPC streams get the same grace, side by side.
         await self.health.enter_graceful_shutdown()
+        drains = [self.server.stop(grace)]
         if self.http is not None:
-            await self.http.stop()
-        await self.server.stop(grace)
+            drains.append(self.http.stop(grace))
+        await asyncio.gather(*drains)
         await self.client.close()
 
     async def wait(self) -> None:

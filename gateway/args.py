@@ -52,6 +52,23 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--http-port", type=int, default=8000,
                    help="OpenAI-compatible HTTP port on the same host, 0 = off; must differ from "
                         "--port (default: %(default)s)")
+    g.add_argument("--max-batch-prompts", type=_int_at_least(1), default=256,
+                   help="prompts in one /v1/completions batch; more get 400, before any is "
+                        "tokenized (default: %(default)s)")
+    g.add_argument("--shared-prefix-cache", action="store_true",
+                   help="let tenants (--api-key) share prefix-cache blocks; off by default, so "
+                        "that one tenant's cache hits never reveal another's prompts")
+    g.add_argument("--max-http-connections", type=_int_at_least(1), default=1024,
+                   help="open HTTP connections (and requests in flight) at once; past it, 503 "
+                        "(default: %(default)s)")
+    g.add_argument("--http-header-timeout", type=float, default=10.0,
+                   help="seconds a connection gets to send a whole request's headers, from "
+                        "connect or its last response; then it is closed (default: %(default)s)")
+    g.add_argument("--http-body-timeout", type=float, default=30.0,
+                   help="seconds to read a whole request body; then 408 (default: %(default)s)")
+    g.add_argument("--http-write-timeout", type=float, default=30.0,
+                   help="seconds a response may wait on a client that reads nothing; then the "
+                        "connection is closed and its requests aborted (default: %(default)s)")
     g.add_argument("--max-http-body-bytes", type=_int_at_least(1), default=1 << 20,
                    help="largest HTTP request body; a larger one gets 413 (default: %(default)s)")
     g.add_argument("--scheduler-gateway-address", default="tcp://127.0.0.1:5555",

@@ -26,11 +26,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import metrics
 from gateway.auth import key_of, tenant_of
+from gateway.edge import EdgeConfig
+from gateway.json_body import BadBody, parse_object
 from gateway.openai_render import Collector, chat_delta, chat_logprobs, chunk, finish_reason, now
 from gateway.openai_schema import (BadField, ChatCompletionRequest, CompletionRequest, chat_request,
                                    completion_requests, openai_param)
 from gateway.server import GenerationServicer, RpcFailed
-from gateway.validate import ValidationError
+from gateway.beam import MAX_BEAM_WIDTH
+from gateway.validate import MAX_N, ValidationError
 from proto import pagoda_pb2
 
 log = logging.getLogger("pagoda.gateway")
@@ -67,14 +70,18 @@ def bad_request(message: str, param: str | None = None) -> HttpError:
 
 
 class HttpApi:
-    def __init__(self, servicer: GenerationServicer, max_body_bytes: int) -> None:
+    def __init__(self, servicer: GenerationServicer, max_body_bytes: int,
+                 edge: EdgeConfig = EdgeConfig()) -> None:
         self.servicer = servicer
+        self.edge = edge
         self.tokenizer = servicer.tokenizer
         self.client = servicer.client
         self.max_body_bytes = max_body_bytes
         self.api_keys = servicer.api_keys  # the gRPC side's keys and tenants, as a bearer token
         self.app = FastAPI(title="pagoda", docs_url=None, redoc_url=None, openapi_url=None)
         self.app.add_exception_handler(HttpError, self._on_http_error)
+        # A bug must not reach a client as a traceback or a bare 500 page.
+        self.app.add_exception_handler(Exception, self._on_bug)
         route = self.app.add_api_route
         route("/v1/completions", self.completions, methods=["POST"])
         route("/v1/chat/completions", self.chat_completions, methods=["POST"])
@@ -90,6 +97,13 @@ class HttpApi:
     async def _on_http_error(_request: Request, e: HttpError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
 
+    @staticmethod
+    async def _on_bug(request: Request, e: Exception) -> JSONResponse:
+        log.error("%s %s failed inside the gateway", request.method, request.url.path,
+                  exc_info=e)
+        return JSONResponse(HttpError(500, "the request failed inside the gateway; see its log",
+                                      "internal_error").body(), status_code=500)
+
     def _tenant(self, request: Request) -> str:
         """With --api-key: the caller's tenant, or 401 for a missing or unknown key."""
         if not self.api_keys:
@@ -104,18 +118,22 @@ class HttpApi:
     async def _json(self, request: Request) -> dict:
         """The body, read up to --max-http-body-bytes, as a JSON object."""
         data = bytearray()
-        async for piece in request.stream():
-            data += piece
-            if len(data) > self.max_body_bytes:
-                raise HttpError(413, f"the request body exceeds {self.max_body_bytes} bytes "
-                                     "(--max-http-body-bytes)", "invalid_request_error")
         try:
-            parsed = json.loads(data)
-        except ValueError as e:
-            raise bad_request(f"the body is not valid JSON: {e}") from None
-        if not isinstance(parsed, dict):
-            raise bad_request("the body must be a JSON object")
-        return parsed
+            async with asyncio.timeout(self.edge.http_body_timeout):
+                async for piece in request.stream():
+                    data += piece
+                    if len(data) > self.max_body_bytes:
+                        raise HttpError(413, f"the request body exceeds {self.max_body_bytes} "
+                                             "bytes (--max-http-body-bytes)",
+                                        "invalid_request_error")
+        except TimeoutError:
+            raise HttpError(408, f"the request body took more than "
+                                 f"{self.edge.http_body_timeout:g} s to arrive "
+                                 "(--http-body-timeout)", "invalid_request_error") from None
+        try:
+            return parse_object(bytes(data))
+        except BadBody as e:
+            raise bad_request(str(e), e.param) from None
 
     async def _body(self, request: Request, model: type[pydantic.BaseModel]):
         parsed = await self._json(request)
@@ -225,8 +243,13 @@ class HttpApi:
 
     async def _generate(self, request: Request, body, chat: bool, tenant: str):
         self._check_model(body.model)
+        # Before anything proportional to n is built (the Collector holds n x prompts choices).
+        widest = MAX_BEAM_WIDTH if body.use_beam_search else MAX_N
+        if not 1 <= body.n <= widest:
+            raise bad_request(f"n must be between 1 and {widest}, got {body.n}", "n")
         try:
-            reqs = [chat_request(body)] if chat else completion_requests(body)
+            reqs = [chat_request(body)] if chat else completion_requests(
+                body, self.edge.max_batch_prompts)
         except BadField as e:
             raise bad_request(str(e), e.param) from None
         logprobs = body.logprobs if chat else body.logprobs is not None

@@ -16,6 +16,7 @@ import uvloop
 
 from gateway.app import Gateway
 from gateway.auth import api_keys_from
+from gateway.edge import EdgeConfig
 from gateway.args import parse_gateway_args
 from gateway.metrics import start_metrics_server
 from gateway.scheduler_client import SchedulerClient
@@ -49,7 +50,8 @@ async def run(args) -> None:
                       max_request_bytes=max_request_bytes,
                       http_port=args.http_port, max_http_body_bytes=args.max_http_body_bytes,
                       keys_dir=args.zmq_keys_dir, api_keys=api_keys_from(args),
-                      ssl=(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None)
+                      ssl=(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None,
+                      edge=EdgeConfig.from_args(args))
     log.info("largest gRPC request accepted: %d bytes, response sent: %d bytes; largest "
              "scheduler message: %d bytes", max_request_bytes, max_response_bytes, zmq_bytes)
     await gateway.start()

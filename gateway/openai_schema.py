@@ -4,6 +4,7 @@ translated request; an error there names the pagoda field, which `openai_param` 
 the name the client sent."""
 from __future__ import annotations
 
+import re
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
@@ -48,6 +49,7 @@ class _Common(_Strict):
     truncate_prompt_tokens: StrictInt | None = None
     priority: StrictInt = 0
     request_id: str | None = None
+    cache_salt: str | None = None  # vLLM's: prefix-cache hits only among the same salt
     user: str | None = None  # accepted and ignored, as vLLM does
     # vLLM's beam search fields: n beams, best first (gateway/beam.py).
     use_beam_search: StrictBool = False
@@ -94,6 +96,9 @@ class ChatCompletionRequest(_Common):
     top_logprobs: StrictInt | None = None
 
 
+_TOKEN_ID = re.compile(r"-?[0-9]{1,12}")
+
+
 def _sampling(body: _Common, logprobs: int | None) -> pagoda_pb2.SamplingParams:
     s = pagoda_pb2.SamplingParams()
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
@@ -105,7 +110,7 @@ def _sampling(body: _Common, logprobs: int | None) -> pagoda_pb2.SamplingParams:
     if logprobs is not None:
         s.logprobs = logprobs
     for key, value in (body.logit_bias or {}).items():
-        if not key.lstrip("-").isdigit():
+        if not _TOKEN_ID.fullmatch(key):  # str.isdigit takes "²", which int() refuses
             raise BadField("logit_bias", f"logit_bias keys are token ids, got {key!r}")
         token_id = int(key)
         if not 0 <= token_id < 1 << 32:
@@ -138,6 +143,8 @@ def _common(body: _Common, req: pagoda_pb2.GenerateRequest) -> None:
             beam_width=body.n, length_penalty=body.length_penalty, early_stopping=early))
     if body.request_id is not None:
         req.request_id = body.request_id
+    if body.cache_salt is not None:
+        req.cache_salt = body.cache_salt
     req.priority = body.priority
     if body.truncate_prompt_tokens is not None:
         req.truncate_prompt_tokens = body.truncate_prompt_tokens
@@ -145,11 +152,14 @@ def _common(body: _Common, req: pagoda_pb2.GenerateRequest) -> None:
         req.skip_special_tokens = body.skip_special_tokens
 
 
-def completion_requests(body: CompletionRequest) -> list[pagoda_pb2.GenerateRequest]:
-    """One GenerateRequest per prompt of the batch."""
+def completion_requests(body: CompletionRequest, max_prompts: int) -> list[pagoda_pb2.GenerateRequest]:
+    """One GenerateRequest per prompt of the batch, at most max_prompts of them."""
     prompts = body.prompts()
     if not prompts:
         raise BadField("prompt", "prompt must not be empty")
+    if len(prompts) > max_prompts:
+        raise BadField("prompt", f"prompt: a batch of {len(prompts)} prompts, at most "
+                                 f"{max_prompts} are allowed (--max-batch-prompts)")
     max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     out = []
     for i, prompt in enumerate(prompts):

@@ -44,6 +44,11 @@ class SchedulerUnavailable(RuntimeError):
     pass
 
 
+class SchedulerBusy(RuntimeError):
+    """The scheduler holds as many sequences as it can (ClusterInfo.max_sequences), counting
+    this gateway's own in flight: RESOURCE_EXHAUSTED, and the client may retry."""
+
+
 class SchedulerClient:
     def __init__(self, address: str, max_message_bytes: int | None = None, *,
                  keepalive_interval: float = 1.0, lost_after: float = 3.0,
@@ -67,6 +72,7 @@ class SchedulerClient:
         self.info: internal_pb2.ClusterInfo | None = None
         self._counter = itertools.count()
         self._queues: dict[str, Inbox] = {}
+        self._open_sequences = 0  # the sum of n over _queues: what this gateway has in flight
         self._epoch = 0  # the scheduler's, from its messages; 0 = none heard yet
         self._seq = 0    # the last message's sequence number on this link
         self._calls: dict[int, asyncio.Future] = {}
@@ -122,15 +128,33 @@ class SchedulerClient:
     def new_request_id(self) -> str:
         return f"{self.gateway_id}-{next(self._counter)}"
 
-    def open(self, request_id: str, n: int = 1) -> Inbox:
+    def open(self, request_id: str, n: int = 1,
+             on_overflow: Callable[[], None] | None = None) -> Inbox:
         """Registers a request of n sequences before its AddRequest goes out, so no delta can
         arrive unrouted."""
-        inbox = Inbox(request_id, self.max_unread, n)
+        if not self.has_room(n):
+            limit = self.info.max_sequences if self.info is not None else 0
+            raise SchedulerBusy(
+                f"the scheduler is full: this gateway has {self._open_sequences} sequences in "
+                f"flight and the scheduler holds at most {limit} (waiting plus running); retry "
+                "later")
+        inbox = Inbox(request_id, self.max_unread, n, on_overflow)
         self._queues[request_id] = inbox
+        self._open_sequences += n
         return inbox
 
+    def has_room(self, n: int = 1) -> bool:
+        limit = self.info.max_sequences if self.info is not None else 0
+        return not limit or self._open_sequences + n <= limit
+
+    @property
+    def open_sequences(self) -> int:
+        return self._open_sequences
+
     def release(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
+        inbox = self._queues.pop(request_id, None)
+        if inbox is not None:
+            self._open_sequences -= inbox.n
 
     def add(self, add: internal_pb2.AddRequest) -> None:
         if not self._send(internal_pb2.GatewayMessage(add=add)):
@@ -172,7 +196,6 @@ class SchedulerClient:
         assert self._sock is not None
         while True:
             frames = await self._sock.recv_multipart(copy=False)
-            self._last_heard = time.monotonic()
             msg = internal_pb2.SchedulerMessage()
             try:
                 # The payload is the last frame; tolerate an empty delimiter frame before it.
@@ -191,6 +214,9 @@ class SchedulerClient:
                 self._bad.warning("dropped a repeated SchedulerMessage (seq %d, last %d)",
                                   msg.seq, self._seq)
                 continue
+            # Only a message taken counts as hearing the scheduler: one whose every message is
+            # dropped (say, as repeated) must be declared lost, and health NOT_SERVING.
+            self._last_heard = time.monotonic()
             self._check_sequence(msg)
             self._deliver(msg)
             for reply in msg.replies:
@@ -301,6 +327,9 @@ class SchedulerClient:
             if self.info is not None and silent > self.lost_after:
                 log.error("no message from the scheduler for %.1f s", silent)
                 self._fail_all(f"lost contact with the scheduler (silent for {silent:.1f} s)")
+                # Nothing is in flight any more, so whatever numbering the scheduler speaks next
+                # is taken as the link's new start: the link recovers by itself.
+                self._seq = 0
                 await self._set_info(None)
 
 

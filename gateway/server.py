@@ -24,7 +24,7 @@ import grpc
 from gateway import metrics
 from gateway.auth import tenant_of
 from gateway.beam import add_completion
-from gateway.scheduler_client import SchedulerClient, SchedulerUnavailable
+from gateway.scheduler_client import SchedulerBusy, SchedulerClient, SchedulerUnavailable
 from gateway.sizes import CONTEXT_BOUND
 from gateway.stream import ResponseBuilder
 from gateway.tokenizer import TextTokenizer
@@ -85,10 +85,14 @@ def _unary(method):
 
 class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: TextTokenizer, client: SchedulerClient,
-                 limits: Limits | None = None, api_keys: tuple[str, ...] = ()):
+                 limits: Limits | None = None, api_keys: tuple[str, ...] = (),
+                 shared_prefix_cache: bool = False):
         self.tokenizer = tokenizer
         self.client = client
         self.api_keys = api_keys  # each one a tenant: its request ids are its own (gateway/auth.py)
+        # False: the tenant is part of every cache salt, so no tenant's prefix-cache hits (and
+        # their timing) reveal what another tenant sent.
+        self.shared_prefix_cache = shared_prefix_cache
         # The flags' bounds; max_model_len and vocab_size come from the scheduler per request.
         self.base_limits = limits or Limits(max_model_len=0, vocab_size=0)
 
@@ -112,12 +116,14 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         started = time.monotonic()
         code = grpc.StatusCode.OK
         metrics.IN_FLIGHT.inc()
+        overflow = _Overflow(asyncio.current_task())
         try:
             first = True
             # aclosing: a cancel that lands while this handler waits at `yield` must still run
             # responses' finally (the abort) now, not whenever the generator is collected.
             async with aclosing(self.responses(request, started, unary=False,
-                                               tenant=self._tenant(context))) as responses:
+                                               tenant=self._tenant(context),
+                                               on_overflow=overflow)) as responses:
                 async for response in responses:
                     if first and response.token_ids:
                         metrics.TIME_TO_FIRST_TOKEN.observe(time.monotonic() - started)
@@ -134,6 +140,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
             log.exception("GenerateStream failed")
             await context.abort(code, "GenerateStream failed inside the gateway; see its log")
         finally:
+            overflow.disarm()
             _record_end("GenerateStream", code, started)
 
     async def Generate(self, request, context) -> pagoda_pb2.GenerateResponse:
@@ -173,11 +180,16 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         return tenant_of(context.invocation_metadata(), self.api_keys) if self.api_keys else ""
 
     async def responses(self, request: pagoda_pb2.GenerateRequest, started: float, unary: bool,
-                        tenant: str = "") -> AsyncIterator[pagoda_pb2.GenerateResponse]:
+                        tenant: str = "", on_overflow=None
+                        ) -> AsyncIterator[pagoda_pb2.GenerateResponse]:
         """The responses of one request, for GenerateStream, Generate and the HTTP API alike;
         raises RpcFailed. Closing it early aborts the request at the scheduler. tenant
         namespaces the public request id by API key."""
         limits = self._limits()
+        if not self.client.has_room():  # before tokenizing: a full gateway refuses cheaply
+            raise RpcFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            "the scheduler is full (every sequence it can hold is in flight); "
+                            "retry later")
         internal_id = self.client.new_request_id()
         try:
             v = await _off_loop_if_large(request, validate, request, self.tokenizer, limits,
@@ -185,9 +197,16 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         except ValidationError as e:
             raise RpcFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
         v.add.public_id = tenant + v.add.public_id  # the client's own id stays in v.public_id
-        metrics.PROMPT_TOKENS.inc(len(v.prompt_token_ids))
+        if not self.shared_prefix_cache:
+            # Tenants are fixed-length prefixes ("k" + 16 hex digits + "/"), so no client salt
+            # of one tenant can equal another tenant's salted one.
+            v.add.cache_salt = tenant + v.add.cache_salt
         builder = ResponseBuilder(self.tokenizer, v, v.public_id, started)
-        queue = self.client.open(internal_id, v.n)
+        try:
+            queue = self.client.open(internal_id, v.n, on_overflow)
+        except SchedulerBusy as e:
+            raise RpcFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+        metrics.PROMPT_TOKENS.inc(len(v.prompt_token_ids))
         sent = False
         try:
             try:
@@ -289,6 +308,25 @@ async def _off_loop_if_large(request, fn, *args, **kwargs):
     if request.ByteSize() <= _INLINE_REQUEST_BYTES:
         return fn(*args, **kwargs)
     return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+class _Overflow:
+    """What a stream does once its client has read too slowly: the handler normally takes the
+    RESOURCE_EXHAUSTED at once; if it does not within a second, it is blocked in a write the
+    client will never read, and only a cancel ends the RPC and frees its slot."""
+    GRACE_S = 1.0
+
+    def __init__(self, task: asyncio.Task) -> None:
+        self.task = task
+        self.timer: asyncio.TimerHandle | None = None
+
+    def __call__(self) -> None:
+        if self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(self.GRACE_S, self.task.cancel)
+
+    def disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
 
 
 def _cancel_code(context) -> grpc.StatusCode:

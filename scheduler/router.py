@@ -129,7 +129,9 @@ class Router:
             max_model_len=min(h.max_model_len for h in hellos),
             block_size=hellos[0].block_size, vocab_size=hellos[0].vocab_size,
             total_blocks=max(h.num_blocks for h in hellos),
-            eos_token_ids=sorted(hellos[0].eos_token_ids), protocol_version=PROTOCOL_VERSION)
+            eos_token_ids=sorted(hellos[0].eos_token_ids), protocol_version=PROTOCOL_VERSION,
+            max_sequences=self.config.max_waiting_requests + sum(
+                w.scheduler.config.max_num_seqs for w in self.workers.values()))
 
     # -- requests -----------------------------------------------------------------------------
     def add(self, gateway: bytes, add: pb.AddRequest) -> None:

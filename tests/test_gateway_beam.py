@@ -70,12 +70,12 @@ def test_generate_lists_every_beam_with_the_best_on_top():
 def test_http_fields_become_beam_search():
     body = CompletionRequest(model="m", prompt=[1, 2], n=3, use_beam_search=True,
                              length_penalty=0.5, early_stopping="never", max_tokens=4)
-    [r] = completion_requests(body)
+    [r] = completion_requests(body, 256)
     assert (r.beam_search.beam_width, r.beam_search.length_penalty,
             r.beam_search.early_stopping) == (3, 0.5, "never")
     assert not r.sampling.HasField("n")
     body = CompletionRequest(model="m", prompt="hi", n=2, use_beam_search=True, early_stopping=True)
-    assert completion_requests(body)[0].beam_search.early_stopping == "true"
+    assert completion_requests(body, 256)[0].beam_search.early_stopping == "true"
     assert openai_param("beam_search.beam_width", chat=False) == "n"
 
 

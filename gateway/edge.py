@@ -1,0 +1,23 @@
+"""The public edge's limits on connections and time (the gateway's flags), in one place for the
+gRPC and HTTP servers. Each keeps one client from holding what other clients need: a slot, a
+connection, or the gateway's memory."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EdgeConfig:
+    max_batch_prompts: int = 256          # prompts in one /v1/completions batch
+    shared_prefix_cache: bool = False     # tenants share prefix-cache blocks
+    max_http_connections: int = 1024      # open HTTP connections and requests; past it, 503
+    http_header_timeout: float = 10.0     # from connect (or the last response) to whole headers
+    http_body_timeout: float = 30.0       # to read a whole request body
+    http_write_timeout: float = 30.0      # a client that reads nothing this long is hung up on
+    shutdown_grace_period: float = 30.0   # one drain, for HTTP and gRPC alike
+
+    @classmethod
+    def from_args(cls, args) -> "EdgeConfig":
+        """From the gateway's parsed flags; a flag the namespace lacks keeps its default."""
+        return cls(**{name: getattr(args, name, default)
+                      for name, default in cls().__dict__.items()})
