@@ -22,6 +22,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from gateway.chat_literals import encode_with_literals
 from launch.models import cache_dir, model_display_name, resolve_model
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -140,6 +141,10 @@ class TextTokenizer:
     _text_cache: dict[int, str] = field(default_factory=dict, repr=False, compare=False)
     _decoders: set[str] | None = field(default=None, repr=False, compare=False)
     _added: dict[int, str] | None = field(default=None, repr=False, compare=False)
+    # The same vocabulary, reading special-token text as plain text (gateway/chat_literals.py);
+    # a copy, because the switch is the tokenizer's own state and encoding runs on threads too.
+    _literal: Tokenizer | None = field(default=None, repr=False, compare=False)
+    _specials: frozenset[str] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.chat_template:
@@ -153,12 +158,24 @@ class TextTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_with_offsets(self, text: str, add_special_tokens: bool = True
+    def encode_with_offsets(self, text: str, add_special_tokens: bool = True,
+                            literal: Sequence[tuple[int, int]] = ()
                             ) -> tuple[list[int], list[tuple[int, int]]]:
         """Ids and each one's (start, end) in code points of `text`; tokens the post-processor
-        added (a BOS) span nothing, e.g. (0, 0). A token holding part of a character spans all of it."""
-        enc = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return enc.ids, [(int(a), int(b)) for a, b in enc.offsets]
+        added (a BOS) span nothing, e.g. (0, 0). A token holding part of a character spans all of it.
+        Special-token text inside the `literal` spans is read as plain text."""
+        if literal and self._literal is None:
+            self._literal = Tokenizer.from_str(self.tokenizer.to_str())
+            self._literal.encode_special_tokens = True
+        return encode_with_literals(self.tokenizer, self._literal, text, literal, add_special_tokens)
+
+    @property
+    def special_texts(self) -> frozenset[str]:
+        """The text of every special added token (<|im_start|>, ...)."""
+        if self._specials is None:
+            self._specials = frozenset(t.content for t in self.tokenizer.get_added_tokens_decoder().values()
+                                       if t.special and t.content)
+        return self._specials
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes the token stands for, which can be part of a UTF-8 character (byte-level

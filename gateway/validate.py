@@ -15,6 +15,7 @@ import jinja2
 
 from gateway import beam
 from gateway.args import REQUEST_LIMITS
+from gateway.chat_literals import literal_spans
 from gateway.tokenizer import ROLES, TextTokenizer
 from proto import internal_pb2, pagoda_pb2
 
@@ -105,10 +106,6 @@ def chat_messages(messages: Sequence[pagoda_pb2.ChatMessage]) -> list[dict]:
     return out
 
 
-def encode_messages(tokenizer: TextTokenizer, messages: Sequence[pagoda_pb2.ChatMessage]) -> list[int]:
-    return tokenizer.encode(_render(tokenizer, messages), add_special_tokens=False)
-
-
 def _render(tokenizer: TextTokenizer, messages: Sequence[pagoda_pb2.ChatMessage]) -> str:
     msgs = chat_messages(messages)
     try:
@@ -155,6 +152,21 @@ def _prompt_text(req, source: str, tokenizer: TextTokenizer, limits: Limits | No
     return _render(tokenizer, req.messages) if source == "messages" else req.prompt
 
 
+def _literal_spans(req, source: str, tokenizer: TextTokenizer, text: str) -> list[tuple[int, int]]:
+    """Where the rendered chat holds message content with special-token text: it is tokenized
+    as plain text, so no message can forge a turn (gateway/chat_literals.py)."""
+    if source != "messages":
+        return []
+    try:
+        return literal_spans(text, [m.content for m in req.messages], tokenizer.special_texts)
+    except LookupError as e:
+        i = e.args[0]
+        raise ValidationError(
+            f"messages[{i}].content", f"messages[{i}].content holds special-token text, and the "
+                                      "chat template changes it, so it cannot be kept as plain "
+                                      "text; remove the special tokens") from None
+
+
 def _add_special(req, source: str, add_special_tokens: bool | None) -> bool:
     # A chat template writes every special token it wants itself (as transformers does with
     # tokenize=True), so by default the post-processor adds no BOS of its own to messages.
@@ -179,7 +191,10 @@ def prompt_ids(req, tokenizer: TextTokenizer, vocab_size: int, *,
         check_ids(ids, vocab_size, "prompt_token_ids")
     else:
         text = _prompt_text(req, source, tokenizer, limits)
-        ids = tokenizer.encode(text, add_special_tokens=_add_special(req, source, add_special_tokens))
+        literal = _literal_spans(req, source, tokenizer, text)
+        add = _add_special(req, source, add_special_tokens)
+        ids = (tokenizer.encode_with_offsets(text, add, literal)[0] if literal
+               else tokenizer.encode(text, add_special_tokens=add))
     if not ids:
         raise ValidationError(source, f"{source} encodes to no tokens")
     return source, ids
@@ -190,7 +205,8 @@ def prompt_offsets(req: pagoda_pb2.TokenizeRequest, tokenizer: TextTokenizer, *,
     """Tokenize's answer: (the text tokenized, its ids, each id's code-point span in the text)."""
     source = _source(req)
     text = _prompt_text(req, source, tokenizer, limits)
-    ids, offsets = tokenizer.encode_with_offsets(text, _add_special(req, source, None))
+    ids, offsets = tokenizer.encode_with_offsets(text, _add_special(req, source, None),
+                                                 _literal_spans(req, source, tokenizer, text))
     if not ids:
         raise ValidationError(source, f"{source} encodes to no tokens")
     return text, ids, offsets
