@@ -64,6 +64,7 @@ class Gateway:
             ("grpc.max_send_message_length", max_response_bytes or max_message_bytes),
             # Without this a second gateway on the same port would silently share it.
             ("grpc.so_reuseport", 0),
+            ("grpc.max_concurrent_streams", edge.max_streams_per_connection),
         ])
         self.edge = edge
         self.servicer = GenerationServicer(tokenizer, self.client, limits, api_keys,

@@ -58,6 +58,12 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--shared-prefix-cache", action="store_true",
                    help="let tenants (--api-key) share prefix-cache blocks; off by default, so "
                         "that one tenant's cache hits never reveal another's prompts")
+    g.add_argument("--max-streams-per-connection", type=_int_at_least(1), default=1024,
+                   help="gRPC streams one connection may have open at once (HTTP/2's "
+                        "MAX_CONCURRENT_STREAMS): below --max-concurrent-rpcs, one client cannot "
+                        "hold every slot, but a client that opens more streams on one "
+                        "connection than this gets some refused (UNAVAILABLE, REFUSED_STREAM) "
+                        "(default: %(default)s)")
     g.add_argument("--max-http-connections", type=_int_at_least(1), default=1024,
                    help="open HTTP connections (and requests in flight) at once; past it, 503 "
                         "(default: %(default)s)")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 class EdgeConfig:
     max_batch_prompts: int = 256          # prompts in one /v1/completions batch
     shared_prefix_cache: bool = False     # tenants share prefix-cache blocks
+    max_streams_per_connection: int = 1024  # gRPC: HTTP/2 streams one connection may hold
     max_http_connections: int = 1024      # open HTTP connections and requests; past it, 503
     http_header_timeout: float = 10.0     # from connect (or the last response) to whole headers
     http_body_timeout: float = 30.0       # to read a whole request body

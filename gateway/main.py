@@ -6,6 +6,7 @@ them at the scheduler).
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
@@ -24,6 +25,7 @@ from gateway.sizes import CONTEXT_BOUND, largest_generate_request, largest_respo
 from proto.sizes import largest_scheduler_message
 from gateway.tokenizer import load_tokenizer
 from gateway.validate import limits_from_args
+from launch import lifetime, watchdog
 from proto.auth import check_auth_args
 
 log = logging.getLogger("pagoda.gateway")
@@ -56,27 +58,42 @@ async def run(args) -> None:
              "scheduler message: %d bytes", max_request_bytes, max_response_bytes, zmq_bytes)
     await gateway.start()
     metrics_server = start_metrics_server(args.gateway_metrics_port, args.gateway_metrics_host)
+    # After the start: loading the tokenizer blocks the loop, and must not count as a hang.
+    ticks = asyncio.create_task(watchdog.tick_forever())
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        lifetime.stopping(sig.name)  # the loop owns the wakeup fd: the bound learns of it here
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         await stop.wait()
-        log.info("shutting down: streams in flight get %g s to finish", args.shutdown_grace_period)
     finally:
+        grace = lifetime.drain(args.shutdown_grace_period)  # cut short once the launcher is gone
+        log.info("shutting down: streams in flight get %g s to finish", grace)
         started = time.monotonic()
-        await gateway.stop(args.shutdown_grace_period)
+        await gateway.stop(grace)
         log.info("stopped after %.1f s of draining", time.monotonic() - started)
         if metrics_server is not None:
             metrics_server.shutdown()
+        ticks.cancel()
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_gateway_args(argv)
+    # --watchdog-timeout is read here, the rest by gateway/args.py.
+    own = watchdog.add_flag(argparse.ArgumentParser(add_help=False, allow_abbrev=False),
+                            watchdog.LOOP_TIMEOUT_S)
+    known, rest = own.parse_known_args(argv)
+    args = parse_gateway_args(rest)
     check_auth_args(args, args.scheduler_gateway_address)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s gateway: %(message)s")
+    lifetime.start(args.shutdown_grace_period, watch_signals=False)
+    watchdog.start(known.watchdog_timeout, watchdog.LOOP_TIMEOUT_S)
     uvloop.run(run(args))
     return 0
 

@@ -140,7 +140,6 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
             log.exception("GenerateStream failed")
             await context.abort(code, "GenerateStream failed inside the gateway; see its log")
         finally:
-            overflow.disarm()
             _record_end("GenerateStream", code, started)
 
     async def Generate(self, request, context) -> pagoda_pb2.GenerateResponse:
@@ -311,9 +310,13 @@ async def _off_loop_if_large(request, fn, *args, **kwargs):
 
 
 class _Overflow:
-    """What a stream does once its client has read too slowly: the handler normally takes the
-    RESOURCE_EXHAUSTED at once; if it does not within a second, it is blocked in a write the
-    client will never read, and only a cancel ends the RPC and frees its slot."""
+    """What a stream does once its client has read too slowly. Its handler may be blocked in
+    a write the client never reads; a second after the abort the RPC's task is cancelled, which
+    frees the handler and what it holds (a task that has finished by then ignores the cancel).
+    The call itself stays open in gRPC's core, and holds its --max-concurrent-rpcs slot, until
+    the client's deadline or disconnect: grpc.aio has no server-side cancel, and the status
+    would queue behind the unread messages. --max-streams-per-connection keeps one connection
+    from holding every slot that way."""
     GRACE_S = 1.0
 
     def __init__(self, task: asyncio.Task) -> None:
@@ -323,10 +326,6 @@ class _Overflow:
     def __call__(self) -> None:
         if self.timer is None:
             self.timer = asyncio.get_running_loop().call_later(self.GRACE_S, self.task.cancel)
-
-    def disarm(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
 
 
 def _cancel_code(context) -> grpc.StatusCode:

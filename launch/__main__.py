@@ -2,16 +2,23 @@
 loopback, until Ctrl-C or SIGTERM stops them: the gateway first (it drains its streams), then the
 scheduler, then the workers, each waited for.
 
-A process that dies is started again after a backoff that doubles while it keeps dying young
-(as compose's restart policy does); the others reconnect to it by themselves. One that dies
---crash-loop-deaths times in a row, each within --crash-loop-window seconds of its start, stops
-everything: it would only keep failing.
+Restarts are per process (launch/restarts.py): one that dies is started again after a backoff
+of 0.25 s that doubles with each death in a row, up to 30 s, while the others keep running and
+reconnect to it by themselves; one that had lived --crash-loop-window seconds (60) starts its
+count afresh. At its --crash-loop-deaths-th death in a row (10) the launcher gives up on that
+process alone: a worker given up on is logged and the rest keep serving; giving up on the
+scheduler or the gateway, without which nothing is served, stops everything with exit code 1.
+
+Each child has a bounded life of its own (launch/lifetime.py): it exits within its drain plus a
+few seconds of SIGTERM, and within a few seconds of this launcher's death, even with its loop
+wedged; and a watchdog (launch/watchdog.py, --watchdog-timeout) makes one whose loop has stopped
+turning exit with code 70, which the backoff above then restarts.
 
 Each flag goes to every process whose parser knows it, so `--max-num-seqs 8` reaches the
 scheduler, `--num-gpu-blocks-override 64` the workers, and an address flag both ends of its
-socket. The launcher itself owns --num-workers, --worker-module and the crash-loop flags. Unless
---zmq-keys-dir or --insecure is given, it creates a CURVE key set in .cache/zmq-keys on first use
-and hands it to every process.
+socket. The launcher itself owns --num-workers, the --*-module flags and the crash-loop flags.
+Unless --zmq-keys-dir or --insecure is given, it creates a CURVE key set in .cache/zmq-keys on
+first use and hands it to every process.
 """
 from __future__ import annotations
 
@@ -25,6 +32,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from launch import watchdog
+from launch.lifetime import PARENT_ENV
+from launch.restarts import RestartPolicy, after_death
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_KEYS_DIR = ROOT / ".cache" / "zmq-keys"
 
@@ -34,10 +45,14 @@ def process_parsers() -> dict[str, argparse.ArgumentParser]:
     from gateway.args import add_gateway_args
     from scheduler.args import add_scheduler_args
     from worker.args import add_worker_args
+    # --watchdog-timeout is added by each process's main() (launch/watchdog.py), not its args.py.
     return {
-        "scheduler": add_scheduler_args(argparse.ArgumentParser(add_help=False)),
-        "worker": add_worker_args(argparse.ArgumentParser(add_help=False)),
-        "gateway": add_gateway_args(argparse.ArgumentParser(add_help=False)),
+        "scheduler": watchdog.add_flag(add_scheduler_args(argparse.ArgumentParser(add_help=False)),
+                                       watchdog.LOOP_TIMEOUT_S),
+        "worker": watchdog.add_flag(add_worker_args(argparse.ArgumentParser(add_help=False)),
+                                    watchdog.WORKER_TIMEOUT_S),
+        "gateway": watchdog.add_flag(add_gateway_args(argparse.ArgumentParser(add_help=False)),
+                                     watchdog.LOOP_TIMEOUT_S),
     }
 
 
@@ -77,9 +92,10 @@ def module_command(module: str, args: list[str]) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-FIRST_BACKOFF_S = 0.25
-MAX_BACKOFF_S = 16.0
+# The children's own bounds (launch/lifetime.py) come first: 3 s for the scheduler, 8 s for a
+# worker, the grace period plus 3 s for the gateway.
 STOP_WAIT_S = 10.0  # for the scheduler and each worker; the gateway gets its grace period more
+ESSENTIAL = ("scheduler", "gateway")  # giving up on one of these stops everything
 
 
 @dataclass
@@ -88,8 +104,9 @@ class Child:
     cmd: list[str]
     proc: subprocess.Popen | None = None
     started: float = 0.0
-    young_deaths: int = 0         # in a row, each within the crash-loop window of its start
+    deaths_in_a_row: int = 0
     restart_at: float | None = None
+    given_up: bool = False
 
 
 def own_group_and_die_with_parent() -> None:
@@ -102,26 +119,40 @@ def own_group_and_die_with_parent() -> None:
         pass
 
 
+def spawn(cmd: list[str], env: dict, **popen) -> subprocess.Popen:
+    """A child as the launcher starts one: in its own process group, sent SIGTERM when the
+    launcher dies, and told the launcher's pid (PARENT_ENV), by which it notices it is orphaned
+    even when that SIGTERM never came."""
+    return subprocess.Popen(cmd, cwd=ROOT, env={**env, PARENT_ENV: str(os.getpid())},
+                            preexec_fn=own_group_and_die_with_parent, **popen)
+
+
 def start(child: Child, env: dict) -> None:
-    child.proc = subprocess.Popen(child.cmd, cwd=ROOT, env=env,
-                                  preexec_fn=own_group_and_die_with_parent)
+    child.proc = spawn(child.cmd, env)
     child.started, child.restart_at = time.monotonic(), None
     print(f"pagoda: started {child.name} (pid {child.proc.pid}): {' '.join(child.cmd[2:])}",
           flush=True)
 
 
-def reap(child: Child, now: float, window: float, max_deaths: int) -> str | None:
-    """child has exited: schedule its restart, or say why everything must stop."""
+def reap(child: Child, now: float, policy: RestartPolicy) -> str | None:
+    """child has exited: schedule its restart or give up on it; says why everything must stop
+    when it was the scheduler or the gateway that was given up on."""
     code, lived = child.proc.returncode, now - child.started
     child.proc = None
-    child.young_deaths = child.young_deaths + 1 if lived < window else 0
-    if child.young_deaths >= max_deaths:
-        return (f"pagoda: {child.name} died {child.young_deaths} times in a row, each within "
-                f"{window:g} s of starting (last exit code {code}); stopping everything")
-    delay = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** child.young_deaths)
-    child.restart_at = now + delay
-    print(f"pagoda: {child.name} exited with {code} after {lived:.1f} s; restarting in "
-          f"{delay:g} s", flush=True)
+    verdict = after_death(policy, child.deaths_in_a_row, lived)
+    child.deaths_in_a_row = verdict.deaths_in_a_row
+    if verdict.delay_s is not None:
+        child.restart_at = now + verdict.delay_s
+        print(f"pagoda: {child.name} exited with {code} after {lived:.1f} s (death "
+              f"{verdict.deaths_in_a_row} in a row); restarting in {verdict.delay_s:g} s",
+              flush=True)
+        return None
+    child.given_up = True
+    why = (f"pagoda: {child.name} died {verdict.deaths_in_a_row} times in a row, each within "
+           f"{policy.healthy_after_s:g} s of starting (last exit code {code}); giving up on it")
+    if child.name in ESSENTIAL:
+        return f"{why} and stopping everything"
+    print(f"{why}; the others keep serving", flush=True)
     return None
 
 
@@ -150,26 +181,32 @@ def main(argv: list[str] | None = None) -> int:
     own = argparse.ArgumentParser("pagoda", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     own.add_argument("--num-workers", type=int, default=1)
-    own.add_argument("--worker-module", default="worker.main",
-                     help="the module each worker runs; tests run tests.fake_worker_main "
-                          "(default: %(default)s)")
-    own.add_argument("--crash-loop-deaths", type=int, default=5,
-                     help="deaths in a row, each soon after start, that stop everything "
-                          "(default: %(default)s)")
-    own.add_argument("--crash-loop-window", type=float, default=30.0,
+    for name, default in (("scheduler", "scheduler.main"), ("worker", "worker.main"),
+                          ("gateway", "gateway.main")):
+        # Tests run stand-ins: tests.fake_worker_main, tests/stand_in_*.py.
+        own.add_argument(f"--{name}-module", default=default,
+                         help=f"the module each {name} runs (default: %(default)s)")
+    defaults = RestartPolicy()
+    own.add_argument("--crash-loop-deaths", type=int, default=defaults.give_up_after,
+                     help="deaths of one process in a row, each soon after its start, after which "
+                          "the launcher gives up on it (and stops everything if it is the "
+                          "scheduler or the gateway); 0 = never (default: %(default)s)")
+    own.add_argument("--crash-loop-window", type=float, default=defaults.healthy_after_s,
                      help="seconds after its start within which a death counts as one more in "
-                          "a crash loop; a process that lives longer starts the count afresh "
-                          "(default: %(default)s)")
+                          "a crash loop; a process that lives longer starts the count and its "
+                          "backoff afresh (default: %(default)s)")
     opts, rest = own.parse_known_args(argv)
     parsers = process_parsers()
     routed = route_flags(with_keys(rest), parsers)
     gateway_grace = parsers["gateway"].parse_args(routed["gateway"]).shutdown_grace_period
+    policy = RestartPolicy(healthy_after_s=opts.crash_loop_window,
+                           give_up_after=opts.crash_loop_deaths)
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    children = [Child("scheduler", module_command("scheduler.main", routed["scheduler"]))]
+    children = [Child("scheduler", module_command(opts.scheduler_module, routed["scheduler"]))]
     children += [Child(f"worker{i}", module_command(opts.worker_module, routed["worker"]))
                  for i in range(opts.num_workers)]
-    children.append(Child("gateway", module_command("gateway.main", routed["gateway"])))
+    children.append(Child("gateway", module_command(opts.gateway_module, routed["gateway"])))
 
     stopping = []
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
@@ -181,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         now = time.monotonic()
         for child in children:
             if child.proc is not None and child.proc.poll() is not None:
-                why = reap(child, now, opts.crash_loop_window, opts.crash_loop_deaths)
+                why = reap(child, now, policy)
                 if why is not None:
                     print(why, flush=True)
                     code = 1

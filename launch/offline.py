@@ -20,8 +20,7 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from launch.__main__ import (ROOT, Child, module_command, own_group_and_die_with_parent,
-                             process_parsers, route_flags, stop_in_order)
+from launch.__main__ import Child, module_command, process_parsers, route_flags, spawn, stop_in_order
 from launch.outputs import BeamSearchParams, RequestOutput, SamplingParams, collect, generate_request
 from proto.auth import create_keys
 
@@ -71,8 +70,7 @@ class LLM:
             for name, cmd in commands:
                 # Their own process group (a Ctrl-C reaches this process, whose close() stops
                 # them in order), and SIGTERM when this process dies, however it dies.
-                proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                        preexec_fn=own_group_and_die_with_parent)
+                proc = spawn(cmd, env, stdout=log, stderr=subprocess.STDOUT)
                 self._procs.append(Child(name, cmd, proc))
             self._start_loop(gateway_args, limits_from_args(gateway_args, 0, 0))
             self._wait_ready(num_workers, start_timeout)

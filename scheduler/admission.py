@@ -33,18 +33,21 @@ def check_admission(router: "Router", add: pb.AddRequest) -> int:
                                            f"--max-num-seqs {router.config.max_num_seqs}")
     copies = width or n  # beams share blocks, but may each hold their own at worst
     if router.workers:
-        info = router.cluster_info()
+        # What cluster_info() says, without building it: this runs for every add of a flood.
+        hellos = [w.hello for w in router.workers.values()]
+        max_model_len = min(h.max_model_len for h in hellos)
+        total_blocks = max(h.num_blocks for h in hellos)
         total = len(add.prompt_token_ids) + add.max_tokens
-        if total > info.max_model_len:
+        if total > max_model_len:
             raise Rejected("INVALID_ARGUMENT",
                            f"prompt ({len(add.prompt_token_ids)} tokens) plus max_tokens "
-                           f"({add.max_tokens}) exceeds max_model_len {info.max_model_len}")
-        blocks = -(-total // info.block_size) * copies
-        if blocks > info.total_blocks:
+                           f"({add.max_tokens}) exceeds max_model_len {max_model_len}")
+        blocks = -(-total // hellos[0].block_size) * copies
+        if blocks > total_blocks:
             raise Rejected("INVALID_ARGUMENT",
                            f"prompt plus max_tokens needs {blocks} KV blocks for "
                            f"{f'beam_width={width}' if width else f'n={n}'}, "
-                           f"but a worker holds only {info.total_blocks}")
+                           f"but a worker holds only {total_blocks}")
     num_waiting = len(router.pending) + sum(w.scheduler.num_waiting for w in router.workers.values())
     if num_waiting + n > router.config.max_waiting_requests:
         raise Rejected("RESOURCE_EXHAUSTED",

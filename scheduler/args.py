@@ -32,6 +32,11 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="seconds a worker's step may run beyond 4x what its size costs at the "
                         "worker's measured prefill and swap rates; past that the worker is "
                         "declared hung, dropped, and its sequences recomputed elsewhere (0 = off)")
+    g.add_argument("--max-step-failures", type=int, default=2,
+                   help="a sequence whose step was lost with its worker (it died or timed out "
+                        "during it) on this many workers in a row ends with INTERNAL instead of "
+                        "being recomputed on the next; one that shared the step with other "
+                        "requests first runs alone, and ends if that fails too (0 = never)")
     g.add_argument("--gateway-timeout", type=float, default=5.0,
                    help="seconds without a message from a gateway (it says hello every second) "
                         "before its requests are aborted and their blocks freed")

@@ -76,7 +76,8 @@ def start(sched: "Scheduler", handle: Request) -> None:
                     stop_token_ids=handle.stop_token_ids, priority=handle.priority,
                     arrival=handle.arrival, public_id=handle.public_id,
                     cache_salt=handle.cache_salt, arrival_time=handle.arrival_time,
-                    worker=handle.worker)
+                    worker=handle.worker, suspect=handle.suspect)  # lost_steps.py: it runs alone
+    handle.suspect = False
     sched.add(beam0)
     k = max(2, 1 + len(beam0.stop_set)) * p.beam_width
     sampling.beam_candidates = k

@@ -76,6 +76,10 @@ class Request:
     # It was in a step that failed: it runs alone until a step with it succeeds, and ends with
     # INTERNAL if it fails alone (scheduler/failures.py).
     suspect: bool = False
+    # Steps that ran it and were lost with their worker (it died or hung in them), counted since
+    # it last got further than before (scheduler/lost_steps.py), and how far it had got then.
+    lost_steps: int = 0
+    lost_at_length: int = -1
     # Streaming to the gateway: whether the first delta (with usage) went out, and how many
     # tokens at the end are not sent yet. A plain decode leaves both alone, so a quiet step
     # writes nothing here.

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from proto import internal_pb2 as pb, pagoda_pb2
 from proto.auth import PROTOCOL_VERSION
-from scheduler import beam
+from scheduler import beam, lost_steps
 from scheduler.admission import Rejected, check_admission  # noqa: F401 - Rejected: the API
 from scheduler.outbox import Outbox
 from scheduler.request import FinishReason, Request, Status
@@ -44,6 +44,7 @@ class RouterConfig:
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 1024
     max_plans_in_flight: int = 2
+    max_step_failures: int = 2  # lost steps that end a sequence (scheduler/lost_steps.py)
     # A prefix hit wins the routing unless its worker is this much busier than the least loaded.
     load_slack: int = 8
 
@@ -108,17 +109,26 @@ class Router:
         for req in pending:
             self._route(req)
 
-    def remove(self, worker_id: bytes, why: str) -> None:
+    def remove(self, worker_id: bytes, why: str, step_lost: bool = False) -> None:
         """A lost worker's sequences are recomputed elsewhere from prompt plus the tokens already
-        streamed, so their clients' streams just continue."""
+        streamed, so their clients' streams just continue. step_lost: the worker died or hung
+        in its running step, which counts against the sequences in it (lost_steps.py)."""
         state = self.workers.pop(worker_id, None)
         if state is None:
             return
+        most = self.config.max_step_failures
+        doomed = lost_steps.count_lost_step(state.scheduler, most) if step_lost else []
         orphans = state.scheduler.drain()
         log.warning("worker %s dropped (%s); %d sequences requeued",
-                    state.hello.worker_id, why, len(orphans))
+                    state.hello.worker_id, why, len(orphans) - len(doomed))
         for req in orphans:
-            self._route(req)
+            if req not in doomed:
+                self._route(req)
+        for req in doomed:
+            message = lost_steps.failed_message(req, most)
+            log.error("%s: %s; ended with INTERNAL", req.seq_id, message)
+            req.status, req.finish_reason = Status.FINISHED, FinishReason.ERROR
+            self._emit(req, error=pb.Error(code="INTERNAL", message=message))
 
     def cluster_info(self) -> pb.ClusterInfo:
         if not self.workers:
@@ -208,6 +218,14 @@ class Router:
                     self._emit(req, error=error)
             self._forget(rid)
         return len(ids)
+
+    def refuse(self, gateway: bytes, request_id: str, error: pb.Error) -> None:
+        """The answer to an add that never became a request. It waits in the gateway's outbox
+        with the rest, so a burst of refusals leaves in a few messages, not one send each."""
+        box = self.outbox.get(gateway)
+        if box is None:
+            box = self.outbox[gateway] = Outbox()
+        box.deltas.append(pb.TokenDelta(request_id=request_id, finish=pb.ERROR, error=error))
 
     def fail_pending(self, code: str, message: str) -> int:
         """End the sequences no worker has taken (none is left to take them)."""

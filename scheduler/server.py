@@ -9,7 +9,11 @@ silent for --gateway-timeout loses its requests (aborted, blocks freed). Every w
 from a thread of its own; one silent for --worker-timeout is dropped and its sequences are
 recomputed on the others. With no worker for --no-worker-timeout, requests still waiting for one
 end UNAVAILABLE. Messages to a gateway carry this scheduler's epoch and a per-link sequence
-number, so a gateway notices a restart or a dropped message.
+number, so a gateway notices a restart or a dropped message (scheduler/links.py).
+
+Each turn of the loop serves the workers before the gateways, and takes a bounded number of
+gateway messages: a burst of adds waits in ZeroMQ and pushes back on its gateway, and never
+delays a heartbeat past --worker-timeout.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import time
 
 import zmq
 
+from launch import watchdog
 from proto import internal_pb2 as pb
 from proto.auth import CurveServer
 from proto.polling import poll, resolve_busy_poll_us
@@ -27,7 +32,9 @@ from proto.sizes import (DEFAULT_MAX_MODEL_LEN, MAX_LOGPROBS, MAX_WORKERS, large
                          largest_worker_message)
 from scheduler import checks
 from scheduler.deadlines import overdue_workers
+from scheduler.links import GatewayLinks
 from scheduler.outbox import split
+from scheduler.ratelog import RateLimitedLog
 from scheduler.router import Rejected, Router, RouterConfig
 
 log = logging.getLogger("pagoda.scheduler")
@@ -36,6 +43,12 @@ log = logging.getLogger("pagoda.scheduler")
 _CHECK_INTERVAL = 0.1
 # A worker that was asked to say hello again is asked again only after this long.
 _REREGISTER_AGAIN_S = 3.0
+# The most messages handled from each socket in one turn of the loop. Workers go first, and a
+# burst from the gateways waits in ZeroMQ (whose high-water mark then pushes back on them), so
+# that no flood of adds delays a worker's heartbeat or result by more than one short turn: 256
+# adds take a few milliseconds, even when each is refused.
+_WORKER_BATCH = 4096
+_GATEWAY_BATCH = 256
 
 
 class SchedulerServer:
@@ -46,26 +59,35 @@ class SchedulerServer:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=args.enable_prefix_caching,
             max_plans_in_flight=2 if args.async_scheduling else 1,
-            max_waiting_requests=args.max_waiting_requests))
+            max_waiting_requests=args.max_waiting_requests,
+            max_step_failures=args.max_step_failures))
         self.ctx = zmq.Context()
         self.curve = CurveServer(self.ctx, args.zmq_keys_dir)
-        # Each socket accepts the largest valid message of its peers, and nothing much larger.
-        self.gateways = self._bind(args.scheduler_gateway_address, args.max_message_bytes
+        # Each socket accepts the keys of its own role only (proto/auth.py), and the largest
+        # valid message of its peers, nothing much larger.
+        self.gateways = self._bind(args.scheduler_gateway_address, "gateway", args.max_message_bytes
                                    or largest_gateway_message(self.max_model_len))
-        self.workers = self._bind(args.scheduler_worker_address, args.max_message_bytes
+        self.workers = self._bind(args.scheduler_worker_address, "worker", args.max_message_bytes
                                   or largest_worker_message(args.max_num_seqs,
                                                             args.max_num_batched_tokens,
                                                             MAX_LOGPROBS))
         self.epoch = secrets.randbits(63) + 1
         self.gateway_seen: dict[bytes, float] = {}  # the gateways' leases: last message
-        self.gateway_seq: dict[bytes, int] = {}     # last sequence number sent on each link
+        self.links = GatewayLinks(self.epoch, self.gateway_seen)  # each link's numbering
+        # A flood of bad or unanswerable messages is counted, not logged once each.
+        self.unreachable = RateLimitedLog(log)
+        self.dropped = RateLimitedLog(log)
         self.no_workers_since: float | None = time.monotonic()
         self.reregister_asked: dict[bytes, float] = {}
         self.refused_gateways: set[bytes] = set()  # until a hello of theirs is accepted
         self.busy_poll_us = resolve_busy_poll_us(args.busy_poll_us)
+        self.poller = zmq.Poller()
+        self.poller.register(self.gateways, zmq.POLLIN)
+        self.poller.register(self.workers, zmq.POLLIN)
+        self.last_check = time.monotonic()
         self.running = True
 
-    def _bind(self, address: str, max_bytes: int) -> zmq.Socket:
+    def _bind(self, address: str, role: str, max_bytes: int) -> zmq.Socket:
         log.info("largest message accepted on %s: %d bytes", address, max_bytes)
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -75,48 +97,51 @@ class SchedulerServer:
         sock.setsockopt(zmq.SNDHWM, self.args.zmq_hwm)
         sock.setsockopt(zmq.RCVHWM, self.args.zmq_hwm)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer raises instead of dropping silently
-        self.curve.secure(sock)
+        self.curve.secure(sock, role)
         sock.bind(address)
         return sock
 
     def serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.gateways, zmq.POLLIN)
-        poller.register(self.workers, zmq.POLLIN)
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
         signal.signal(signal.SIGINT, lambda *_: self.stop())
         log.info("scheduler up: gateways %s, workers %s", self.args.scheduler_gateway_address,
                  self.args.scheduler_worker_address)
-        last_check = time.monotonic()
         while self.running:
-            # A result is due when a worker is busy: spin for it rather than sleep.
-            busy = any(w.scheduler.in_flight for w in self.router.workers.values())
-            events = dict(poll(poller, 200, self.busy_poll_us if busy else 0))
-            if self.gateways in events:
-                self._drain(self.gateways, self._on_gateway)
-            if self.workers in events:
-                self._drain(self.workers, self._on_worker)
-            now = time.monotonic()
-            if now - last_check > _CHECK_INTERVAL:
-                self._check_workers(now)
-                self._check_gateways(now)
-                last_check = now
-            self._send_plans()
-            self._flush_deltas()
+            watchdog.tick()  # a loop that stops turning is a hang (launch/watchdog.py)
+            self.turn()
         self._shutdown()
+
+    def turn(self, timeout_ms: int = 200) -> None:
+        """One turn of the loop: what came in, the checks, the plans and deltas that follow."""
+        # A result is due when a worker is busy: spin for it rather than sleep.
+        busy = any(w.scheduler.in_flight for w in self.router.workers.values())
+        events = dict(poll(self.poller, timeout_ms, self.busy_poll_us if busy else 0))
+        # Heartbeats and results first, then at once the check of what they renewed, so that
+        # time spent on gateway traffic never counts against a worker.
+        if self.workers in events:
+            self._drain(self.workers, self._on_worker, _WORKER_BATCH)
+        now = time.monotonic()
+        if now - self.last_check > _CHECK_INTERVAL:
+            self._check_workers(now)
+            self._check_gateways(now)
+            self.last_check = now
+        if self.gateways in events:
+            self._drain(self.gateways, self._on_gateway, _GATEWAY_BATCH)
+        self._send_plans()
+        self._flush_deltas()
 
     def stop(self) -> None:
         self.running = False
 
-    @staticmethod
-    def _drain(sock: zmq.Socket, handle) -> None:
-        while True:
+    def _drain(self, sock: zmq.Socket, handle, limit: int) -> None:
+        """Up to `limit` messages; the rest wait for the next turn (the poll sees them at once)."""
+        for _ in range(limit):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             if len(frames) != 2:
-                log.warning("dropping a malformed message of %d frames", len(frames))
+                self.dropped.warning("dropping a malformed message of %d frames", len(frames))
                 continue
             try:
                 handle(frames[0], frames[1])
@@ -129,15 +154,14 @@ class SchedulerServer:
         try:
             msg.ParseFromString(data)
         except Exception:  # noqa: BLE001 - a bad frame must not stop the scheduler
-            log.warning("unparseable gateway message from %r", ident)
+            self.dropped.warning("unparseable gateway message from %r", ident[:64])
             return
         kind = msg.WhichOneof("kind")
         if why := self._check_gateway(msg, kind):
-            log.warning("dropped a %s message from gateway %r: %s", kind, ident[:64], why)
+            self.dropped.warning("dropped a %s message from gateway %r: %s", kind, ident[:64], why)
             if kind == "add" and not checks.check_request_id(msg.add.request_id):
-                self._send(self.gateways, ident, pb.SchedulerMessage(deltas=[pb.TokenDelta(
-                    request_id=msg.add.request_id, finish=pb.ERROR,
-                    error=pb.Error(code="INVALID_ARGUMENT", message=why))]))
+                self.router.refuse(ident, msg.add.request_id,
+                                   pb.Error(code="INVALID_ARGUMENT", message=why))
             return
         if kind == "hello":
             if why := checks.check_gateway_hello(msg.hello, self.router.cluster_info().model):
@@ -157,10 +181,8 @@ class SchedulerServer:
         if kind == "add":
             try:
                 self.router.add(ident, msg.add)
-            except Rejected as e:
-                self._send(self.gateways, ident, pb.SchedulerMessage(deltas=[pb.TokenDelta(
-                    request_id=msg.add.request_id, finish=pb.ERROR,
-                    error=pb.Error(code=e.code, message=e.message))]))
+            except Rejected as e:  # answered with this turn's deltas (Router.refuse)
+                self.router.refuse(ident, msg.add.request_id, pb.Error(code=e.code, message=e.message))
         elif kind == "abort":
             self.router.abort(msg.abort.request_id, set(msg.abort.indices))
         elif kind == "hello":
@@ -174,8 +196,11 @@ class SchedulerServer:
 
     def _check_gateway(self, msg: pb.GatewayMessage, kind: str | None) -> str | None:
         if kind == "add":
+            # Every worker agrees on the vocabulary (Router.refusal): the first one's will do,
+            # and is cheaper than cluster_info() in a flood of adds.
+            first = next(iter(self.router.workers.values()), None)
             return checks.check_request_id(msg.add.request_id) or checks.check_add(
-                msg.add, self.router.cluster_info().vocab_size)
+                msg.add, first.hello.vocab_size if first is not None else 0)
         if kind == "abort":
             return checks.check_abort(msg.abort)
         if kind == "call":
@@ -198,8 +223,9 @@ class SchedulerServer:
                 f"{self.args.gateway_timeout:g} s (--gateway-timeout)")))
             log.warning("gateway %r silent for %.1f s: %d requests aborted", ident, now - seen, n)
             self._flush_deltas()  # in case it is only slow: it learns why its streams ended
+            # Its link's numbering goes on should it be heard again (scheduler/links.py says
+            # why that, not a new epoch): a restart at 1 would make it drop every message.
             del self.gateway_seen[ident]
-            self.gateway_seq.pop(ident, None)
 
     def _flush_deltas(self) -> None:
         for ident, msg in self.router.take_outbox().items():
@@ -273,7 +299,8 @@ class SchedulerServer:
         dead += [d for d in overdue_workers(self.router.workers, now, self.args.step_timeout)
                  if d[0] not in dict(dead)]
         for ident, why in dead:
-            self.router.remove(ident, why)
+            # Dead or hung in its running step: that counts against the step's sequences.
+            self.router.remove(ident, why, step_lost=True)
         if dead:
             self._broadcast_info()
         if self.reregister_asked:
@@ -303,13 +330,12 @@ class SchedulerServer:
     def _send(self, sock: zmq.Socket, ident: bytes, msg) -> bool:
         if sock is self.gateways:
             # Numbered even if the send fails: the gap is how the gateway learns of the loss.
-            msg.epoch = self.epoch
-            msg.seq = self.gateway_seq[ident] = self.gateway_seq.get(ident, 0) + 1
+            self.links.number(ident, msg)
         try:
             sock.send_multipart([ident, msg.SerializeToString()], zmq.NOBLOCK)
             return True
         except zmq.ZMQError as e:
-            log.warning("cannot reach %r: %s", ident, e)
+            self.unreachable.warning("cannot reach %r: %s", ident[:64], e)
             return False
 
     def _shutdown(self) -> None:

@@ -4,6 +4,7 @@ model is not the point."""
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -23,8 +24,13 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class FakeCluster:
-    def __init__(self, log_dir: Path, scheduler_flags=(), gateway_flags=(), worker_flags=()):
+    def __init__(self, log_dir: Path, scheduler_flags=(), gateway_flags=(), worker_flags=(),
+                 http: bool = False, gateway_address_space: int | None = None):
         self.log_dir = log_dir
+        self.http_port = free_port() if http else 0
+        # RLIMIT_AS of the gateway: a test of bounded memory fails with MemoryError in the gateway
+        # instead of exhausting the machine when the bound regresses.
+        self.gateway_address_space = gateway_address_space
         self.grpc_port, self.metrics_port = free_port(), free_port()
         self.gateway_address = f"tcp://127.0.0.1:{free_port()}"
         self.worker_address = f"tcp://127.0.0.1:{free_port()}"
@@ -43,10 +49,20 @@ class FakeCluster:
     def target(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
-    def _spawn(self, name: str, module: str, *flags: str) -> subprocess.Popen:
+    @property
+    def base_url(self) -> str:
+        """The OpenAI-compatible API (http=True), as the `openai` client takes it."""
+        return f"http://127.0.0.1:{self.http_port}/v1"
+
+    def _spawn(self, name: str, module: str, *flags: str,
+               address_space: int | None = None) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")
+
+        def limit() -> None:
+            resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
         return subprocess.Popen([sys.executable, "-m", module, *flags], cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                preexec_fn=limit if address_space else None)
 
     def start_scheduler(self) -> None:
         self.scheduler = self._spawn(
@@ -58,8 +74,8 @@ class FakeCluster:
     def start_gateway(self) -> None:
         self.gateway = self._spawn(
             "gateway", "gateway.main", "--port", str(self.grpc_port), "--gateway-metrics-port", "0",
-            "--http-port", "0", "--scheduler-gateway-address", self.gateway_address,
-            *self.keys_flags, *self.gateway_flags)
+            "--http-port", str(self.http_port), "--scheduler-gateway-address", self.gateway_address,
+            *self.keys_flags, *self.gateway_flags, address_space=self.gateway_address_space)
 
     def start_worker(self, *flags: str) -> subprocess.Popen:
         proc = self._spawn(f"worker{len(self.workers)}", "tests.fake_worker_main",

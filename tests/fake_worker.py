@@ -28,6 +28,10 @@ POISON_MARK = 997
 # tokens, as a deadlocked forward would, on a worker process started with --hang-on-mark
 # (tests/fake_worker_main.py); its heartbeat thread beats on. Elsewhere it is a plain token.
 HANG_MARK = 996
+# A prompt that starts with [DIE_MARK, k] kills the worker process whose step computes it once it
+# has k output tokens, as a crashing kernel would, on a worker process started with --die-on-mark
+# (tests/fake_worker_main.py). Elsewhere it is a plain token.
+DIE_MARK = 995
 
 
 class Poisoned(RuntimeError):
@@ -39,10 +43,10 @@ def is_poisoned(tokens: list[int], num_prompt_tokens: int) -> bool:
             and len(tokens) - num_prompt_tokens >= tokens[1])
 
 
-def hangs(plan: pb.StepPlan, seqs: dict) -> bool:
-    """Whether the plan computes a hang-marked sequence (see HANG_MARK); seqs: the worker's."""
+def hangs(plan: pb.StepPlan, seqs: dict, mark: int = HANG_MARK) -> bool:
+    """Whether the plan computes a sequence marked so (HANG_MARK, DIE_MARK); seqs: the worker's."""
     held = (seqs[s] for s in unpack_list(plan.running_slots) if s in seqs)
-    return any(len(t) >= 2 and t[0] == HANG_MARK and len(t) - p >= t[1] for t, p in (
+    return any(len(t) >= 2 and t[0] == mark and len(t) - p >= t[1] for t, p in (
         *((list(s.token_ids), s.num_prompt_tokens) for s in plan.new_seqs),
         *((s.tokens, s.num_prompt_tokens) for s in held)))
 

@@ -13,7 +13,8 @@ loop and heartbeat thread. --step-delay, or PAGODA_FAKE_STEP_S under the launche
 flags are the real worker's), makes each step take that many seconds, as a forward would, so
 that streams last long enough to be disturbed. --hang-on-mark S makes the first step that
 computes a HANG_MARK prompt (tests/fake_worker.py) take S more seconds ("inf": forever) while
-the heartbeat thread beats on; a worker hangs once per process.
+the heartbeat thread beats on; a worker hangs once per process. --die-on-mark makes the step
+that computes a DIE_MARK prompt end the process at once (exit status 1), heartbeats and all.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import time
 import zmq
 
 from proto import internal_pb2 as pb
-from tests.fake_worker import FakeWorker, hangs
+from tests.fake_worker import DIE_MARK, FakeWorker, hangs
 from worker.args import add_worker_args, default_worker_id
 from worker.heartbeat import heartbeats, main_routing_id
 from worker.main import Link, main_socket, serve
@@ -42,6 +43,7 @@ class FakeRunner:
         self.max_num_seqs, self.max_num_batched_tokens = args.max_num_seqs, args.max_num_batched_tokens
         self.step_s = args.step_delay
         self.hang_s = args.hang_on_mark  # None: HANG_MARK is a plain token here
+        self.die = args.die_on_mark
 
     def hello(self) -> pb.WorkerHello:
         hello = self.fake.hello(self.max_model_len)
@@ -60,6 +62,9 @@ class FakeRunner:
             logging.warning("hanging step %d for %g s", plan.step_id, self.hang_s)
             threading.Event().wait(None if self.hang_s == float("inf") else self.hang_s)
             self.hang_s = None
+        if self.die and hangs(plan, self.fake.seqs, DIE_MARK):
+            logging.warning("dying in step %d", plan.step_id)
+            os._exit(1)
         result = self.fake.execute(plan)
         result.forward_seconds = time.perf_counter() - start
         return result
@@ -70,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-delay", type=float,
                         default=float(os.environ.get("PAGODA_FAKE_STEP_S", "0")))
     parser.add_argument("--hang-on-mark", type=float, default=None)
+    parser.add_argument("--die-on-mark", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

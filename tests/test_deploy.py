@@ -2,8 +2,8 @@
 kustomize would (resources, then strategic-merge patches), every object validates against the
 Kubernetes 1.37 schema, and what the manifests say matches the code: each container runs a
 module of this repository with flags its parser accepts, each port is one those flags open,
-probes ask the health services the gateway serves, the Secret's items are the files proto/auth.py
-loads, and the autoscaler reads metrics the scheduler exports."""
+probes ask the health services the gateway serves, the Secret's items are the files proto/keyset.py
+says each role loads, and the autoscaler reads metrics the scheduler exports."""
 from __future__ import annotations
 
 import argparse
@@ -225,8 +225,8 @@ ROLE_FILES = {"scheduler.main": "scheduler", "worker.main": "worker", "gateway.m
 
 def test_each_pod_gets_the_key_files_its_role_loads_and_they_authenticate(tmp_path):
     """Lays out each pod's Secret volume from a key set made by proto.auth, then connects a
-    worker and a gateway to the scheduler with them: the handshake passes only with the right
-    files in the right places."""
+    worker and a gateway to the scheduler's socket of their role with them: the handshake passes
+    only with the right files in the right places."""
     keys = create_keys(tmp_path / "made")
     secret = {p.name: p.read_bytes() for p in keys.iterdir() if p.is_file()}  # kubectl --from-file=DIR
     dirs = {}
@@ -239,7 +239,8 @@ def test_each_pod_gets_the_key_files_its_role_loads_and_they_authenticate(tmp_pa
         for item in volumes[mount["name"]]["secret"]["items"]:
             (folder / item["path"]).parent.mkdir(parents=True, exist_ok=True)
             (folder / item["path"]).write_bytes(secret[item["key"]])
-        check_auth_args(argparse.Namespace(zmq_keys_dir=str(folder), insecure=False))
+        check_auth_args(argparse.Namespace(zmq_keys_dir=str(folder), insecure=False),
+                        role=ROLE_FILES[module])
         dirs[ROLE_FILES[module]] = folder
     # Only the scheduler holds a secret key other than its own role's.
     assert not any((dirs[r] / "scheduler.key_secret").exists() for r in ("worker", "gateway"))
@@ -247,10 +248,10 @@ def test_each_pod_gets_the_key_files_its_role_loads_and_they_authenticate(tmp_pa
     ctx.setsockopt(zmq.LINGER, 0)
     server = CurveServer(ctx, dirs["scheduler"])
     try:
-        router = ctx.socket(zmq.ROUTER)
-        server.secure(router)
-        port = router.bind_to_random_port("tcp://127.0.0.1")
         for role in ("worker", "gateway"):
+            router = ctx.socket(zmq.ROUTER)
+            server.secure(router, role)
+            port = router.bind_to_random_port("tcp://127.0.0.1")
             dealer = ctx.socket(zmq.DEALER)
             secure_client(dealer, dirs[role], role)
             dealer.connect(f"tcp://127.0.0.1:{port}")

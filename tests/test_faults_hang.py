@@ -12,7 +12,7 @@ from proto import pagoda_pb2 as pb
 from tests.cluster import wait_for
 from tests.fake_cluster import SERVING, FakeCluster
 from tests.fake_worker import HANG_MARK, reference_output
-from tests.test_faults_liveness import Stream
+from tests.streams import Stream
 
 STEP_TIMEOUT = 2.0
 

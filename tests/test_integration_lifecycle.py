@@ -199,8 +199,10 @@ def test_the_launcher_stops_gateway_then_scheduler_then_workers(tmp_path):
     assert gateway < scheduler < worker, log[-3000:]
 
 
-def test_a_process_that_keeps_dying_at_start_stops_everything(tmp_path):
-    flags = ["--worker-module", "tests.no_such_module", "--crash-loop-deaths", "3",
+def test_a_scheduler_that_keeps_dying_at_start_stops_everything(tmp_path):
+    """A worker given up on leaves the rest serving (tests/test_lifetime.py); the scheduler or
+    the gateway given up on stops the launcher with exit 1."""
+    flags = ["--scheduler-module", "tests.no_such_module", "--crash-loop-deaths", "3",
              "--port", str(free_port()), "--scheduler-gateway-address", f"tcp://127.0.0.1:{free_port()}",
              "--scheduler-worker-address", f"tcp://127.0.0.1:{free_port()}",
              "--scheduler-metrics-port", "0", "--gateway-metrics-port", "0"]
@@ -209,7 +211,7 @@ def test_a_process_that_keeps_dying_at_start_stops_everything(tmp_path):
                           text=True, timeout=60)
     took = time.monotonic() - start
     assert done.returncode == 1
-    assert "worker0 died 3 times in a row" in done.stdout, done.stdout + done.stderr
+    assert "scheduler died 3 times in a row" in done.stdout, done.stdout + done.stderr
     assert "pagoda: stopping: gateway, then scheduler, then workers" in done.stdout
     print(f"\ncrash loop: the launcher gave up after {took:.1f} s")
 

@@ -41,12 +41,14 @@ def _client(ctx, address, keys_dir=None, role="worker", own_keys=None):
 
 
 def test_only_authorized_keys_reach_a_curve_socket(tmp_path):
+    """The worker socket: only the worker key gets through (the role binding itself, both
+    sockets both ways, is tests/test_auth_roles.py's)."""
     keys = create_keys(tmp_path / "keys")
     ctx = zmq.Context()
     server = CurveServer(ctx, keys)
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
-    server.secure(router)
+    server.secure(router, "worker")
     address = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
     try:
         stranger = _client(ctx, address, keys, own_keys=zmq.curve_keypair())
@@ -61,8 +63,8 @@ def test_only_authorized_keys_reach_a_curve_socket(tmp_path):
         while time.monotonic() < deadline:
             if router.poll(100):
                 got.add(router.recv_multipart()[-1])
-        print(f"\nCURVE: delivered {sorted(got)}; refused stranger key and plain peer")
-        assert got == {b"worker", b"gateway"}
+        print(f"\nCURVE: delivered {sorted(got)}; refused stranger key, plain peer, gateway key")
+        assert got == {b"worker"}
     finally:
         for s in (stranger, plain, worker, gateway, router):
             s.close(0)
@@ -76,7 +78,9 @@ def test_the_launcher_makes_a_key_set_once_and_hands_it_to_every_process(tmp_pat
     for name in ("scheduler", "worker", "gateway"):
         assert routed[name][-2:] == ["--zmq-keys-dir", str(tmp_path / "keys")]
     secret = (tmp_path / "keys" / "scheduler.key_secret").read_bytes()
-    assert sorted(p.name for p in (tmp_path / "keys" / "authorized").iterdir()) == ["gateway.key", "worker.key"]
+    authorized = tmp_path / "keys" / "authorized"
+    assert sorted(str(p.relative_to(authorized)) for p in authorized.rglob("*")) == [
+        "gateway", "gateway/gateway.key", "worker", "worker/worker.key"]
     with_keys([], tmp_path / "keys")
     assert (tmp_path / "keys" / "scheduler.key_secret").read_bytes() == secret  # kept, not remade
     assert with_keys(["--insecure"], tmp_path / "other") == ["--insecure"]

@@ -22,6 +22,7 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from launch import lifetime, watchdog
 from proto import internal_pb2
 from proto.auth import check_auth_args, secure_client
 from proto.sizes import largest_step_plan
@@ -33,6 +34,7 @@ from worker.parallel import GroupLost
 logger = logging.getLogger("pagoda.worker")
 
 HEARTBEAT_S = 1.0
+DRAIN_S = 5.0  # after SIGTERM, for the step in hand and the goodbye (launch/lifetime.py)
 STOP_CHECK_S = 0.2  # the longest an idle worker takes to notice SIGTERM
 # libzmq retries a dropped connection every 100 ms by itself, except after a protocol error (an
 # oversized frame), when it gives up for good: a connection down this long with no retry is
@@ -102,6 +104,7 @@ def _serve(runner, link, send, goodbye, stop, busy_poll_us, ranks) -> int:
     last_sent = time.monotonic()
     busy_us = 0.0  # spin only while the next plan is due: right after a result
     while True:
+        watchdog.tick()
         if stop:
             logger.info("%s: saying goodbye to the scheduler", signal.Signals(stop[0]).name)
             goodbye()
@@ -189,12 +192,16 @@ def bound_socket(sock: zmq.Socket, args, hello: internal_pb2.WorkerHello) -> int
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = add_worker_args(argparse.ArgumentParser("pagoda worker", description=__doc__)).parse_args(argv)
+    parser = add_worker_args(argparse.ArgumentParser("pagoda worker", description=__doc__))
+    args = watchdog.add_flag(parser, watchdog.WORKER_TIMEOUT_S).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    check_auth_args(args, args.scheduler_worker_address)
+    check_auth_args(args, args.scheduler_worker_address, role="worker")
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
+    # Before the ranks start: it takes the launcher's pid out of the environment they inherit.
+    lifetime.start(DRAIN_S)
+    watchdog.start(args.watchdog_timeout, watchdog.WORKER_TIMEOUT_S)  # armed by serve()'s loop
 
     from worker.runner import ModelRunner  # torch is imported only after the flags parse
 
