@@ -67,8 +67,7 @@ class Gateway:
             ("grpc.max_concurrent_streams", edge.max_streams_per_connection),
         ])
         self.edge = edge
-        self.servicer = GenerationServicer(tokenizer, self.client, limits, api_keys,
-                                           shared_prefix_cache=edge.shared_prefix_cache)
+        self.servicer = GenerationServicer(tokenizer, self.client, limits, api_keys, edge=edge)
         pagoda_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
         # OpenAI-compatible HTTP on the same host and loop (0 = off), behind the same keys.
         self.http_port = http_port

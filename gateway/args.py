@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from gateway.auth import api_keys_from, parse_range, priority_ranges
 from proto.auth import add_auth_args
 
 # Bounds on one GenerateRequest (gateway.validate.Limits has a field per entry, same name and
@@ -114,6 +115,12 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--api-key", action="append", default=None,
                    help="require `authorization: Bearer <key>` on every Generation RPC; repeat "
                         "for several keys, each its own tenant (also env PAGODA_API_KEY)")
+    g.add_argument("--tenant-priority", action="append", default=None, metavar="KEY=LO:HI",
+                   help="the priorities the tenant of --api-key KEY may ask for (lower runs "
+                        "first); repeat per key")
+    g.add_argument("--default-tenant-priority", default=None, metavar="LO:HI",
+                   help="the priorities any other tenant may ask for; 0:0 keeps tenants from "
+                        "jumping each other's queue (default: +-max_priority)")
     g.add_argument("--ssl-certfile", default=None, help="TLS certificate (PEM) for the gRPC port")
     g.add_argument("--ssl-keyfile", default=None, help="its private key (PEM)")
     add_auth_args(parser)
@@ -126,6 +133,12 @@ def parse_gateway_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = add_gateway_args(parser).parse_args(argv)
     if args.http_port and args.http_port == args.port:
         parser.error(f"--http-port and --port are both {args.port}: one port cannot serve both")
+    try:
+        priority_ranges(args.tenant_priority, api_keys_from(args))
+        if args.default_tenant_priority is not None:
+            parse_range(args.default_tenant_priority)
+    except ValueError as e:
+        parser.error(str(e))
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         parser.error("--ssl-certfile and --ssl-keyfile go together")
     return args

@@ -49,7 +49,34 @@ def key_of(metadata, keys: tuple[str, ...]) -> str | None:
 def tenant_of(metadata, keys: tuple[str, ...]) -> str:
     """The prefix that namespaces this call's public request ids ("" without keys)."""
     key = key_of(metadata, keys) if keys else None
-    return f"k{hashlib.sha256(key.encode()).hexdigest()[:16]}/" if key else ""
+    return tenant_of_key(key) if key else ""
+
+
+def tenant_of_key(key: str) -> str:
+    # A digest, not the key: the tenant travels to the scheduler and into its logs.
+    return f"k{hashlib.sha256(key.encode()).hexdigest()[:16]}/"
+
+
+def priority_ranges(grants: list[str] | None, keys: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    """--tenant-priority KEY=LO:HI grants, by tenant. Raises ValueError naming a bad one."""
+    out = {}
+    for grant in grants or []:
+        key, _, span = grant.rpartition("=")
+        if key not in keys:
+            raise ValueError("--tenant-priority names a key that is not an --api-key")
+        out[tenant_of_key(key)] = parse_range(span)
+    return out
+
+
+def parse_range(span: str) -> tuple[int, int]:
+    low, sep, high = span.partition(":")
+    try:
+        lo, hi = int(low), int(high)
+    except ValueError:
+        raise ValueError(f"a priority range is LO:HI, got {span!r}") from None
+    if not sep or lo > hi:
+        raise ValueError(f"a priority range is LO:HI with LO <= HI, got {span!r}")
+    return lo, hi
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

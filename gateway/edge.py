@@ -16,9 +16,12 @@ class EdgeConfig:
     http_body_timeout: float = 30.0       # to read a whole request body
     http_write_timeout: float = 30.0      # a client that reads nothing this long is hung up on
     shutdown_grace_period: float = 30.0   # one drain, for HTTP and gRPC alike
+    tenant_priority: tuple[str, ...] = ()  # KEY=LO:HI grants (gateway/auth.py priority_ranges)
+    default_tenant_priority: str | None = None  # LO:HI for every other tenant
 
     @classmethod
     def from_args(cls, args) -> "EdgeConfig":
         """From the gateway's parsed flags; a flag the namespace lacks keeps its default."""
-        return cls(**{name: getattr(args, name, default)
-                      for name, default in cls().__dict__.items()})
+        values = {name: getattr(args, name, default) for name, default in cls().__dict__.items()}
+        values["tenant_priority"] = tuple(values["tenant_priority"] or ())
+        return cls(**values)

@@ -22,7 +22,8 @@ from typing import AsyncIterator
 import grpc
 
 from gateway import metrics
-from gateway.auth import tenant_of
+from gateway.auth import parse_range, priority_ranges, tenant_of
+from gateway.edge import EdgeConfig
 from gateway.beam import add_completion
 from gateway.scheduler_client import SchedulerBusy, SchedulerClient, SchedulerUnavailable
 from gateway.sizes import CONTEXT_BOUND
@@ -86,13 +87,17 @@ def _unary(method):
 class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: TextTokenizer, client: SchedulerClient,
                  limits: Limits | None = None, api_keys: tuple[str, ...] = (),
-                 shared_prefix_cache: bool = False):
+                 shared_prefix_cache: bool = False, edge: EdgeConfig = EdgeConfig()):
         self.tokenizer = tokenizer
         self.client = client
         self.api_keys = api_keys  # each one a tenant: its request ids are its own (gateway/auth.py)
         # False: the tenant is part of every cache salt, so no tenant's prefix-cache hits (and
         # their timing) reveal what another tenant sent.
-        self.shared_prefix_cache = shared_prefix_cache
+        self.shared_prefix_cache = shared_prefix_cache or edge.shared_prefix_cache
+        # Which priorities each tenant may ask for; without keys, --max-priority alone bounds it.
+        self.priority_ranges = priority_ranges(list(edge.tenant_priority), api_keys)
+        self.default_priority = (parse_range(edge.default_tenant_priority)
+                                 if edge.default_tenant_priority and api_keys else None)
         # The flags' bounds; max_model_len and vocab_size come from the scheduler per request.
         self.base_limits = limits or Limits(max_model_len=0, vocab_size=0)
 
@@ -196,6 +201,12 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         except ValidationError as e:
             raise RpcFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
         v.add.public_id = tenant + v.add.public_id  # the client's own id stays in v.public_id
+        v.add.tenant = tenant
+        allowed = self.priority_ranges.get(tenant, self.default_priority)
+        if allowed is not None and not allowed[0] <= v.add.priority <= allowed[1]:
+            raise RpcFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"priority must be in [{allowed[0]}, {allowed[1]}] for this API key, "
+                            f"got {v.add.priority}", "priority")
         if not self.shared_prefix_cache:
             # Tenants are fixed-length prefixes ("k" + 16 hex digits + "/"), so no client salt
             # of one tenant can equal another tenant's salted one.

@@ -26,7 +26,7 @@ __all__ = ["PROTOCOL_VERSION", "SERVER", "CLIENTS", "add_auth_args", "create_key
 log = logging.getLogger("pagoda.auth")
 
 # Raised on any change of internal.proto that an older peer would misread.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 def add_auth_args(parser: argparse.ArgumentParser) -> None:

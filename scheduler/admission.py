@@ -53,4 +53,6 @@ def check_admission(router: "Router", add: pb.AddRequest) -> int:
         raise Rejected("RESOURCE_EXHAUSTED",
                        f"the waiting queue is full ({num_waiting} waiting, "
                        f"--max-waiting-requests {router.config.max_waiting_requests})")
+    if why := router.tenants.refusal(add.tenant, 1 if width else n):
+        raise Rejected("RESOURCE_EXHAUSTED", why)
     return copies

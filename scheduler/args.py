@@ -32,6 +32,11 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="seconds a worker's step may run beyond 4x what its size costs at the "
                         "worker's measured prefill and swap rates; past that the worker is "
                         "declared hung, dropped, and its sequences recomputed elsewhere (0 = off)")
+    g.add_argument("--max-seqs-per-tenant", type=int, default=0,
+                   help="sequences one tenant (an API key of the gateway's) may have waiting "
+                        "or running at once; past it, RESOURCE_EXHAUSTED, so that one tenant "
+                        "cannot fill the waiting queue every tenant shares (0 = no bound but "
+                        "--max-waiting-requests)")
     g.add_argument("--max-step-failures", type=int, default=2,
                    help="a sequence whose step was lost with its worker (it died or timed out "
                         "during it) on this many workers in a row ends with INTERNAL instead of "

@@ -112,6 +112,7 @@ def check_add(add: pb.AddRequest, vocab_size: int, max_logprobs: int = MAX_LOGPR
     against it once one is, by the router's admission and again here on the next request)."""
     return _first(
         _text("public_id", add.public_id), _text("cache_salt", add.cache_salt),
+        _text("tenant", add.tenant),
         _tokens("prompt_token_ids", add.prompt_token_ids, vocab_size),
         _int("n", add.n, 0, MAX_N), _int("max_tokens", add.max_tokens, 0, MAX_LEN),
         _tokens("stop_token_ids", add.stop_token_ids, vocab_size, MAX_LIST),

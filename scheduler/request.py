@@ -45,6 +45,7 @@ class Request:
     arrival: int = 0                # a global counter: FCFS order within a priority
     public_id: str = ""             # the client's request id, unique in the cluster in flight
     cache_salt: str = ""            # prefix-cache hits only among requests with the same salt
+    tenant: str = ""                # whose quota it counts against (scheduler/tenants.py)
     arrival_time: float = 0.0       # time.monotonic() at the scheduler
     queue_time: float = -1.0        # arrival to first scheduled, once known
 

@@ -17,6 +17,8 @@ from scheduler.admission import Rejected, check_admission  # noqa: F401 - Reject
 from scheduler.outbox import Outbox
 from scheduler.request import FinishReason, Request, Status
 from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.reports import loads_of
+from scheduler.tenants import TenantLoad
 
 log = logging.getLogger("pagoda.router")
 
@@ -45,6 +47,7 @@ class RouterConfig:
     max_waiting_requests: int = 1024
     max_plans_in_flight: int = 2
     max_step_failures: int = 2  # lost steps that end a sequence (scheduler/lost_steps.py)
+    max_seqs_per_tenant: int = 0  # scheduler/tenants.py
     # A prefix hit wins the routing unless its worker is this much busier than the least loaded.
     load_slack: int = 8
 
@@ -56,6 +59,7 @@ class Router:
         self.pending: list[Request] = []          # no worker can take them yet
         self.seqs: dict[str, list[Request]] = {}  # request id -> its n sequences
         self.public: dict[str, str] = {}          # public (client) id -> request id, in flight
+        self.tenants = TenantLoad(config.max_seqs_per_tenant)  # counts what seqs holds
         self.arrivals = itertools.count()
         # Every registration's step ids start at its epoch << 32: ids never repeat across
         # registrations, so a late result of an earlier one is recognised and dropped.
@@ -163,10 +167,11 @@ class Router:
                 max_tokens=add.max_tokens, ignore_eos=add.ignore_eos,
                 stop_token_ids=frozenset(add.stop_token_ids), priority=add.priority,
                 arrival=arrival, public_id=add.public_id, arrival_time=now,
-                cache_salt=add.cache_salt))
+                cache_salt=add.cache_salt, tenant=add.tenant))
         if width:
             reqs[0].beam_params = add.beam_search
         self.seqs[add.request_id] = reqs
+        self.tenants.admit(add.tenant, len(reqs))
         if add.public_id:
             self.public[add.public_id] = add.request_id
         self._route(reqs[0], copies=copies)
@@ -246,20 +251,12 @@ class Router:
 
     def _forget(self, request_id: str) -> None:
         seqs = self.seqs.pop(request_id, None)
-        if seqs and seqs[0].public_id:
+        if seqs:
+            self.tenants.release(seqs[0].tenant, len(seqs))
             self.public.pop(seqs[0].public_id, None)
 
     def loads(self) -> pagoda_pb2.GetLoadsResponse:
-        out = pagoda_pb2.GetLoadsResponse(num_pending=len(self.pending))
-        for state in self.workers.values():
-            sched, pool = state.scheduler, state.scheduler.kv.pool
-            running = sum(r.status is Status.RUNNING for r in sched.requests.values())
-            out.workers.add(
-                worker_id=state.hello.worker_id, running=running, waiting=sched.num_waiting,
-                swapped=len(sched.swapped), kv_blocks_used=pool.num_used,
-                kv_blocks_total=pool.num_blocks,
-                prefix_cache_hit_rate=pool.hits / pool.queries if pool.queries else 0.0)
-        return out
+        return loads_of(self.pending, self.workers.values())
 
     def call(self, call: pb.Call) -> pb.CallReply:
         reply = pb.CallReply(call_id=call.call_id)

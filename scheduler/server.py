@@ -60,7 +60,8 @@ class SchedulerServer:
             enable_prefix_caching=args.enable_prefix_caching,
             max_plans_in_flight=2 if args.async_scheduling else 1,
             max_waiting_requests=args.max_waiting_requests,
-            max_step_failures=args.max_step_failures))
+            max_step_failures=args.max_step_failures,
+            max_seqs_per_tenant=args.max_seqs_per_tenant))
         self.ctx = zmq.Context()
         self.curve = CurveServer(self.ctx, args.zmq_keys_dir)
         # Each socket accepts the keys of its own role only (proto/auth.py), and the largest

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.integration
 KEY_A, KEY_B = "tenant-a-secret", "tenant-b-secret"
 AUTH_A, AUTH_B = (("authorization", f"Bearer {KEY_A}"),), (("authorization", f"Bearer {KEY_B}"),)
 MAX_WAITING, MAX_RUNNING = 16, 8   # the scheduler holds 24 sequences (ClusterInfo.max_sequences)
+TENANT_QUOTA = 12  # half of it
 MAX_BATCH_PROMPTS = 64
 MAX_RPCS = 24
 RSS_GROWTH = 200e6
@@ -36,8 +37,10 @@ def stack(tmp_path_factory):
     c = FakeCluster(
         tmp_path_factory.mktemp("hostile"), http=True, gateway_address_space=3 << 30,
         scheduler_flags=["--max-waiting-requests", str(MAX_WAITING),
-                         "--max-num-seqs", str(MAX_RUNNING)],
+                         "--max-num-seqs", str(MAX_RUNNING),
+                         "--max-seqs-per-tenant", str(TENANT_QUOTA)],
         gateway_flags=["--api-key", KEY_A, "--api-key", KEY_B,
+                       "--default-tenant-priority", "0:0", "--tenant-priority", f"{KEY_B}=-10:10",
                        "--max-batch-prompts", str(MAX_BATCH_PROMPTS),
                        "--max-concurrent-rpcs", str(MAX_RPCS), "--max-unread-deltas", "16",
                        "--http-header-timeout", "1", "--http-body-timeout", "1",
@@ -170,6 +173,38 @@ def test_tenants_never_hit_each_others_cached_prefixes(stack):
                                                stopping=pb.StoppingCriteria(max_tokens=1)),
                             metadata=AUTH_B, timeout=10)
     assert r.usage.cached_prompt_tokens == 80
+
+
+def test_one_tenant_can_neither_fill_the_queue_nor_jump_it(stack):
+    def stream(i: int, metadata, priority: int = 0) -> Stream:
+        return Stream(stack.stub, pb.GenerateRequest(
+            prompt_token_ids=[60, 61, i], sampling=pb.SamplingParams(seed=i), priority=priority,
+            stopping=pb.StoppingCriteria(max_tokens=150)), metadata=metadata)
+    hog = [stream(i, AUTH_A) for i in range(20)]
+    assert wait_for(lambda: sum(s.code == grpc.StatusCode.RESOURCE_EXHAUSTED for s in hog) == 8, 20)
+    # Tenant A holds its whole quota; tenant B is admitted beside it, ahead of it if it asks.
+    others = [stream(100 + i, AUTH_B, priority=-10) for i in range(8)]
+    for s in hog + others:
+        s.join(60)
+    assert [s.code for s in others] == [grpc.StatusCode.OK] * 8
+    for i, s in enumerate(others):
+        assert s.tokens == reference_output([60, 61, 100 + i], 150, seed=100 + i)
+    served = [i for i, s in enumerate(hog) if s.code == grpc.StatusCode.OK]
+    refused = [s for s in hog if s.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert len(served) == TENANT_QUOTA and len(refused) == 8
+    assert all(s.details.startswith(f"this tenant has {TENANT_QUOTA} sequences in flight")
+               for s in refused)
+    # Priorities: tenant A may ask for none but 0, tenant B for [-10, 10].
+    with pytest.raises(grpc.RpcError) as e:
+        stack.stub.Generate(pb.GenerateRequest(prompt_token_ids=[1, 2], priority=-1,
+                                               stopping=pb.StoppingCriteria(max_tokens=1)),
+                            metadata=AUTH_A, timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == "priority must be in [0, 0] for this API key, got -1"
+    status, body, _ = post(stack, "/v1/completions", {"model": MODEL, "prompt": [1, 2],
+                                                      "max_tokens": 1, "priority": 11}, key=KEY_B)
+    assert_openai_error(status, body, 400, "priority")
+    assert wait_for(stack.idle_and_free, 30)
 
 
 # ---------------------------------------------------------------------------- malformed bodies
