@@ -101,7 +101,12 @@ class _TimedProtocol(HttpToolsProtocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._write_timer is None:
-            self._write_timer = self.loop.call_later(self.edge.http_write_timeout, self._hang_up)
+            self._write_timer = self.loop.call_later(self.edge.http_write_timeout, self._cut_off)
+
+    def _cut_off(self) -> None:
+        # abort, not close: close() would wait for the buffered response to drain, which a
+        # client that reads nothing never lets happen.
+        self.transport.abort()
 
     def resume_writing(self) -> None:
         self._disarm("_write_timer")
