@@ -10,9 +10,7 @@ delta or logprobs failed ends with INTERNAL and a short message, every other str
 """
 from __future__ import annotations
 
-import logging
 import math
-import time
 
 import grpc
 
@@ -119,23 +117,3 @@ def check_reply(reply: pb.CallReply) -> str | None:
                     for r in reply.abort.request_ids))
 
 
-class RateLimitedLog:
-    """At most one warning per `interval` seconds; the ones in between are counted and the count
-    goes with the next, so a flood of bad messages cannot flood the log."""
-
-    def __init__(self, log: logging.Logger, interval: float = 1.0) -> None:
-        self.log, self.interval = log, interval
-        self.dropped = 0     # in all, for tests and metrics
-        self._quiet = 0      # since the last line
-        self._last = -math.inf
-
-    def warning(self, fmt: str, *args) -> None:
-        self.dropped += 1
-        now = time.monotonic()
-        if now - self._last < self.interval:
-            self._quiet += 1
-            return
-        if self._quiet:
-            fmt += f" (and {self._quiet} more since the last such line)"
-        self.log.warning(fmt, *args)
-        self._last, self._quiet = now, 0

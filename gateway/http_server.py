@@ -30,44 +30,14 @@ from gateway.edge import EdgeConfig
 from gateway.json_body import BadBody, parse_object
 from gateway.openai_render import Collector, chat_delta, chat_logprobs, chunk, finish_reason, now
 from gateway.openai_schema import (BadField, ChatCompletionRequest, CompletionRequest, chat_request,
-                                   completion_requests, openai_param)
+                                   completion_requests)
 from gateway.server import GenerationServicer, RpcFailed
 from gateway.beam import MAX_BEAM_WIDTH
-from gateway.validate import MAX_N, ValidationError
+from gateway.http_errors import HttpError, bad_request, from_rpc
+from gateway.validate import MAX_N
 from proto import pagoda_pb2
 
 log = logging.getLogger("pagoda.gateway")
-
-HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-               grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-               grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
-               grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-               grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-               grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
-               grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error")}
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.type, self.param, self.code = status, type_, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-def from_rpc(e: RpcFailed, chat: bool) -> HttpError:
-    status, type_ = HTTP_STATUS.get(e.code, (500, "internal_error"))
-    param = openai_param(e.field, chat) if e.field else None
-    message = str(e).replace(e.field, param) if e.field and param else str(e)
-    return HttpError(status, message, type_, param, e.code.name.lower())
-
-
-def bad_request(message: str, param: str | None = None) -> HttpError:
-    return HttpError(400, message, "invalid_request_error", param)
-
 
 class HttpApi:
     def __init__(self, servicer: GenerationServicer, max_body_bytes: int,

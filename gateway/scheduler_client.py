@@ -28,6 +28,7 @@ from gateway import checks
 from gateway.inbox import Inbox
 from gateway.sizes import CONTEXT_BOUND
 from gateway.validate import Limits
+from launch.ratelog import RateLimitedLog
 from proto import internal_pb2
 from proto.auth import PROTOCOL_VERSION, secure_client
 from proto.codec import expand_deltas
@@ -79,7 +80,7 @@ class SchedulerClient:
         self._call_ids = itertools.count(1)
         self._listeners: list[InfoListener] = []
         self._last_heard = 0.0
-        self._bad = checks.RateLimitedLog(log)  # dropped messages: counted, logged once a second
+        self._bad = RateLimitedLog(log)  # dropped messages: counted, logged once a second
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []

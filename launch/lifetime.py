@@ -116,18 +116,18 @@ def _watch(life: Lifetime, wakeup: int | None) -> None:
             life.orphan_seen = True
             life.arm(ORPHAN_DRAIN_S + MARGIN_S,
                      f"the launcher's death (pid {life.parent_pid})")
-            _write(f"pid {os.getpid()}: the launcher (pid {life.parent_pid}) is gone: exiting "
+            write_stderr(f"pid {os.getpid()}: the launcher (pid {life.parent_pid}) is gone: exiting "
                    f"within {ORPHAN_DRAIN_S + MARGIN_S:g} s\n")
             if not life.stop_seen:
                 os.kill(os.getpid(), signal.SIGTERM)
         deadline = life.deadline
         if deadline is not None and time.monotonic() > deadline.at:
-            _write(f"CRITICAL pid {os.getpid()}: still running {deadline.bound_s:g} s after "
+            write_stderr(f"CRITICAL pid {os.getpid()}: still running {deadline.bound_s:g} s after "
                    f"{deadline.why}; exiting with code {EXIT_CODE}\n")
             os._exit(EXIT_CODE)
 
 
-def _write(text: str) -> None:
+def write_stderr(text: str) -> None:
     # Straight to fd 2, not through logging: a wedged main thread may hold a handler's lock.
     try:
         os.write(2, text.encode(errors="replace"))

@@ -17,6 +17,8 @@ import threading
 import time
 import traceback
 
+from launch.lifetime import write_stderr as _write
+
 EXIT_CODE = 70  # EX_SOFTWARE: tells a hang from a crash in the launcher's log
 WORKER_TIMEOUT_S = 30.0  # one forward runs inside one turn of the worker's loop
 LOOP_TIMEOUT_S = 10.0    # the scheduler's and the gateway's loops turn at least every 0.5 s
@@ -83,8 +85,3 @@ def _die(stalled: float, timeout_s: float) -> None:
     os._exit(EXIT_CODE)
 
 
-def _write(text: str) -> None:
-    try:
-        os.write(2, text.encode(errors="replace"))
-    except OSError:
-        pass

@@ -25,6 +25,7 @@ import time
 import zmq
 
 from launch import watchdog
+from launch.ratelog import RateLimitedLog
 from proto import internal_pb2 as pb
 from proto.auth import CurveServer
 from proto.polling import poll, resolve_busy_poll_us
@@ -34,7 +35,6 @@ from scheduler import checks
 from scheduler.deadlines import overdue_workers
 from scheduler.links import GatewayLinks
 from scheduler.outbox import split
-from scheduler.ratelog import RateLimitedLog
 from scheduler.router import Rejected, Router, RouterConfig
 
 log = logging.getLogger("pagoda.scheduler")

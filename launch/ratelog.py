@@ -1,5 +1,6 @@
-"""A log line that a flood cannot multiply: the scheduler's loop must not spend a burst of
-messages on one warning each (a gateway sending 200,000 adds once cost 177,495 lines)."""
+"""A log line that a flood cannot multiply: no process's loop may spend a burst of bad or
+unanswerable messages on one warning each (a gateway sending 200,000 adds once cost the
+scheduler 177,495 lines). Shared by the scheduler and the gateway; standard library only."""
 from __future__ import annotations
 
 import logging

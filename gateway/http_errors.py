@@ -1,0 +1,38 @@
+"""HTTP errors in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with the
+status codes OpenAI uses for each gRPC status the servicer ends with."""
+from __future__ import annotations
+
+import grpc
+
+from gateway.openai_schema import openai_param
+from gateway.server import RpcFailed
+
+HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+               grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+               grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
+               grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+               grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+               grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+               grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error")}
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.type, self.param, self.code = status, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def from_rpc(e: RpcFailed, chat: bool) -> HttpError:
+    status, type_ = HTTP_STATUS.get(e.code, (500, "internal_error"))
+    param = openai_param(e.field, chat) if e.field else None
+    message = str(e).replace(e.field, param) if e.field and param else str(e)
+    return HttpError(status, message, type_, param, e.code.name.lower())
+
+
+def bad_request(message: str, param: str | None = None) -> HttpError:
+    return HttpError(400, message, "invalid_request_error", param)
