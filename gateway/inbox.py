@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Callable
 
 from proto import internal_pb2
 
@@ -25,12 +24,8 @@ _ENDS = (internal_pb2.LENGTH, internal_pb2.STOP, internal_pb2.ABORT)
 
 
 class Inbox:
-    def __init__(self, request_id: str, limit: int, n: int = 1,
-                 on_overflow: Callable[[], None] | None = None) -> None:
+    def __init__(self, request_id: str, limit: int, n: int = 1) -> None:
         self.request_id = request_id
-        # Called once the client has read too slowly: its handler may be blocked in a write the
-        # client will never read, which only a cancel ends (and frees the RPC's slot).
-        self.on_overflow = on_overflow
         self.limit = limit
         self.n = n  # sequences: an index outside [0, n) is malformed (gateway/checks.py)
         self.closed = False  # failed: nothing more goes in
@@ -51,8 +46,6 @@ class Inbox:
             self.fail("RESOURCE_EXHAUSTED",
                       f"the client read too slowly: {self._unread} tokens were waiting unread "
                       f"(--max-unread-deltas {self.limit})")
-            if self.on_overflow is not None:
-                self.on_overflow()
             return False
         if isinstance(item, internal_pb2.TokenDelta) and (item.token_ids or item.finish in _ENDS):
             got = self._received.get(item.index, 0)

@@ -129,8 +129,7 @@ class SchedulerClient:
     def new_request_id(self) -> str:
         return f"{self.gateway_id}-{next(self._counter)}"
 
-    def open(self, request_id: str, n: int = 1,
-             on_overflow: Callable[[], None] | None = None) -> Inbox:
+    def open(self, request_id: str, n: int = 1) -> Inbox:
         """Registers a request of n sequences before its AddRequest goes out, so no delta can
         arrive unrouted."""
         if not self.has_room(n):
@@ -139,7 +138,7 @@ class SchedulerClient:
                 f"the scheduler is full: this gateway has {self._open_sequences} sequences in "
                 f"flight and the scheduler holds at most {limit} (waiting plus running); retry "
                 "later")
-        inbox = Inbox(request_id, self.max_unread, n, on_overflow)
+        inbox = Inbox(request_id, self.max_unread, n)
         self._queues[request_id] = inbox
         self._open_sequences += n
         return inbox

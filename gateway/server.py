@@ -121,14 +121,12 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         started = time.monotonic()
         code = grpc.StatusCode.OK
         metrics.IN_FLIGHT.inc()
-        overflow = _Overflow(asyncio.current_task())
         try:
             first = True
             # aclosing: a cancel that lands while this handler waits at `yield` must still run
             # responses' finally (the abort) now, not whenever the generator is collected.
             async with aclosing(self.responses(request, started, unary=False,
-                                               tenant=self._tenant(context),
-                                               on_overflow=overflow)) as responses:
+                                               tenant=self._tenant(context))) as responses:
                 async for response in responses:
                     if first and response.token_ids:
                         metrics.TIME_TO_FIRST_TOKEN.observe(time.monotonic() - started)
@@ -184,8 +182,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         return tenant_of(context.invocation_metadata(), self.api_keys) if self.api_keys else ""
 
     async def responses(self, request: pagoda_pb2.GenerateRequest, started: float, unary: bool,
-                        tenant: str = "", on_overflow=None
-                        ) -> AsyncIterator[pagoda_pb2.GenerateResponse]:
+                        tenant: str = "") -> AsyncIterator[pagoda_pb2.GenerateResponse]:
         """The responses of one request, for GenerateStream, Generate and the HTTP API alike;
         raises RpcFailed. Closing it early aborts the request at the scheduler. tenant
         namespaces the public request id by API key."""
@@ -213,7 +210,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
             v.add.cache_salt = tenant + v.add.cache_salt
         builder = ResponseBuilder(self.tokenizer, v, v.public_id, started)
         try:
-            queue = self.client.open(internal_id, v.n, on_overflow)
+            queue = self.client.open(internal_id, v.n)
         except SchedulerBusy as e:
             raise RpcFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         metrics.PROMPT_TOKENS.inc(len(v.prompt_token_ids))
@@ -318,25 +315,6 @@ async def _off_loop_if_large(request, fn, *args, **kwargs):
     if request.ByteSize() <= _INLINE_REQUEST_BYTES:
         return fn(*args, **kwargs)
     return await asyncio.to_thread(fn, *args, **kwargs)
-
-
-class _Overflow:
-    """What a stream does once its client has read too slowly. Its handler may be blocked in
-    a write the client never reads; a second after the abort the RPC's task is cancelled, which
-    frees the handler and what it holds (a task that has finished by then ignores the cancel).
-    The call itself stays open in gRPC's core, and holds its --max-concurrent-rpcs slot, until
-    the client's deadline or disconnect: grpc.aio has no server-side cancel, and the status
-    would queue behind the unread messages. --max-streams-per-connection keeps one connection
-    from holding every slot that way."""
-    GRACE_S = 1.0
-
-    def __init__(self, task: asyncio.Task) -> None:
-        self.task = task
-        self.timer: asyncio.TimerHandle | None = None
-
-    def __call__(self) -> None:
-        if self.timer is None:
-            self.timer = asyncio.get_running_loop().call_later(self.GRACE_S, self.task.cancel)
 
 
 def _cancel_code(context) -> grpc.StatusCode:
