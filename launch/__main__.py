@@ -107,6 +107,28 @@ class Child:
     deaths_in_a_row: int = 0
     restart_at: float | None = None
     given_up: bool = False
+    stopped_since: float | None = None  # SIGSTOPped (state T) since, by the last look
+
+
+def kill_if_stopped_too_long(child: Child, now: float, timeout_s: float) -> None:
+    """SIGKILL a child that has stayed stopped (state T) for timeout_s; reap() restarts it."""
+    if not is_stopped(child.proc.pid):
+        child.stopped_since = None
+    elif child.stopped_since is None:
+        child.stopped_since = now
+    elif now - child.stopped_since > timeout_s:
+        print(f"pagoda: {child.name} has been stopped (SIGSTOP) for {timeout_s:g} s; killing it "
+              "so that it is restarted", flush=True)
+        child.proc.kill()
+        child.stopped_since = None
+
+
+def is_stopped(pid: int) -> bool:
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:].startswith("T")  # the state follows the command's ")"
 
 
 def own_group_and_die_with_parent() -> None:
@@ -195,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
                      help="seconds after its start within which a death counts as one more in "
                           "a crash loop; a process that lives longer starts the count and its "
                           "backoff afresh (default: %(default)s)")
+    own.add_argument("--stopped-timeout", type=float, default=10.0,
+                     help="a child stopped (SIGSTOP, state T) this many seconds is killed, and so "
+                          "restarted: the scheduler has dropped it as silent by then, and a "
+                          "stopped process would hold its place forever (0 = never) "
+                          "(default: %(default)s)")
     opts, rest = own.parse_known_args(argv)
     parsers = process_parsers()
     routed = route_flags(with_keys(rest), parsers)
@@ -226,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                     break
             elif child.proc is None and child.restart_at is not None and now >= child.restart_at:
                 start(child, env)
+            elif child.proc is not None and opts.stopped_timeout:
+                kill_if_stopped_too_long(child, now, opts.stopped_timeout)
         time.sleep(0.1)
     print("pagoda: stopping: gateway, then scheduler, then workers", flush=True)
     stop_in_order(children, gateway_grace)

@@ -217,3 +217,28 @@ def test_giving_up_on_the_scheduler_stops_everything_with_exit_code_1(tmp_path):
     assert len(notes(tmp_path, "crashed")) == 3
     serving = sorted(pid for pid, _ in notes(tmp_path, "serving"))
     assert len(serving) == 2 and sorted(pid for pid, _ in notes(tmp_path, "stopped")) == serving
+
+
+@pytest.mark.integration
+def test_a_stopped_worker_is_killed_and_restarted(tmp_path):
+    """A SIGSTOPped worker keeps its process but does nothing: the scheduler drops it, and the
+    launcher kills it after --stopped-timeout so that a fresh one takes its place."""
+    log = tmp_path / "launcher.log"
+    with open(log, "w") as out:
+        proc = launcher(tmp_path, "--scheduler-module", "tests.stand_in_serving", "--gateway-module",
+                        "tests.stand_in_serving", "--worker-module", "tests.stand_in_serving",
+                        "--stopped-timeout", "1", stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: len(notes(tmp_path, "serving")) == 3, 10)
+        # The launcher starts the scheduler, the worker, then the gateway.
+        worker = sorted(notes(tmp_path, "serving"), key=lambda n: n[1])[1][0]
+        os.kill(worker, signal.SIGSTOP)
+        wait_for(lambda: len(notes(tmp_path, "serving")) == 4, 10)
+        assert "pagoda: worker0 has been stopped (SIGSTOP) for 1 s; killing it" in log.read_text()
+        with pytest.raises(ProcessLookupError):
+            os.kill(worker, 0)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+    finally:
+        proc.kill()
