@@ -58,6 +58,9 @@ def build() -> Path:
     try:
         subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True,
                        capture_output=True, text=True)
+        # mkstemp made it 0600 (the linker adds only x): readable by every user that may load
+        # it, such as a container's unprivileged one.
+        os.chmod(tmp, 0o755)
         os.replace(tmp, path)
     except subprocess.CalledProcessError as e:
         raise RuntimeError(f"{compiler} failed: {e.stderr.strip()}") from e

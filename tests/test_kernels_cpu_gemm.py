@@ -80,3 +80,10 @@ def test_build_without_a_compiler_says_so(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="false failed"):
         cpu_gemm.build()
     assert list(tmp_path.iterdir()) == []  # no half-written library left behind
+
+
+def test_the_built_library_is_readable_by_every_user(tmp_path, monkeypatch):
+    """A container builds it as root and runs its worker as another user, who must load it."""
+    monkeypatch.setattr(cpu_gemm, "BUILD_DIR", tmp_path)
+    path = cpu_gemm.build()
+    assert path.stat().st_mode & 0o777 == 0o755
