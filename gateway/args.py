@@ -96,8 +96,9 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "sent every second) before requests in flight end UNAVAILABLE and "
                         "health turns NOT_SERVING (default: %(default)s)")
     g.add_argument("--max-unread-deltas", type=_int_at_least(1), default=256,
-                   help="messages one stream may hold unread by its client; past it the request "
-                        "is aborted with RESOURCE_EXHAUSTED (default: %(default)s)")
+                   help="tokens one stream may hold unread by its client (a message without "
+                        "tokens counts 1); past it the request is aborted with RESOURCE_EXHAUSTED "
+                        "(default: %(default)s)")
     g.add_argument("--max-concurrent-rpcs", type=_int_at_least(1), default=1024,
                    help="RPCs one gateway serves at once; past it, RESOURCE_EXHAUSTED "
                         "(default: %(default)s)")
