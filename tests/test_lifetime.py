@@ -6,6 +6,7 @@ tests/stand_in_serving.py, tests/stand_in_crashing.py."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -230,8 +231,7 @@ def test_a_stopped_worker_is_killed_and_restarted(tmp_path):
                         "--stopped-timeout", "1", stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: len(notes(tmp_path, "serving")) == 3, 10)
-        # The launcher starts the scheduler, the worker, then the gateway.
-        worker = sorted(notes(tmp_path, "serving"), key=lambda n: n[1])[1][0]
+        worker = int(re.search(r"started worker0 \(pid (\d+)\)", log.read_text()).group(1))
         os.kill(worker, signal.SIGSTOP)
         wait_for(lambda: len(notes(tmp_path, "serving")) == 4, 10)
         assert "pagoda: worker0 has been stopped (SIGSTOP) for 1 s; killing it" in log.read_text()
