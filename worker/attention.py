@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.select import AttentionBackend
+from worker.attention_backends import AttentionBackend
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.select import AttentionBackend
+from worker.attention_backends import AttentionBackend
 from worker.attention import AttentionMetadata, PagedAttention
 from worker.config import ModelConfig
 from worker.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary, kernel_fits, linear

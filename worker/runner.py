@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from kernels.select import select_backend
+from worker.attention_backends import select_backend
 from launch.models import model_display_name, resolve_model
 from proto import internal_pb2
 from proto.auth import PROTOCOL_VERSION

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Times and profiles the CPU worker's step on the real SmolLM2-135M, through ModelRunner.execute.
 
-    .venv/bin/python kernels/profile_cpu.py [--tree DIR] [--profile] [-- worker flags]
+    .venv/bin/python bench/profile_cpu.py [--tree DIR] [--profile] [-- worker flags]
 
 Scenarios: steady decode of 32 and of 64 sequences with contexts drawn from 200-600 tokens, and
 32 decodes plus a 256-token prefill in the same step. The KV cache is filled with noise instead
@@ -31,7 +31,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads, 0 = torch's default")
     p.add_argument("worker_flags", nargs="*")
     args = p.parse_args()
-    # In place of this script's folder, whose select.py would shadow the standard library's.
+    # The tree to measure comes first on the path, before any installed copy.
     sys.path[0] = args.tree
 
     import torch
