@@ -147,10 +147,6 @@ class SchedulerClient:
         limit = self.info.max_sequences if self.info is not None else 0
         return not limit or self._open_sequences + n <= limit
 
-    @property
-    def open_sequences(self) -> int:
-        return self._open_sequences
-
     def release(self, request_id: str) -> None:
         inbox = self._queues.pop(request_id, None)
         if inbox is not None:

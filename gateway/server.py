@@ -87,13 +87,13 @@ def _unary(method):
 class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: TextTokenizer, client: SchedulerClient,
                  limits: Limits | None = None, api_keys: tuple[str, ...] = (),
-                 shared_prefix_cache: bool = False, edge: EdgeConfig = EdgeConfig()):
+                 edge: EdgeConfig = EdgeConfig()):
         self.tokenizer = tokenizer
         self.client = client
         self.api_keys = api_keys  # each one a tenant: its request ids are its own (gateway/auth.py)
         # False: the tenant is part of every cache salt, so no tenant's prefix-cache hits (and
         # their timing) reveal what another tenant sent.
-        self.shared_prefix_cache = shared_prefix_cache or edge.shared_prefix_cache
+        self.shared_prefix_cache = edge.shared_prefix_cache
         # Which priorities each tenant may ask for; without keys, --max-priority alone bounds it.
         self.priority_ranges = priority_ranges(list(edge.tenant_priority), api_keys)
         self.default_priority = (parse_range(edge.default_tenant_priority)

@@ -137,9 +137,12 @@ def test_the_readmes_grpcurl_call_answers(stack):
         message, at = decoder.raw_decode(out, at)
         messages.append(message)
     text = "".join(m.get("text", "") for m in messages)
-    assert "Paris" in text, text
-    assert messages[-1]["finish_reason"] in ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH")
-    assert messages[-1]["usage"]["completion_tokens"] > 0
+    # transformers' greedy answer to this chat (SmolLM2-135M-Instruct, fp32): "The capital of
+    # France is Paris." and EOS, 8 tokens; the suite holds the engine to transformers token by
+    # token, this holds the container to the same answer, ending where it ends.
+    assert text == "The capital of France is Paris.", text
+    assert messages[-1]["finish_reason"] == "FINISH_REASON_STOP"
+    assert messages[-1]["usage"]["completion_tokens"] == 8
 
 
 def test_the_openai_sdk_answers(stack):
@@ -238,7 +241,8 @@ def test_a_killed_scheduler_comes_back_by_itself(stack):
         killed_at = time.monotonic()
         stream.join(60)
         # The requests in flight are lost with the scheduler, and the client is told so.
-        assert stream.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.OK), stream.details
+        assert stream.code == grpc.StatusCode.UNAVAILABLE, stream.details
+        assert len(stream.tokens) < 64
     stack.wait("restarted", lambda: int(stack.inspect(container, "{{.RestartCount}}")) > restarts,
                timeout=60)
     stack.serving(workers=2, timeout=120)

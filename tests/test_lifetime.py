@@ -164,6 +164,16 @@ def launcher(tmp_path: Path, *flags: str, **popen) -> subprocess.Popen:
                             env=env, text=True, **popen)
 
 
+def stand_ins(tmp_path: Path, worker_module: str, *flags: str) -> tuple[subprocess.Popen, Path]:
+    """The launcher over serving stand-ins for the scheduler and the gateway, its output in a log."""
+    log = tmp_path / "launcher.log"
+    with open(log, "w") as out:
+        proc = launcher(tmp_path, "--scheduler-module", "tests.stand_in_serving", "--gateway-module",
+                        "tests.stand_in_serving", "--worker-module", worker_module, *flags,
+                        stdout=out, stderr=subprocess.STDOUT)
+    return proc, log
+
+
 def notes(tmp_path: Path, what: str) -> list[tuple[int, float]]:
     path = tmp_path / "stand-ins.log"
     lines = path.read_text().split("\n") if path.exists() else []
@@ -179,11 +189,7 @@ def wait_for(predicate, timeout_s: float) -> None:
 
 @pytest.mark.integration
 def test_a_crash_looping_worker_is_backed_off_and_given_up_while_the_others_serve(tmp_path):
-    log = tmp_path / "launcher.log"
-    with open(log, "w") as out:
-        proc = launcher(tmp_path, "--scheduler-module", "tests.stand_in_serving", "--gateway-module",
-                        "tests.stand_in_serving", "--worker-module", "tests.stand_in_crashing",
-                        "--crash-loop-deaths", "4", stdout=out, stderr=subprocess.STDOUT)
+    proc, log = stand_ins(tmp_path, "tests.stand_in_crashing", "--crash-loop-deaths", "4")
     try:
         wait_for(lambda: "giving up on it; the others keep serving" in log.read_text(), 12)
         time.sleep(0.5)  # nothing else happens: no restart, no stop
@@ -224,11 +230,7 @@ def test_giving_up_on_the_scheduler_stops_everything_with_exit_code_1(tmp_path):
 def test_a_stopped_worker_is_killed_and_restarted(tmp_path):
     """A SIGSTOPped worker keeps its process but does nothing: the scheduler drops it, and the
     launcher kills it after --stopped-timeout so that a fresh one takes its place."""
-    log = tmp_path / "launcher.log"
-    with open(log, "w") as out:
-        proc = launcher(tmp_path, "--scheduler-module", "tests.stand_in_serving", "--gateway-module",
-                        "tests.stand_in_serving", "--worker-module", "tests.stand_in_serving",
-                        "--stopped-timeout", "1", stdout=out, stderr=subprocess.STDOUT)
+    proc, log = stand_ins(tmp_path, "tests.stand_in_serving", "--stopped-timeout", "1")
     try:
         wait_for(lambda: len(notes(tmp_path, "serving")) == 3, 10)
         worker = int(re.search(r"started worker0 \(pid (\d+)\)", log.read_text()).group(1))
