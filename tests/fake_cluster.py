@@ -57,12 +57,13 @@ class FakeCluster:
     def _spawn(self, name: str, module: str, *flags: str,
                address_space: int | None = None) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")
-
-        def limit() -> None:
-            resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
-        return subprocess.Popen([sys.executable, "-m", module, *flags], cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                                preexec_fn=limit if address_space else None)
+        proc = subprocess.Popen([sys.executable, "-m", module, *flags], cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        if address_space:
+            # Set from outside, not in a preexec_fn: that makes subprocess fork this process,
+            # whose gRPC threads' fork handlers can then hang the child before it execs.
+            resource.prlimit(proc.pid, resource.RLIMIT_AS, (address_space, address_space))
+        return proc
 
     def start_scheduler(self) -> None:
         self.scheduler = self._spawn(

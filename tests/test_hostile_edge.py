@@ -10,6 +10,7 @@ import json
 import signal
 import socket
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -47,6 +48,8 @@ def stack(tmp_path_factory):
                        "--max-http-connections", "16"],
         worker_flags=["--num-gpu-blocks-override", "20000", "--step-delay", "0.01"]).start()
     c.rss_at_start = rss_bytes(c.gateway.pid)
+    limits = Path(f"/proc/{c.gateway.pid}/limits").read_text()
+    assert f"Max address space         {3 << 30}" in limits, limits
     yield c
     c.stop()
 
