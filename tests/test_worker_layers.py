@@ -9,7 +9,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 import worker.runner
 from kernels import cpu_gemm
-from kernels.select import TorchBackend
+from worker.attention_backends import TorchBackend
 from tests.plan_driver import PlanDriver
 from tests.worker_tiny_models import make_hf_model, runner_args, save_model
 from worker.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
