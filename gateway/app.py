@@ -65,6 +65,9 @@ class Gateway:
             # Without this a second gateway on the same port would silently share it.
             ("grpc.so_reuseport", 0),
             ("grpc.max_concurrent_streams", edge.max_streams_per_connection),
+            ("grpc.max_allowed_incoming_connections", edge.max_grpc_connections),
+            ("grpc.max_connection_age_ms", int(edge.max_connection_age * 1000)),
+            ("grpc.max_connection_age_grace_ms", int(edge.max_connection_age_grace * 1000)),
         ])
         self.edge = edge
         self.servicer = GenerationServicer(tokenizer, self.client, limits, api_keys, edge=edge)

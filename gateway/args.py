@@ -42,6 +42,16 @@ def _int_at_least(minimum: int):
     return parse
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
+_positive_seconds.__name__ = "seconds"
+
+
 def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("gateway")
     g.add_argument("--model", default="",
@@ -65,6 +75,17 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "hold every slot, but a client that opens more streams on one "
                         "connection than this gets some refused (UNAVAILABLE, REFUSED_STREAM) "
                         "(default: %(default)s)")
+    g.add_argument("--max-grpc-connections", type=_int_at_least(1), default=1024,
+                   help="open gRPC connections at once; past it, a new one is closed at once "
+                        "(the client sees UNAVAILABLE) (default: %(default)s)")
+    g.add_argument("--max-connection-age", type=_positive_seconds, default=1800.0,
+                   help="seconds a gRPC connection may live: then it gets GOAWAY (clients "
+                        "reconnect for new calls) and its open streams get "
+                        "--max-connection-age-grace more; this is what frees the slots of a "
+                        "client that reads nothing (default: %(default)s)")
+    g.add_argument("--max-connection-age-grace", type=_positive_seconds, default=600.0,
+                   help="seconds a gRPC connection's open streams may run past "
+                        "--max-connection-age before it is closed (default: %(default)s)")
     g.add_argument("--max-http-connections", type=_int_at_least(1), default=1024,
                    help="open HTTP connections (and requests in flight) at once; past it, 503 "
                         "(default: %(default)s)")

@@ -12,6 +12,12 @@ class EdgeConfig:
     shared_prefix_cache: bool = False     # tenants share prefix-cache blocks
     max_streams_per_connection: int = 1024  # gRPC: HTTP/2 streams one connection may hold
     max_http_connections: int = 1024      # open HTTP connections and requests; past it, 503
+    max_grpc_connections: int = 1024      # open gRPC connections; past it, new ones are closed
+    # A gRPC call whose client reads nothing cannot be cancelled from grpc.aio (its status
+    # queues behind the unread messages), so a connection's age is what bounds how long it can
+    # hold its RPC slots: past age it gets GOAWAY, past age + grace it is closed.
+    max_connection_age: float = 1800.0
+    max_connection_age_grace: float = 600.0
     http_header_timeout: float = 10.0     # from connect (or the last response) to whole headers
     http_body_timeout: float = 30.0       # to read a whole request body
     http_write_timeout: float = 30.0      # a client that reads nothing this long is hung up on

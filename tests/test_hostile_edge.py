@@ -286,33 +286,58 @@ def test_connections_past_the_limit_get_503_until_they_close(stack):
         "model": MODEL, "prompt": [1, 2], "max_tokens": 1})[0] == 200, 5)
 
 
-def test_one_connection_that_reads_nothing_cannot_hold_every_rpc_slot(tmp_path):
+def test_a_client_that_reads_nothing_frees_its_rpc_slots_and_cannot_open_every_connection(tmp_path):
     """Streams whose client reads nothing are aborted for --max-unread-deltas (their work and
-    blocks freed); one connection holds at most --max-streams-per-connection of the
-    --max-concurrent-rpcs slots, so another client is still served meanwhile. (A stack of its
-    own: below the RPC limit, the per-connection limit also refuses some streams of a burst on
-    one connection with REFUSED_STREAM, which the burst test above must not see.)"""
+    blocks freed at once), but grpc.aio cannot end their calls: each holds its
+    --max-concurrent-rpcs slot. The connection's age frees them: past --max-connection-age it
+    gets GOAWAY, past the grace it is closed, and another client is served again. Connections
+    are bounded too (--max-grpc-connections): one past the limit is refused. (A stack of its
+    own: the short age would recycle every other test's connections.)"""
+    age, grace, connections = 4.0, 1.0, 3
     stack = FakeCluster(tmp_path, gateway_flags=[
         "--api-key", KEY_A, "--api-key", KEY_B, "--max-concurrent-rpcs", str(MAX_RPCS),
-        "--max-unread-deltas", "16", "--max-streams-per-connection", str(MAX_RPCS // 2)],
+        "--max-unread-deltas", "16", "--max-connection-age", str(age),
+        "--max-connection-age-grace", str(grace), "--max-grpc-connections", str(connections)],
         worker_flags=["--num-gpu-blocks-override", "20000", "--step-delay", "0.01"]).start()
+    small = pb.GenerateRequest(prompt_token_ids=[1, 2, 3], stopping=pb.StoppingCriteria(max_tokens=2))
     slow = grpc.insecure_channel(stack.target, options=[
         ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)])
-    stub = pagoda_pb2_grpc.GenerationStub(slow)
-    unread = [stub.GenerateStream(pb.GenerateRequest(
+    opened = time.monotonic()
+    unread = [pagoda_pb2_grpc.GenerationStub(slow).GenerateStream(pb.GenerateRequest(
         prompt_token_ids=[40, 41, i], stopping=pb.StoppingCriteria(max_tokens=4000, ignore_eos=True)),
         metadata=AUTH_A, timeout=120) for i in range(MAX_RPCS)]
+    others: list[grpc.Channel] = []
     try:
         assert wait_for(lambda: not stack.idle_and_free(), 10)  # they run
-        assert wait_for(stack.idle_and_free, 60), stack.scheduler_metrics()  # and are aborted
-        r = stack.stub.Generate(pb.GenerateRequest(prompt_token_ids=[1, 2, 3],
-                                                   stopping=pb.StoppingCriteria(max_tokens=2)),
-                                metadata=AUTH_B, timeout=10)
-        assert len(r.token_ids) == 2
+        assert wait_for(stack.idle_and_free, 30), stack.scheduler_metrics()  # and are aborted
+        assert time.monotonic() - opened < age - 1  # the rest of this block runs before GOAWAY
+        with pytest.raises(grpc.RpcError) as held:
+            stack.stub.Generate(small, metadata=AUTH_B, timeout=10)
+        assert held.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # every slot is held
+        # stack.channel and `slow` are two connections: the third is the last one allowed.
+        others = [grpc.insecure_channel(stack.target, options=[("grpc.use_local_subchannel_pool", 1)])
+                  for _ in range(2)]
+        grpc.channel_ready_future(others[0]).result(timeout=5)
+        with pytest.raises(grpc.RpcError) as refused:
+            pagoda_pb2_grpc.GenerationStub(others[1]).Generate(small, metadata=AUTH_B, timeout=3)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        # Past age + grace (+10% jitter) the reading-nothing connection is closed. (Its client
+        # learns only when it reads: its transport stopped reading the socket when it was full.)
+        def served() -> bool:
+            try:
+                return len(stack.stub.Generate(small, metadata=AUTH_B, timeout=2).token_ids) == 2
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+                return False
+        assert wait_for(served, (age + grace) * 1.1 + 5)
+        freed = time.monotonic() - opened
+        assert freed > age * 0.9  # by the age, not by anything sooner
+        print(f"\nslots held by {MAX_RPCS} unread streams freed {freed:.1f} s after they opened")
     finally:
         for call in unread:
             call.cancel()
-        slow.close()
+        for channel in (slow, *others):
+            channel.close()
         stack.stop()
 
 
