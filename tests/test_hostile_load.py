@@ -21,9 +21,8 @@ pytestmark = pytest.mark.integration
 
 MAX_WAITING, MAX_RUNNING = 16, 8
 CLIENTS = 10 * (MAX_WAITING + MAX_RUNNING)
-# The issue asks for 60 s; the suite runs a shorter load by default to stay in its time budget
-# (docs/faults.md has the figures of a 60 s run: PAGODA_LOAD_S=60).
-LOAD_S = float(os.environ.get("PAGODA_LOAD_S", "30"))
+# 60 s, as the issue asks (docs/faults.md has the figures); PAGODA_LOAD_S changes the length.
+LOAD_S = float(os.environ.get("PAGODA_LOAD_S", "60"))
 DEADLINE_S = 30.0
 RETRY_S = 0.05  # a refused client waits this long, as a client with a backoff would
 
