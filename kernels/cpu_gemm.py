@@ -17,21 +17,17 @@ is False and the caller uses torch.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
+from kernels import cbuild
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_gemm.c"
-BUILD_DIR = Path(__file__).resolve().parent / "build"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 _lib: ctypes.CDLL | None = None
@@ -39,35 +35,12 @@ _tried = False
 
 
 def library_path() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    return BUILD_DIR / f"cpu_gemm-{digest}.so"
+    return cbuild.library_path(SOURCE, FLAGS)
 
 
 def build() -> Path:
     """Compiles the library unless the one for this source exists; returns its path."""
-    path = library_path()
-    if path.exists():
-        return path
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Built beside its final name and renamed: processes that start at once never load half a file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True,
-                       capture_output=True, text=True)
-        # mkstemp made it 0600 (the linker adds only x): readable by every user that may load
-        # it, such as a container's unprivileged one.
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, path)
-    except subprocess.CalledProcessError as e:
-        raise RuntimeError(f"{compiler} failed: {e.stderr.strip()}") from e
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    return cbuild.build(SOURCE, FLAGS)
 
 
 def _cpu_supported() -> bool:
@@ -123,3 +96,8 @@ if __name__ == "__main__":
             print(f"kernels/cpu_gemm: {build()}")
         except RuntimeError as e:  # a missing compiler costs speed, not the install
             print(f"kernels/cpu_gemm: not built ({e}); the worker uses torch's matmul")
+    from kernels import cpu_gemm_bf16  # the bf16 one builds on any x86-64, whatever it runs
+    try:
+        print(f"kernels/cpu_gemm_bf16: {cbuild.build(cpu_gemm_bf16.SOURCE, cpu_gemm_bf16.FLAGS)}")
+    except RuntimeError as e:
+        print(f"kernels/cpu_gemm_bf16: not built ({e}); the worker uses torch's bf16 matmul")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kernels import cpu_gemm
+from kernels import cbuild, cpu_gemm
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no AVX2 or no C compiler")
 
@@ -75,7 +75,7 @@ def test_library_is_named_by_its_source(tmp_path, monkeypatch):
 
 
 def test_build_without_a_compiler_says_so(tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_gemm, "BUILD_DIR", tmp_path)
+    monkeypatch.setattr(cbuild, "BUILD_DIR", tmp_path)
     monkeypatch.setenv("CC", "false")
     with pytest.raises(RuntimeError, match="false failed"):
         cpu_gemm.build()
@@ -84,6 +84,6 @@ def test_build_without_a_compiler_says_so(tmp_path, monkeypatch):
 
 def test_the_built_library_is_readable_by_every_user(tmp_path, monkeypatch):
     """A container builds it as root and runs its worker as another user, who must load it."""
-    monkeypatch.setattr(cpu_gemm, "BUILD_DIR", tmp_path)
+    monkeypatch.setattr(cbuild, "BUILD_DIR", tmp_path)
     path = cpu_gemm.build()
     assert path.stat().st_mode & 0o777 == 0o755

@@ -143,10 +143,28 @@ def test_cpu_matmul_flag_turns_the_kernel_off(monkeypatch):
     monkeypatch.setattr(layers, "_kernel", False)
     assert layers.use_cpu_kernel(False) is False
     calls = []
+    real = cpu_gemm.xwt
     monkeypatch.setattr(cpu_gemm, "xwt", lambda *a: calls.append(a))
     layers.linear(torch.randn(3, 8), torch.randn(4, 8))
     assert calls == []
     if cpu_gemm.available():
+        monkeypatch.setattr(cpu_gemm, "xwt", real)
         assert layers.use_cpu_kernel(True) is True
+        monkeypatch.setattr(cpu_gemm, "xwt", lambda *a: calls.append(a))
         layers.linear(torch.randn(3, 8), torch.randn(4, 8))
         assert len(calls) == 1
+
+
+def test_a_kernel_that_disagrees_with_float64_at_start_up_is_turned_off(monkeypatch, caplog):
+    import worker.layers as layers
+    from kernels import cpu_gemm_bf16
+    if not cpu_gemm_bf16.available():
+        pytest.skip("no bf16 kernel on this CPU")
+    monkeypatch.setattr(layers, "_bf16_kernel", False)
+    layers.use_cpu_kernel(True)
+    assert layers._bf16_kernel is True  # the real one agrees
+    monkeypatch.setattr(cpu_gemm_bf16, "xwt", lambda x, w: torch.zeros(x.shape[0], w.shape[0],
+                                                                         dtype=torch.bfloat16))
+    layers.use_cpu_kernel(True)
+    assert layers._bf16_kernel is False
+    assert "disagrees with float64" in caplog.text

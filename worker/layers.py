@@ -6,28 +6,49 @@ allocation: these blocks use as few ops and new tensors as give the same numbers
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_gemm
+from kernels import cpu_gemm, cpu_gemm_bf16
 
 
 # Rows up to which an fp32 CPU projection runs through kernels/cpu_gemm.c: it beats MKL's sgemm
 # from 1 row (1.9-3.5x for 1-64 rows, the decode steps) to about 1024 (bench/bench_gemm.py); MKL
 # is as fast or faster on full 2048-row prefill chunks.
 KERNEL_MAX_ROWS = 1024
+# Rows up to which a bf16 CPU projection runs through kernels/cpu_gemm_bf16.c: 2-4x torch's bf16
+# linear for 1-4 rows on an AVX512-BF16 EPYC, slower from about 16 (bench/bench_gemm.py).
+BF16_KERNEL_MAX_ROWS = 4
 _kernel = False
+_bf16_kernel = False
 
 
 def use_cpu_kernel(wanted: bool) -> bool:
-    """--cpu-matmul: whether fp32 CPU projections go through pagoda's kernel (when it can be
-    built and the CPU has AVX2). Returns whether they do."""
-    global _kernel
-    _kernel = wanted and cpu_gemm.available()
+    """--cpu-matmul: whether fp32 CPU projections go through pagoda's kernels (when they can be
+    built and the CPU has AVX2), and bf16 ones with few rows too (AVX512-BF16 or AVX2). Each
+    checks itself against float64 once; one that disagrees is turned off, with a log line.
+    Returns whether the fp32 one is on."""
+    global _kernel, _bf16_kernel
+    _kernel = wanted and cpu_gemm.available() and _agrees(cpu_gemm.xwt, torch.float32, 1e-5)
+    _bf16_kernel = wanted and cpu_gemm_bf16.available() and _agrees(
+        cpu_gemm_bf16.xwt, torch.bfloat16, 2.0 ** -7)
     return _kernel
+
+
+def _agrees(xwt, dtype: torch.dtype, rtol: float) -> bool:
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 200, generator=g).to(dtype), torch.randn(37, 200, generator=g).to(dtype)
+    want = x.double() @ w.double().t()
+    scale = x.double().abs() @ w.double().abs().t()
+    ok = bool(((xwt(x, w).double() - want).abs() <= rtol * scale + 1e-6).all())
+    if not ok:
+        logging.getLogger(__name__).warning(
+            "the %s CPU matmul kernel disagrees with float64 on this machine: it is off", dtype)
+    return ok
 
 
 def kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -35,11 +56,19 @@ def kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.dtype == weight.dtype == torch.float32)
 
 
+def _bf16_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (_bf16_kernel and x.device.type == "cpu" and x.dim() == 2
+            and x.shape[0] <= BF16_KERNEL_MAX_ROWS and x.dtype == weight.dtype == torch.bfloat16)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through kernels/cpu_gemm.c where kernel_fits."""
-    if not kernel_fits(x, weight):
+    """F.linear, through kernels/cpu_gemm.c or cpu_gemm_bf16.c where they fit."""
+    if kernel_fits(x, weight):
+        out = cpu_gemm.xwt(x, weight)
+    elif _bf16_fits(x, weight):
+        out = cpu_gemm_bf16.xwt(x, weight)
+    else:
         return F.linear(x, weight, bias)
-    out = cpu_gemm.xwt(x, weight)
     return out if bias is None else out.add_(bias)
 
 

@@ -1,0 +1,51 @@
+"""kernels/csrc/cpu_gemm_bf16.c against a float64 product of the same bf16 values, on every
+instruction-set path this CPU has (the test names which ran): every row block and K tail,
+strided rows, any thread count."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_gemm_bf16 as bf16
+
+pytestmark = pytest.mark.skipif(not bf16.available(), reason="no AVX2, or no C compiler")
+
+GEN = torch.Generator().manual_seed(0)
+PATHS = bf16.supported_isas() if bf16.available() else []
+
+
+def check(x: torch.Tensor, w: torch.Tensor, isa: int, threads: int = 2) -> None:
+    x, w = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = bf16.xwt(x, w, isa)
+    finally:
+        torch.set_num_threads(before)
+    want = x.double() @ w.double().t()
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    # One rounding to bf16 (2^-8 relative, half an ulp is 2^-9) over an fp32 sum of exact
+    # products (error ~ sqrt(K) 2^-24 sum |x||w|).
+    sums = x.double().abs() @ w.double().abs().t()
+    tol = 2.0 ** -8 * want.abs() + 1e-6 * (x.shape[1] ** 0.5 + 1) * sums + 1e-30
+    assert ((got.double() - want).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("isa", PATHS, ids=lambda i: bf16.ISA_NAMES[i])
+@pytest.mark.parametrize("M,N,K", [
+    (1, 1, 1), (1, 4, 31), (2, 5, 32), (3, 8, 33), (4, 13, 64), (5, 7, 65), (8, 1536, 576),
+    (1, 576, 1536), (9, 17, 100), (1, 49152, 576)])
+def test_equals_float64(M, N, K, isa):
+    check(torch.randn(M, K, generator=GEN), torch.randn(N, K, generator=GEN), isa)
+
+
+@pytest.mark.parametrize("isa", PATHS, ids=lambda i: bf16.ISA_NAMES[i])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_strided_rows_and_thread_counts(isa, threads):
+    wide = torch.randn(6, 90, generator=GEN)
+    check(wide[:, 5:69], torch.randn(23, 64, generator=GEN), isa, threads)
+
+
+def test_the_best_path_of_this_cpu_is_named():
+    print(f"\nbf16 kernel paths on this CPU: {[bf16.ISA_NAMES[i] for i in PATHS]}")
+    assert bf16.isa() == bf16.ISA_NAMES[PATHS[0]]
