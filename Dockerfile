@@ -46,6 +46,8 @@ COPY worker ./worker
 COPY kernels ./kernels
 COPY gateway ./gateway
 COPY launch ./launch
+COPY modelfiles ./modelfiles
+COPY structured ./structured
 COPY pagoda ./pagoda
 COPY deploy/docker ./deploy/docker
 # The kernel is built as root, so it must be readable by everyone: the compiler leaves it 0711

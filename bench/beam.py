@@ -31,9 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from proto import internal_pb2, pagoda_pb2  # noqa: E402
+from proto.token_stream import updates  # noqa: E402
 from scheduler.router import Router, RouterConfig  # noqa: E402
-from worker.args import worker_args  # noqa: E402
 from worker.runner import ModelRunner  # noqa: E402
+from worker.worker_flags import worker_args  # noqa: E402
 
 
 def pagoda_run(runner: ModelRunner, prompts, width: int, max_tokens: int) -> tuple[int, float, list]:
@@ -56,8 +57,9 @@ def pagoda_run(runner: ModelRunner, prompts, width: int, max_tokens: int) -> tup
             break
         router.on_result(b"w", runner.execute(inbox.pop(0)))
     seconds = time.perf_counter() - start
-    outputs = [d for m in router.take_outbox().values() for d in m.deltas]
-    assert len(outputs) == len(prompts) * width and all(len(d.token_ids) == max_tokens for d in outputs)
+    outputs = [u for m in router.take_outbox().values() for u in updates(m)]
+    assert len(outputs) == len(prompts) * width
+    assert all(len(u.token_ids) == max_tokens for u in outputs)
     return peak, seconds, outputs
 
 
@@ -85,7 +87,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
-    from launch.models import resolve_model
+    from modelfiles.resolve import resolve_model
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 20000) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
     widths = [int(w) for w in args.widths.split(",")]
@@ -106,7 +108,7 @@ def main() -> None:
     for w in widths:
         peak, seconds, outputs = pagoda_run(runner, prompts, w, args.max_tokens)
         hf_seconds, hf_tokens = hf_run(hf, prompts, w, args.max_tokens)
-        ours = {(int(d.request_id[1:]), d.index): list(d.token_ids) for d in outputs}
+        ours = {(int(u.request_id[1:]), u.index): u.token_ids for u in outputs}
         agree = sum(ours[(i // w, i % w)] == t for i, t in enumerate(hf_tokens)) / len(hf_tokens)
         tokens = args.prompts * w * args.max_tokens
         row = dict(width=w, pagoda_peak_blocks=peak, independent_blocks=args.prompts * w * per_seq,

@@ -234,7 +234,7 @@ def run_pipelined(opts, forward_s: float) -> dict:
 
     from tests.cluster import free_port
     ports = [free_port(), free_port()]
-    from scheduler.args import add_scheduler_args
+    from scheduler.scheduler_flags import add_scheduler_args
     # The scheduler's own flags: loopback without CURVE, and no lease or liveness deadline to
     # trip over, since the transport and the loop are what is measured.
     args = add_scheduler_args(ap.ArgumentParser()).parse_args([

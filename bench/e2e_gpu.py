@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from launch.models import resolve_model  # noqa: E402
+from modelfiles.resolve import resolve_model  # noqa: E402
 from proto import internal_pb2 as pb  # noqa: E402
 from proto.columns import unpack  # noqa: E402
 from scheduler.router import Router, RouterConfig  # noqa: E402
-from worker.args import add_worker_args  # noqa: E402
 from worker.runner import ModelRunner  # noqa: E402
+from worker.worker_flags import add_worker_args  # noqa: E402
 
 
 def workload(n: int, seed: int = 0) -> list[list[int]]:

@@ -287,7 +287,7 @@ def main() -> None:
     else:
         from transformers import AutoConfig
 
-        from launch.models import resolve_model
+        from modelfiles.resolve import resolve_model
         path = resolve_model("")
         cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     floor = floors(reqs, cfg, 4 if opts.dtype == "float32" else 2, flops, bw)
@@ -329,6 +329,7 @@ def main() -> None:
         if results.get(name, {}).get("mismatch_at"):
             print(f"{name} differs from static at (request, first token): {results[name]['mismatch_at']}")
     if opts.json:
+        opts.json.parent.mkdir(parents=True, exist_ok=True)
         opts.json.write_text(json.dumps({
             "workload": {"num_requests": len(reqs), "seed": opts.seed, "dtype": opts.dtype,
                          "prompt_tokens": sum(P), "output_tokens": useful, "max_output": max(O)},

@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from proto import internal_pb2 as pb  # noqa: E402
 from proto.columns import unpack  # noqa: E402
 from scheduler.router import Router, RouterConfig  # noqa: E402
-from worker.args import add_worker_args  # noqa: E402
 from worker.runner import ModelRunner  # noqa: E402
+from worker.worker_flags import add_worker_args  # noqa: E402
 from workloads import offline_workload  # noqa: E402
 
 

@@ -73,7 +73,7 @@ def load_hf_model(dtype: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from launch.models import resolve_model
+    from modelfiles.resolve import resolve_model
     path = resolve_model("")
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                 dtype=getattr(torch, dtype)).eval()

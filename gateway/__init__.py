@@ -3,5 +3,6 @@
 It owns text: tokenizer.py (tokenizer + chat template), validate.py (requests -> AddRequest),
 detokenize.py (incremental text + stop strings), scheduler_client.py (the ZeroMQ link),
 server.py (the RPCs), app.py (one gateway assembled), main.py (the process), metrics.py,
-testing.py (a fake scheduler). Nothing is imported here, so `gateway.args` stays cheap to import.
+testing.py (a fake scheduler). Nothing is imported here, so `gateway.gateway_flags` stays cheap
+to import.
 """

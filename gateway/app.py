@@ -14,10 +14,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway import metrics
+from gateway.client_auth import ApiKeyInterceptor, server_credentials
 from gateway.edge import EdgeConfig
 from gateway.http_listener import HttpServer
 from gateway.http_server import HttpApi
-from gateway.auth import ApiKeyInterceptor, server_credentials
 from gateway.scheduler_client import SchedulerClient
 from gateway.server import GenerationServicer
 from gateway.tokenizer import TextTokenizer
@@ -60,7 +60,7 @@ class Gateway:
         self.server = grpc.aio.server(interceptors=interceptors,
                                       maximum_concurrent_rpcs=max_concurrent_rpcs, options=[
             ("grpc.max_receive_message_length", max_request_bytes or max_message_bytes),
-            # The largest valid response (gateway/sizes.py largest_response), from main.py.
+            # The largest valid response (gateway/grpc_bounds.py largest_response), from main.py.
             ("grpc.max_send_message_length", max_response_bytes or max_message_bytes),
             # Without this a second gateway on the same port would silently share it.
             ("grpc.so_reuseport", 0),
@@ -112,6 +112,7 @@ class Gateway:
             drains.append(self.http.stop(grace))
         await asyncio.gather(*drains)
         await self.client.close()
+        await self.servicer.close()  # the grammar compiler child, if one was started
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()

@@ -22,7 +22,9 @@ class EdgeConfig:
     http_body_timeout: float = 30.0       # to read a whole request body
     http_write_timeout: float = 30.0      # a client that reads nothing this long is hung up on
     shutdown_grace_period: float = 30.0   # one drain, for HTTP and gRPC alike
-    tenant_priority: tuple[str, ...] = ()  # KEY=LO:HI grants (gateway/auth.py priority_ranges)
+    max_grammar_compile_seconds: float = 5.0   # a structured-output spec slower to compile: 400
+    structured_outputs_any_whitespace: bool = False  # HTTP's default for JSON whitespace
+    tenant_priority: tuple[str, ...] = ()  # KEY=LO:HI grants (client_auth.py priority_ranges)
     default_tenant_priority: str | None = None  # LO:HI for every other tenant
 
     @classmethod

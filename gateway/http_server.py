@@ -25,15 +25,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import metrics
-from gateway.auth import key_of, tenant_of
+from gateway.client_auth import key_of, tenant_of
 from gateway.edge import EdgeConfig
 from gateway.json_body import BadBody, parse_object
 from gateway.openai_render import Collector, chat_delta, chat_logprobs, chunk, finish_reason, now
+from gateway.openai_structured import StructuredBadField, structured_output
 from gateway.openai_schema import (BadField, ChatCompletionRequest, CompletionRequest, chat_request,
                                    completion_requests)
-from gateway.server import GenerationServicer, RpcFailed
-from gateway.beam import MAX_BEAM_WIDTH
+from gateway.beam_request import MAX_BEAM_WIDTH
 from gateway.http_errors import HttpError, bad_request, from_rpc
+from gateway.server import GenerationServicer, RpcFailed
 from gateway.validate import MAX_N
 from proto import pagoda_pb2
 
@@ -220,8 +221,13 @@ class HttpApi:
         try:
             reqs = [chat_request(body)] if chat else completion_requests(
                 body, self.edge.max_batch_prompts)
-        except BadField as e:
+            spec = structured_output(body.response_format, body.structured_outputs,
+                                     self.edge.structured_outputs_any_whitespace)
+        except (BadField, StructuredBadField) as e:
             raise bad_request(str(e), e.param) from None
+        if spec is not None:
+            for r in reqs:
+                r.sampling.structured_output.CopyFrom(spec)
         logprobs = body.logprobs if chat else body.logprobs is not None
         echo = None if chat or not body.echo else [
             r.prompt or self.tokenizer.decode(list(r.prompt_token_ids), False) for r in reqs]

@@ -3,13 +3,13 @@
 Bounded: a client that stops reading leaves its handler blocked at `yield` (gRPC flow control),
 so the inbox would grow with every step. Past `limit` unread tokens (a message without tokens
 counts as one) the request is ended with RESOURCE_EXHAUSTED and aborted at the scheduler, so a
-slow reader costs at most `limit` of them. Plain token deltas of one sequence that arrive while
+slow reader costs at most `limit` of them. Plain token updates of one sequence that arrive while
 the handler is busy merge into the last one: a handler that is merely slower than the scheduler
 (a fast model, a busy gateway) catches up with one response of many tokens instead of
 falling behind by one response per step.
 
-Exactly once: each token entry names the output index of its first token (TokenDelta.offset),
-and a finish names how many came before it. An entry that does not continue the stream exactly
+Exactly once: each update with tokens names the output index of its first token (its offset),
+and a finish names how many came before it. An update that does not continue the stream exactly
 means a message was lost or repeated; the request ends with UNAVAILABLE rather than stream a
 hole, a repeat, or wait for tokens that will never come.
 """
@@ -19,6 +19,7 @@ import asyncio
 from collections import deque
 
 from proto import internal_pb2
+from proto.token_stream import Update
 
 _ENDS = (internal_pb2.LENGTH, internal_pb2.STOP, internal_pb2.ABORT)
 
@@ -27,7 +28,7 @@ class Inbox:
     def __init__(self, request_id: str, limit: int, n: int = 1) -> None:
         self.request_id = request_id
         self.limit = limit
-        self.n = n  # sequences: an index outside [0, n) is malformed (gateway/checks.py)
+        self.n = n  # sequences: an index outside [0, n) is malformed (gateway/scheduler_checks.py)
         self.closed = False  # failed: nothing more goes in
         self._items: deque = deque()
         self._unread = 0  # tokens, plus 1 per queued message without any
@@ -47,7 +48,7 @@ class Inbox:
                       f"the client read too slowly: {self._unread} tokens were waiting unread "
                       f"(--max-unread-deltas {self.limit})")
             return False
-        if isinstance(item, internal_pb2.TokenDelta) and (item.token_ids or item.finish in _ENDS):
+        if isinstance(item, Update) and (item.token_ids or item.finish in _ENDS):
             got = self._received.get(item.index, 0)
             if item.offset != got:
                 self.fail("UNAVAILABLE",
@@ -69,9 +70,9 @@ class Inbox:
         if self.closed:
             return
         self.closed = True
-        self._items.append(internal_pb2.TokenDelta(
+        self._items.append(Update.of_news(internal_pb2.TokenDelta(
             request_id=self.request_id, finish=internal_pb2.ERROR,
-            error=internal_pb2.Error(code=code, message=message)))
+            error=internal_pb2.Error(code=code, message=message))))
         self._ready.set()
 
     async def get(self):
@@ -86,12 +87,11 @@ class Inbox:
 def _weight(item) -> int:
     """Unread tokens an item counts for. A finish counts one whatever it carries: an index ends
     once, and a beam search's finishes carry whole outputs, all in one message."""
-    if isinstance(item, internal_pb2.TokenDelta) and item.finish == internal_pb2.NOT_FINISHED:
+    if isinstance(item, Update) and item.finish == internal_pb2.NOT_FINISHED:
         return max(1, len(item.token_ids))
     return 1
 
 
 def _plain(item) -> bool:
-    """Only tokens: no finish, no error, no usage figures."""
-    return (isinstance(item, internal_pb2.TokenDelta) and item.finish == internal_pb2.NOT_FINISHED
-            and not item.prompt_tokens and bool(item.token_ids))
+    """Only tokens: no news (finish, error, usage figures)."""
+    return isinstance(item, Update) and item.news is None and bool(item.token_ids)

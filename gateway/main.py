@@ -16,17 +16,17 @@ import time
 import uvloop
 
 from gateway.app import Gateway
-from gateway.auth import api_keys_from
+from gateway.client_auth import api_keys_from
 from gateway.edge import EdgeConfig
-from gateway.args import parse_gateway_args
+from gateway.gateway_flags import parse_gateway_args
+from gateway.grpc_bounds import CONTEXT_BOUND, largest_generate_request, largest_response, token_sizes
 from gateway.metrics import start_metrics_server
 from gateway.scheduler_client import SchedulerClient
-from gateway.sizes import CONTEXT_BOUND, largest_generate_request, largest_response, token_sizes
-from proto.sizes import largest_scheduler_message
 from gateway.tokenizer import load_tokenizer
 from gateway.validate import limits_from_args
 from launch import lifetime, watchdog
 from proto.auth import check_auth_args
+from proto.sizes import largest_scheduler_message
 
 log = logging.getLogger("pagoda.gateway")
 
@@ -84,7 +84,7 @@ async def run(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # --watchdog-timeout is read here, the rest by gateway/args.py.
+    # --watchdog-timeout is read here, the rest by gateway/gateway_flags.py.
     own = watchdog.add_flag(argparse.ArgumentParser(add_help=False, allow_abbrev=False),
                             watchdog.LOOP_TIMEOUT_S)
     known, rest = own.parse_known_args(argv)

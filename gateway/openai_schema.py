@@ -9,6 +9,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
+from gateway.openai_structured import ResponseFormat, StructuredOutputsParams
 from proto import pagoda_pb2
 
 # OpenAI's default for /v1/completions (vLLM's too); chat leaves it to what the context allows.
@@ -51,7 +52,9 @@ class _Common(_Strict):
     request_id: str | None = None
     cache_salt: str | None = None  # vLLM's: prefix-cache hits only among the same salt
     user: str | None = None  # accepted and ignored, as vLLM does
-    # vLLM's beam search fields: n beams, best first (gateway/beam.py).
+    response_format: ResponseFormat | None = None  # OpenAI's; gateway/openai_structured.py
+    structured_outputs: StructuredOutputsParams | None = None  # vLLM's
+    # vLLM's beam search fields: n beams, best first (gateway/beam_request.py).
     use_beam_search: StrictBool = False
     length_penalty: float = 1.0
     early_stopping: Union[StrictBool, Literal["never"]] = False
@@ -219,6 +222,8 @@ def openai_param(field: str, chat: bool) -> str:
         return "prompt_logprobs"
     if field in ("prompt_token_ids", "prompt"):
         return "prompt"
+    if field.startswith("sampling.structured_output"):
+        return "response_format"  # or structured_outputs: the same check, after translation
     if field == "stopping.max_tokens" and chat:
         return "max_completion_tokens"
     for prefix in ("sampling.", "stopping.", "beam_search."):

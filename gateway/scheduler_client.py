@@ -1,10 +1,10 @@
 """The gateway's one connection to the scheduler: a ZeroMQ DEALER speaking GatewayMessage up and
 SchedulerMessage down, one protobuf per frame.
 
-A single reader task owns the receive side and hands each TokenDelta to the inbox of the request
-it belongs to, so any number of concurrent RPCs share one socket without locks. Sends never wait:
-a request that cannot reach the scheduler should fail now with UNAVAILABLE rather than hang, and
-an abort sent from a cancellation handler must not block it.
+A single reader task owns the receive side and hands each update (proto/token_stream.py) to the
+inbox of the request it belongs to, so any number of concurrent RPCs share one socket without
+locks. Sends never wait: a request that cannot reach the scheduler should fail now with
+UNAVAILABLE rather than hang, and an abort sent from a cancellation handler must not block it.
 
 Liveness: a hello goes out every keepalive interval whether or not the last one could be sent,
 and the scheduler answers each; silence for `lost_after` seconds, a new scheduler epoch (a
@@ -24,15 +24,15 @@ from typing import Awaitable, Callable
 import zmq
 import zmq.asyncio
 
-from gateway import checks
+from gateway import scheduler_checks as checks
+from gateway.grpc_bounds import CONTEXT_BOUND
 from gateway.inbox import Inbox
-from gateway.sizes import CONTEXT_BOUND
 from gateway.validate import Limits
 from launch.ratelog import RateLimitedLog
 from proto import internal_pb2
 from proto.auth import PROTOCOL_VERSION, secure_client
-from proto.codec import expand_deltas
 from proto.sizes import largest_scheduler_message
+from proto.token_stream import Columns, Update, updates
 
 log = logging.getLogger("pagoda.gateway")
 
@@ -248,25 +248,29 @@ class SchedulerClient:
         return bool(msg.refused)
 
     def _deliver(self, msg: internal_pb2.SchedulerMessage) -> None:
-        """Each delta and logprobs entry to its request's inbox; one that fails its checks ends
-        its own stream with INTERNAL (and is aborted), and disturbs no other."""
-        bad: dict[str, str] = {}
-        try:
-            deltas = expand_deltas(msg, bad)
-        except ValueError as e:  # the columns do not line up: no entry in them can be trusted
-            bad = dict.fromkeys(msg.request_ids, str(e))
-            deltas = list(msg.deltas)
-        for rid, why in bad.items():
-            self._malformed(rid, why)
+        """Each update and logprobs entry to its request's inbox; one that fails its checks ends
+        its own stream with INTERNAL (and is aborted), and disturbs no other. The token columns
+        are checked as arrays, in a few passes for the whole message."""
         vocab = self.info.vocab_size if self.info is not None else 0
         max_len = (self.info.max_model_len if self.info is not None else 0) or checks.MAX_LEN
+        try:
+            columns = Columns(msg)
+            bad = checks.check_columns(columns, vocab, max_len)
+            news = updates(msg, columns, bad)
+            failed: dict[str, str] = {}
+            for i in sorted(bad):  # each stream once, for its first bad entry
+                failed.setdefault(columns.request_ids[i], bad[i])
+        except ValueError as e:  # the columns do not line up: no entry in them can be trusted
+            news = [Update.of_news(d) for d in msg.deltas]
+            failed = dict.fromkeys(msg.request_ids, str(e))
+        for rid, why in failed.items():
+            self._malformed(rid, why)
         # Logprobs first: they describe tokens of this message or of earlier ones.
-        for item in (*msg.logprobs, *deltas):
+        for item in (*msg.logprobs, *news):
             inbox = self._queues.get(item.request_id)
             if inbox is None or inbox.closed:
                 continue  # a request already answered or cancelled: late news is normal
-            check = checks.check_delta if isinstance(item, internal_pb2.TokenDelta) \
-                else checks.check_logprobs
+            check = checks.check_update if isinstance(item, Update) else checks.check_logprobs
             if why := check(item, inbox.n, vocab, max_len):
                 self._malformed(item.request_id, why)
             elif not inbox.put(item):

@@ -1,8 +1,8 @@
 """pagoda.v1.Generation over grpc.aio: validation, streaming, status codes, aborts.
 
-One RPC = one internal request. Its deltas and logprobs arrive on a queue fed by the
-SchedulerClient and become responses in gateway/stream.py. Whatever way the RPC ends before the
-scheduler finished every index (client cancel, deadline, stop string, error, server shutdown),
+One RPC = one internal request. Its updates and logprobs arrive on a queue fed by the
+SchedulerClient and become responses in gateway/response_builder.py. Whatever way the RPC ends
+before the scheduler finished every index (client cancel, deadline, stop string, error, server shutdown),
 the `finally` sends an AbortRequest so the scheduler frees the request's KV blocks at once.
 
 Every handler ends in a status a client can act on: INVALID_ARGUMENT naming the field, the
@@ -15,19 +15,23 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import os
+import tempfile
 import time
 from contextlib import aclosing
+from pathlib import Path
 from typing import AsyncIterator
 
 import grpc
 
 from gateway import metrics
-from gateway.auth import parse_range, priority_ranges, tenant_of
+from gateway.beam_request import add_completion
+from gateway.client_auth import parse_range, priority_ranges, tenant_of
 from gateway.edge import EdgeConfig
-from gateway.beam import add_completion
+from gateway.grammar_check import GrammarChecker
+from gateway.grpc_bounds import CONTEXT_BOUND
+from gateway.response_builder import ResponseBuilder
 from gateway.scheduler_client import SchedulerBusy, SchedulerClient, SchedulerUnavailable
-from gateway.sizes import CONTEXT_BOUND
-from gateway.stream import ResponseBuilder
 from gateway.tokenizer import TextTokenizer
 from gateway.validate import Limits, ValidationError, check_ids, prompt_offsets, validate
 from proto import internal_pb2, pagoda_pb2, pagoda_pb2_grpc
@@ -90,7 +94,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
                  edge: EdgeConfig = EdgeConfig()):
         self.tokenizer = tokenizer
         self.client = client
-        self.api_keys = api_keys  # each one a tenant: its request ids are its own (gateway/auth.py)
+        self.api_keys = api_keys  # each one a tenant: its request ids are its own (client_auth.py)
         # False: the tenant is part of every cache salt, so no tenant's prefix-cache hits (and
         # their timing) reveal what another tenant sent.
         self.shared_prefix_cache = edge.shared_prefix_cache
@@ -98,6 +102,8 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         self.priority_ranges = priority_ranges(list(edge.tenant_priority), api_keys)
         self.default_priority = (parse_range(edge.default_tenant_priority)
                                  if edge.default_tenant_priority and api_keys else None)
+        self.grammar_timeout = edge.max_grammar_compile_seconds
+        self._grammar: GrammarChecker | None = None  # started on the first structured request
         # The flags' bounds; max_model_len and vocab_size come from the scheduler per request.
         self.base_limits = limits or Limits(max_model_len=0, vocab_size=0)
 
@@ -178,6 +184,23 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         finally:
             _record_end("Generate", code, started)
 
+    async def _check_grammar(self, spec) -> None:
+        if self._grammar is None:
+            self._grammar = GrammarChecker(self.tokenizer.source or _tokenizer_file(self.tokenizer),
+                                           self._vocab_size, self.tokenizer.eos_token_ids or [0],
+                                           self.grammar_timeout)
+        try:
+            why = await self._grammar.check(spec)
+        except RuntimeError as e:  # its compiler did not start: not the request's fault
+            raise RpcFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        if why is not None:
+            name = f"sampling.structured_output.{spec.kind}"
+            raise RpcFailed(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {why}", name)
+
+    async def close(self) -> None:
+        if self._grammar is not None:
+            await self._grammar.close()
+
     def _tenant(self, context) -> str:
         return tenant_of(context.invocation_metadata(), self.api_keys) if self.api_keys else ""
 
@@ -197,6 +220,8 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
                                          internal_id, unary=unary)
         except ValidationError as e:
             raise RpcFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
+        if v.spec is not None:
+            await self._check_grammar(v.spec)
         v.add.public_id = tenant + v.add.public_id  # the client's own id stays in v.public_id
         v.add.tenant = tenant
         allowed = self.priority_ranges.get(tenant, self.default_priority)
@@ -227,12 +252,12 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
                     builder.on_logprobs(item)
                     continue
                 if item.finish == internal_pb2.ERROR:
-                    raise RpcFailed(status_code(item.error.code),
-                                    item.error.message or "the scheduler failed the request")
+                    raise RpcFailed(status_code(item.news.error.code),
+                                    item.news.error.message or "the scheduler failed the request")
                 if item.index >= v.n or builder.indices[item.index].done:
                     continue  # e.g. tokens of an index already ended by a stop string
                 ix = builder.indices[item.index]
-                response = builder.on_delta(item)
+                response = builder.on_update(item)
                 if ix.detok.stopped and not ix.finished_by_scheduler and v.n > 1:
                     # A stop string ended this sequence while its siblings go on: free its
                     # blocks now rather than when the whole request ends.
@@ -315,6 +340,14 @@ async def _off_loop_if_large(request, fn, *args, **kwargs):
     if request.ByteSize() <= _INLINE_REQUEST_BYTES:
         return fn(*args, **kwargs)
     return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+def _tokenizer_file(tokenizer: TextTokenizer) -> Path:
+    """A tokenizer built in memory (tests) gets a file for the grammar compiler to read."""
+    fd, name = tempfile.mkstemp(prefix="pagoda-tokenizer-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        f.write(tokenizer.tokenizer.to_str())
+    return Path(name)
 
 
 def _cancel_code(context) -> grpc.StatusCode:

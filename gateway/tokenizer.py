@@ -9,10 +9,7 @@ cache_dir(model, "tokenizer")).
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -23,7 +20,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from gateway.chat_literals import encode_with_literals
-from launch.models import cache_dir, model_display_name, resolve_model
+from modelfiles.resolve import model_display_name, tokenizer_folder
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -58,37 +55,6 @@ def _decoder_types(node) -> set[str]:
             and node.get("content") == " ":
         out.add("Metaspace")  # Llama-style: the Replace decoder is what turns ▁ into a space
     return out | _decoder_types(node.get("decoders"))
-
-
-def _tokenizer_folder(model: str) -> tuple[Path, Path]:
-    """(the resolved model path, a folder holding tokenizer.json and its config)."""
-    path = resolve_model(model)
-    if path.is_dir():
-        if not (path / "tokenizer.json").exists():
-            raise FileNotFoundError(f"--model {model!r}: {path} has no tokenizer.json")
-        return path, path
-    if path.suffix != ".gguf":
-        raise ValueError(f"--model {model!r}: expected a .gguf file or a HF directory, got {path}")
-    out = cache_dir(path, "tokenizer")
-    if not (out / "tokenizer.json").exists():
-        _convert_gguf(path, out)
-    return path, out
-
-
-def _convert_gguf(path: Path, out: Path) -> None:
-    # Several processes (tests, replicas) may convert at once: each writes a private folder and
-    # moves finished files in, tokenizer.json last, because its presence marks the cache complete.
-    from transformers import AutoTokenizer  # slow import, needed only here
-
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tmp = Path(tempfile.mkdtemp(dir=out, prefix=".convert-"))
-    try:
-        tok.save_pretrained(str(tmp))
-        names = sorted(os.listdir(tmp), key=lambda n: n == "tokenizer.json")
-        for name in names:
-            os.replace(tmp / name, out / name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _special_token(config: dict, key: str) -> str | None:
@@ -134,6 +100,7 @@ class TextTokenizer:
     eos_token: str | None = None
     chat_template: str | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    source: Path | None = None  # the tokenizer.json it was loaded from, if any
     _template: jinja2.Template | None = field(default=None, repr=False)
     # Logprobs ask for the text and bytes of every sampled and top-k token; the answer per id
     # never changes, so each is computed once.
@@ -233,7 +200,7 @@ class TextTokenizer:
 
 
 def load_tokenizer(model: str = "") -> TextTokenizer:
-    path, folder = _tokenizer_folder(model)
+    path, folder = tokenizer_folder(model)
     config_file = folder / "tokenizer_config.json"
     config = json.loads(config_file.read_text()) if config_file.exists() else {}
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -242,4 +209,5 @@ def load_tokenizer(model: str = "") -> TextTokenizer:
     return TextTokenizer(
         tokenizer=tok, name=model_display_name(path),
         bos_token=_special_token(config, "bos_token"), eos_token=eos,
-        chat_template=_chat_template(folder, config), eos_token_ids=eos_ids)
+        chat_template=_chat_template(folder, config), eos_token_ids=eos_ids,
+        source=folder / "tokenizer.json")

@@ -13,11 +13,14 @@ from typing import Sequence
 
 import jinja2
 
-from gateway import beam
-from gateway.args import REQUEST_LIMITS
+from gateway import beam_request
 from gateway.chat_literals import literal_spans
+from gateway.gateway_flags import REQUEST_LIMITS
+from gateway.structured_check import StructuredError, structured_spec
 from gateway.tokenizer import ROLES, TextTokenizer
+from gateway.validation_error import ValidationError
 from proto import internal_pb2, pagoda_pb2
+from structured.spec import Spec
 
 MAX_N = 16
 MAX_CACHE_SALT_BYTES = 256
@@ -27,18 +30,10 @@ MAX_LOGIT_BIAS = 100.0   # either sign
 _LIMIT_DEFAULTS = {dest: default for dest, default, _, _ in REQUEST_LIMITS}
 
 
-class ValidationError(ValueError):
-    """Becomes INVALID_ARGUMENT; str() is the client-facing message and starts with the field."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(message)
-        self.field = field_name
-
-
 @dataclass(frozen=True)
 class Limits:
     """What the cluster can take (max_model_len, vocab_size: learned from ClusterInfo) and the
-    gateway's bounds on one request (its flags, see gateway.args.REQUEST_LIMITS)."""
+    gateway's bounds on one request (its flags, see gateway.gateway_flags.REQUEST_LIMITS)."""
     max_model_len: int
     vocab_size: int
     max_stop_strings: int = _LIMIT_DEFAULTS["max_stop_strings"]
@@ -50,6 +45,7 @@ class Limits:
     max_priority: int = _LIMIT_DEFAULTS["max_priority"]
     max_logprobs: int = _LIMIT_DEFAULTS["max_logprobs"]
     max_prompt_chars_per_token: int = _LIMIT_DEFAULTS["max_prompt_chars_per_token"]
+    max_structured_output_bytes: int = _LIMIT_DEFAULTS["max_structured_output_bytes"]
 
     @property
     def max_prompt_chars(self) -> int:
@@ -77,6 +73,7 @@ class Validated:
     seed: int = 0  # always set: drawn when the client gave none, so every answer can be replayed
     public_id: str = ""  # the client's request_id, else the internal id
     beam: pagoda_pb2.BeamSearchParams | None = None  # n is its beam_width
+    spec: Spec | None = None  # structured output: compiled by the caller before it is sent
 
 
 def check_ids(ids: Sequence[int], vocab_size: int, name: str) -> None:
@@ -319,11 +316,17 @@ def validate(req: pagoda_pb2.GenerateRequest, tokenizer: TextTokenizer, limits: 
     if abs(req.priority) > limits.max_priority:
         raise ValidationError("priority", f"priority must be in [-{limits.max_priority}, "
                                           f"{limits.max_priority}], got {req.priority}")
-    search = beam.beam_params(req)
+    search = beam_request.beam_params(req)
     if search is None:
         sampling, n = _sampling(req, limits, unary)
     else:
-        sampling, n = beam.beam_sampling(), search.beam_width
+        sampling, n = beam_request.beam_sampling(), search.beam_width
+    try:
+        spec = structured_spec(req, limits.max_structured_output_bytes)
+    except StructuredError as e:
+        raise ValidationError(e.field, str(e)) from None
+    if spec is not None:
+        sampling.structured_output.CopyFrom(req.sampling.structured_output)
     stopping = req.stopping
     _stopping(stopping, limits)
     salt_bytes = len(req.cache_salt.encode())
@@ -380,4 +383,4 @@ def validate(req: pagoda_pb2.GenerateRequest, tokenizer: TextTokenizer, limits: 
         return_prompt_token_ids=req.return_prompt_token_ids,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
-        seed=sampling.seed, public_id=public_id, beam=search)
+        seed=sampling.seed, public_id=public_id, beam=search, spec=spec)

@@ -14,7 +14,7 @@ import argparse
 import subprocess
 import sys
 
-from launch.__main__ import ROOT
+from launch.children import ROOT
 
 BENCHES = {"serve": "bench/serve.py", "offline": "bench/offline.py"}
 
@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command, rest = (argv[0], argv[1:]) if argv else ("--help", [])
     if command == "serve":
-        from launch.__main__ import main as serve, process_parsers
+        from launch.flag_routing import process_parsers
+        from launch.stack import main as serve
         if {"-h", "--help"} & set(rest):
             print("usage: pagoda serve [--num-workers N] [flags]\n\nA scheduler, N workers (default "
                   "1) and a gateway; each flag goes to every process that knows it.")

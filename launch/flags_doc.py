@@ -4,8 +4,9 @@ One table per process (launcher, scheduler, worker, gateway): flag, default, hel
 lives in one place, the parsers; tests/test_docs.py fails when docs/flags.md is not what this
 script writes now, so a new flag cannot miss the document.
 
-Only the parsers are imported: the process parsers come from launch.__main__.process_parsers(),
-which imports each package's args.py (zmq and grpc at most; none of them loads torch).
+Only the parsers are imported: the launcher's own from launch/stack.py, the processes' from
+launch/flag_routing.py, which imports each package's flags module (zmq and grpc at most; none of
+them loads torch).
 """
 from __future__ import annotations
 
@@ -70,44 +71,9 @@ FOOTER = """
 """
 
 
-class _Captured(Exception):
-    def __init__(self, parser: argparse.ArgumentParser):
-        self.parser = parser
-
-
-def launcher_parser() -> argparse.ArgumentParser:
-    """The launcher's own parser, which launch/__main__.py builds inside main().
-
-    No function returns it. But main() parses its own flags before it does anything else, so
-    we call it with that first parse stopped: the parser is caught, and no process is started.
-    This keeps the real actions (defaults that --help does not print, such as --num-workers 1)
-    without a subprocess or a text parse of --help. argparse is patched only for that call.
-    Once launch/ has a function that builds this parser, call it here instead.
-    """
-    from launch.__main__ import main
-    original = argparse.ArgumentParser.parse_known_args
-
-    def capture(self, *args, **kwargs):
-        raise _Captured(self)
-
-    argparse.ArgumentParser.parse_known_args = capture
-    try:
-        main(["--help"])
-    except _Captured as got:
-        parser = got.parser
-    else:
-        parser = None
-    finally:
-        argparse.ArgumentParser.parse_known_args = original
-    if parser is None or "--num-workers" not in parser._option_string_actions:
-        # main() changed shape: fail loudly rather than document the wrong parser.
-        raise RuntimeError("launch/__main__.py main() no longer parses the launcher's flags "
-                           "first; update launch/flags_doc.py:launcher_parser()")
-    return parser
-
-
 def parsers() -> dict[str, argparse.ArgumentParser]:
-    from launch.__main__ import process_parsers
+    from launch.flag_routing import process_parsers
+    from launch.stack import launcher_parser
     return {"launcher": launcher_parser(), **process_parsers()}
 
 

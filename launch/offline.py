@@ -20,8 +20,10 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from launch.__main__ import Child, module_command, process_parsers, route_flags, spawn, stop_in_order
-from launch.outputs import BeamSearchParams, RequestOutput, SamplingParams, collect, generate_request
+from launch.children import Child, module_command, spawn, stop_in_order
+from launch.flag_routing import process_parsers, route_flags
+from launch.outputs import RequestOutput, collect
+from launch.params import BeamSearchParams, SamplingParams, generate_request
 from proto.auth import create_keys
 
 # The scheduler's waiting queue is bounded; this many requests are in flight at most.
@@ -45,7 +47,7 @@ class LLM:
 
     def __init__(self, model: str = "", *, num_workers: int = 1, log_file: str | None = None,
                  start_timeout: float = 600.0, **engine) -> None:
-        from gateway.args import add_gateway_args
+        from gateway.gateway_flags import add_gateway_args
         from gateway.validate import limits_from_args
 
         self._procs: list[subprocess.Popen] = []

@@ -1,5 +1,5 @@
-"""The offline API's types, named and shaped as vLLM's: SamplingParams in, RequestOutput out
-(launch/offline.py runs them)."""
+"""The offline API's outputs, named and shaped as vLLM's: RequestOutput and what it holds, gathered
+from the gateway's responses (launch/offline.py runs the requests; launch/params.py builds them)."""
 from __future__ import annotations
 
 import time
@@ -12,45 +12,6 @@ from proto import pagoda_pb2 as pb
 
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
           pb.FINISH_REASON_ABORT: "abort"}
-
-
-@dataclass
-class SamplingParams:
-    """vLLM's defaults: temperature 1, top_p 1, top_k 0 (off), max_tokens 16."""
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] | None = None
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    truncate_prompt_tokens: int | None = None
-    priority: int = 0
-
-
-@dataclass
-class BeamSearchParams:
-    """vLLM's, for LLM.beam_search, plus transformers' early_stopping ("true", "false", "never")."""
-    beam_width: int
-    max_tokens: int = 16
-    ignore_eos: bool = False
-    length_penalty: float = 1.0
-    early_stopping: str = "false"
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    priority: int = 0
 
 
 @dataclass
@@ -91,51 +52,6 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finished: bool = True
     num_cached_tokens: int = 0
-
-
-def generate_request(fields: dict, p: SamplingParams | BeamSearchParams) -> pb.GenerateRequest:
-    if isinstance(p, BeamSearchParams):
-        req = pb.GenerateRequest(
-            beam_search=pb.BeamSearchParams(beam_width=p.beam_width, length_penalty=p.length_penalty,
-                                            early_stopping=p.early_stopping),
-            stopping=pb.StoppingCriteria(max_tokens=p.max_tokens, ignore_eos=p.ignore_eos,
-                                         stop_token_ids=p.stop_token_ids or []),
-            priority=p.priority, skip_special_tokens=p.skip_special_tokens,
-            return_prompt_token_ids=True)
-        return _with_prompt(req, fields)
-    s = pb.SamplingParams(
-        n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias or {})
-    if p.seed is not None:
-        s.seed = p.seed
-    if p.logprobs is not None:
-        s.logprobs = p.logprobs
-    if p.prompt_logprobs is not None:
-        s.prompt_logprobs = p.prompt_logprobs
-    stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
-    stopping = pb.StoppingCriteria(stop=stop, stop_token_ids=p.stop_token_ids or [],
-                                   ignore_eos=p.ignore_eos, min_tokens=p.min_tokens,
-                                   include_stop_str_in_output=p.include_stop_str_in_output)
-    if p.max_tokens is not None:
-        stopping.max_tokens = p.max_tokens
-    req = pb.GenerateRequest(sampling=s, stopping=stopping, priority=p.priority,
-                             skip_special_tokens=p.skip_special_tokens,
-                             return_prompt_token_ids=True)
-    if p.truncate_prompt_tokens is not None:
-        req.truncate_prompt_tokens = p.truncate_prompt_tokens
-    return _with_prompt(req, fields)
-
-
-def _with_prompt(req: pb.GenerateRequest, fields: dict) -> pb.GenerateRequest:
-    if "prompt" in fields:
-        req.prompt = fields["prompt"]
-    elif "prompt_token_ids" in fields:
-        req.prompt_token_ids.extend(fields["prompt_token_ids"])
-    else:
-        for m in fields["messages"]:
-            req.messages.add(role=m["role"], content=m["content"])
-    return req
 
 
 def _logprobs(entries) -> list[dict[int, Logprob]]:

@@ -4,7 +4,7 @@ processes, so that a table of lifetimes can test it.
 A process that dies is started again after a delay that doubles with each death in a row, from
 first_delay_s up to max_delay_s; a death after it had lived healthy_after_s starts the count
 afresh. The give_up_after-th death in a row is the last: the launcher gives up on that process
-alone (and stops everything only if it was the scheduler or the gateway, launch/__main__.py).
+alone (and stops everything only if it was the scheduler or the gateway, launch/children.py).
 """
 from __future__ import annotations
 

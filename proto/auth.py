@@ -25,8 +25,9 @@ __all__ = ["PROTOCOL_VERSION", "SERVER", "CLIENTS", "add_auth_args", "create_key
 
 log = logging.getLogger("pagoda.auth")
 
-# Raised on any change of internal.proto that an older peer would misread.
-PROTOCOL_VERSION = 3
+# Raised on any change of internal.proto that an older peer would misread. 4: every token to a
+# gateway travels in SchedulerMessage's columns, none in a TokenDelta (proto/token_stream.py).
+PROTOCOL_VERSION = 4
 
 
 def add_auth_args(parser: argparse.ArgumentParser) -> None:

@@ -4,8 +4,9 @@ much larger in (a larger frame makes ZeroMQ drop the connection; the peer reconn
 
 Protobuf sizes: a length-delimited field costs 1-2 tag bytes + a varint length + its bytes; a
 varint at most 5 bytes (10 for 64-bit); a column entry 4; a float 4. Each function counts every
-field at the most the checks of the receiver (scheduler/checks.py, worker/checks.py,
-gateway/checks.py) let through, and `with_margin` adds MARGIN for what is counted loosely.
+field at the most the checks of the receiver (scheduler/message_checks.py,
+worker/plan_checks.py, gateway/scheduler_checks.py) let through, and `with_margin` adds MARGIN
+for what is counted loosely.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ MAX_N = 256                   # sequences of one request
 MAX_LOGPROBS = 64             # alternatives per position: the scheduler refuses more
 MAX_TEXT = 4096               # error and refusal messages to a gateway
 MAX_WORKERS = 1024            # registered with one scheduler at once
+MAX_STRUCTURED_OUTPUT = 64 << 10  # bytes of one SamplingConfig.structured_output (its spec)
 DEFAULT_MAX_MODEL_LEN = 8192  # the longest a worker takes without --max-model-len
 # The scheduler cuts what it sends a gateway into messages of at most this many bytes of
 # entries (scheduler/outbox.py), and logprobs into entries of at most this many positions.
@@ -43,9 +45,11 @@ def _ids(count: int) -> int:
 
 
 def largest_sampling() -> int:
-    """A SamplingConfig at scheduler/checks.py's limits: MAX_LIST logit_bias entries (each an
-    entry message of a uint32 key and a float) and stop ids, and its scalars."""
-    return _field(MAX_LIST * _field(1 + 5 + 1 + 4) + _ids(MAX_LIST) + _SCALARS)
+    """A SamplingConfig at scheduler/message_checks.py's limits: MAX_LIST logit_bias entries
+    (each an entry message of a uint32 key and a float) and stop ids, a structured output spec,
+    and its scalars. (A choice list of n strings costs up to 3 bytes each more than its text.)"""
+    spec = _field(MAX_STRUCTURED_OUTPUT + 3 * MAX_LIST)
+    return _field(MAX_LIST * _field(1 + 5 + 1 + 4) + _ids(MAX_LIST) + spec + _SCALARS)
 
 
 def largest_gateway_message(max_model_len: int) -> int:
@@ -95,13 +99,14 @@ def largest_step_plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_
 
 def largest_scheduler_message(max_logprobs: int, context_bound: int) -> int:
     """A SchedulerMessage, as a gateway receives it. The scheduler cuts its batches at
-    DELTA_BATCH_BYTES (one entry may pass it: a token entry of up to context_bound tokens, a
-    delta with an error, or logprobs of LOGPROBS_POSITIONS positions at the gateway's
-    max_logprobs), or it is a reply to a call (MAX_LIST aborted ids, or the loads of
-    MAX_WORKERS workers) or cluster info, whichever is largest."""
+    DELTA_BATCH_BYTES (one update may pass it: a token entry of up to context_bound tokens with
+    the delta that continues it, a delta with an error, or logprobs of LOGPROBS_POSITIONS
+    positions at the gateway's max_logprobs), or it is a reply to a call (MAX_LIST aborted ids,
+    or the loads of MAX_WORKERS workers) or cluster info, whichever is largest."""
     token_entry = _field(MAX_ID_BYTES) + 4 * (3 + context_bound)
+    news = _field(_field(MAX_ID_BYTES) + _SCALARS)  # usage and a finish: no error joins tokens
     delta = _field(_field(MAX_ID_BYTES) + _field(_field(32) + _field(MAX_TEXT)) + _SCALARS)
-    item = max(token_entry, delta, largest_logprobs(LOGPROBS_POSITIONS, max_logprobs))
+    item = max(token_entry + news, delta, largest_logprobs(LOGPROBS_POSITIONS, max_logprobs))
     reply = max(_field(MAX_LIST * _field(MAX_ID_BYTES)),
                 MAX_WORKERS * _field(_field(MAX_ID_BYTES) + _SCALARS))
     info = _field(_field(MAX_ID_BYTES) + _ids(MAX_LIST) + _SCALARS)

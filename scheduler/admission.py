@@ -1,12 +1,24 @@
 """Whether the router can take a request at all: refused now rather than left waiting forever."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sized
+from typing import TYPE_CHECKING, Any, Protocol
 
 from proto import internal_pb2 as pb
 
 if TYPE_CHECKING:
-    from scheduler.router import Router
+    from scheduler.config import RouterConfig
+    from scheduler.tenants import TenantLoad
+
+
+class Cluster(Protocol):
+    """What admission reads of the router (scheduler/router.py)."""
+    config: RouterConfig
+    seqs: Mapping[str, Any]     # request id -> its sequences, in flight
+    public: Mapping[str, str]   # the clients' ids in flight
+    pending: Sized              # sequences no worker has taken yet
+    workers: Mapping[bytes, Any]  # WorkerStates: their hello and scheduler
+    tenants: TenantLoad
 
 
 class Rejected(Exception):
@@ -16,7 +28,7 @@ class Rejected(Exception):
         self.message = message
 
 
-def check_admission(router: "Router", add: pb.AddRequest) -> int:
+def check_admission(router: Cluster, add: pb.AddRequest) -> int:
     """Raises Rejected for a request the cluster cannot take; returns how many sequences' blocks
     it may hold at worst (n, or beam_width: beams share blocks, but may each hold their own)."""
     if add.request_id in router.seqs:

@@ -25,15 +25,23 @@ def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra: bytes
                                     tokens, extra))).digest()
 
 
+def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int,
+                        num_blocks: int, cache_salt: str = "") -> list[bytes]:
+    """The one hash chain: `hashes`, those of the leading full blocks of token_ids, extended in
+    place to the first num_blocks. The salt enters the first block, and through the chain every
+    later one."""
+    parent = hashes[-1] if hashes else None
+    for i in range(len(hashes), num_blocks):
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size],
+                            cache_salt.encode() if i == 0 else b"")
+        hashes.append(parent)
+    return hashes
+
+
 def full_block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int,
                       cache_salt: str = "") -> list[bytes]:
     """The chained hashes of the first num_blocks full blocks of a token sequence."""
-    out, parent = [], None
-    for i in range(num_blocks):
-        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size],
-                            cache_salt.encode() if i == 0 else b"")
-        out.append(parent)
-    return out
+    return extend_block_hashes([], token_ids, block_size, num_blocks, cache_salt)
 
 
 class BlockPool:
@@ -46,7 +54,7 @@ class BlockPool:
         # block that gets a new reference while still on the free list.
         self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.cached: dict[bytes, int] = {}  # block hash -> block id
-        # Prefix cache statistics, in tokens (see scheduler/metrics.py).
+        # Prefix cache statistics, in tokens, kept by KVCacheManager.count_admission.
         self.queries = 0
         self.hits = 0
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from scheduler.config import SchedulerConfig
     from scheduler.router import WorkerState
-    from scheduler.scheduler import SchedulerConfig
     from scheduler.step import Step
 
 SLACK = 4.0  # times the measured cost: a busy machine may run a step this much slower
@@ -42,9 +42,9 @@ def overdue_workers(workers: dict[bytes, "WorkerState"], now: float,
     out = []
     for ident, state in workers.items():
         sched = state.scheduler
-        if not sched.in_flight:
+        step = sched.running_step
+        if step is None:
             continue
-        step = sched.in_flight[0]
         running = now - max(step.sent_at, sched.last_result_at)
         limit = step_deadline(step, sched.config, base)
         if running > limit:

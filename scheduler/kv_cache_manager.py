@@ -3,20 +3,23 @@
 It owns the block math (how many blocks n more tokens need), the block hashes of each request
 (computed once, as its tokens become known), the prefix cache, copy-on-write forks and the CPU
 swap pool. The scheduler decides who runs; this file decides which blocks they get, and never
-which request goes first.
+which request goes first. Nothing else reads or writes the pools: their free counts, the
+prefix-cache switch and statistics are read through the methods here, and block moves come out as
+plain (src, dst) pairs, which become protobuf only where the plan is built (scheduler/step.py).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from proto import internal_pb2 as pb
-from scheduler.block_pool import BlockPool, hash_block
+from scheduler.block_pool import BlockPool, extend_block_hashes
 
 if TYPE_CHECKING:
     from scheduler.request import Request
 
 
 _NONE: list[int] = []  # "no new blocks", shared: callers only read it
+
+BlockMove = tuple[int, int]  # (source block, destination block): a swap or a copy-on-write
 
 
 class KVCacheManager:
@@ -30,20 +33,43 @@ class KVCacheManager:
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
+    @property
+    def num_free(self) -> int:
+        """Device blocks on the free list (cached prefixes nobody holds included)."""
+        return self.pool.num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.pool.num_used
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.pool.enable_prefix_caching
+
+    @property
+    def has_swap_space(self) -> bool:
+        return self.cpu_pool.num_blocks > 0
+
+    def prefix_stats(self) -> tuple[int, int]:
+        """(tokens looked up, tokens found) in the prefix cache, at first admissions."""
+        return self.pool.queries, self.pool.hits
+
+    def count_admission(self, req: "Request") -> None:
+        """A sequence's prefix hit at its first admission, for the statistics (a recompute
+        after preemption would count its own earlier blocks as hits)."""
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = req.num_computed_tokens
+            self.pool.queries += req.num_tokens
+            self.pool.hits += req.num_computed_tokens
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     # -- prefix cache ---------------------------------------------------------------------------
     def _hash_up_to(self, req: "Request", num_blocks: int) -> list[bytes]:
-        """req's block hashes for its first num_blocks full blocks, extending what it holds.
-        The salt enters the first block, and through the chain every later one."""
-        hashes, tokens, bs = req.block_hashes, req.all_token_ids, self.block_size
-        parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), num_blocks):
-            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs],
-                                req.cache_salt.encode() if i == 0 else b"")
-            hashes.append(parent)
-        return hashes
+        """req's block hashes for its first num_blocks full blocks, extending what it holds."""
+        return extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, num_blocks,
+                                   req.cache_salt)
 
     def get_computed_blocks(self, req: "Request") -> list[int]:
         """Cached blocks holding the longest prefix of req's known tokens; never all of them, so
@@ -76,11 +102,14 @@ class KVCacheManager:
 
     # -- allocation -----------------------------------------------------------------------------
     def allocate_slots(self, req: "Request", num_new_tokens: int,
-                       computed_blocks: list[int] | None = None) -> list[int] | None:
-        """Blocks for req's next num_new_tokens tokens, after its computed ones. On admission,
+                       computed_blocks: list[int] | None = None,
+                       num_lookahead_tokens: int = 0) -> list[int] | None:
+        """Blocks for req's next num_new_tokens tokens, after its computed ones, and room for
+        num_lookahead_tokens more (speculative decoding's draft tokens; none yet). On admission,
         computed_blocks (from get_computed_blocks) become the head of its table. Returns the new
         block ids, or None, changing nothing, when the pool cannot hold them."""
         pool = self.pool
+        num_new_tokens += num_lookahead_tokens  # room for them too; Step.take counts the computed
         if computed_blocks is None:
             # The common case, a decode within its last block, costs one comparison.
             need = (req.num_computed_tokens + num_new_tokens + self.block_size - 1) // self.block_size \
@@ -119,7 +148,7 @@ class KVCacheManager:
             req.cpu_block_ids = []
         req.num_cached_blocks = 0
 
-    def fork(self, parent: "Request", child: "Request") -> pb.BlockCopy | None:
+    def fork(self, parent: "Request", child: "Request") -> BlockMove | None:
         """child shares parent's full blocks and gets its own last block, which the parent has
         partly filled: the returned copy (run by the worker before the forward) fills it."""
         c, bs = parent.num_computed_tokens, self.block_size
@@ -131,7 +160,7 @@ class KVCacheManager:
         child.block_hashes = parent.block_hashes[:full]
         child.num_cached_blocks = min(parent.num_cached_blocks, full)
         child.num_computed_tokens = c
-        return pb.BlockCopy(src=parent.block_ids[full], dst=own[0]) if c % bs else None
+        return (parent.block_ids[full], own[0]) if c % bs else None
 
     def share(self, parent: "Request", child: "Request") -> None:
         """Beam search: child takes a reference on every block of parent, the partial last one
@@ -143,7 +172,7 @@ class KVCacheManager:
         child.num_cached_blocks = min(parent.num_cached_blocks, full)
         child.num_computed_tokens = parent.num_computed_tokens
 
-    def write_slots(self, req: "Request", n: int) -> tuple[list[int], pb.BlockCopy | None]:
+    def write_slots(self, req: "Request", n: int) -> tuple[list[int], BlockMove | None]:
         """allocate_slots for a sequence that may share its partial last block (share): that
         block is copied into one of its own first. Check write_cost first: this must not fail.
         Only a sequence new to the worker may copy (its NewSeq carries the new table)."""
@@ -154,7 +183,7 @@ class KVCacheManager:
             own = self.pool.allocate(1)[0]
             self.pool.free([last])
             req.block_ids[-1] = own
-            copy = pb.BlockCopy(src=last, dst=own)
+            copy = (last, own)
         new = self.allocate_slots(req, n)
         if new is None:
             raise MemoryError(f"{req.seq_id}: write_slots without room")
@@ -184,21 +213,21 @@ class KVCacheManager:
     def can_swap_out(self, req: "Request") -> bool:
         return bool(req.block_ids) and self.cpu_pool.can_allocate(len(req.block_ids))
 
-    def swap_out(self, req: "Request") -> list[pb.BlockCopy]:
+    def swap_out(self, req: "Request") -> list[BlockMove]:
         cpu = self.cpu_pool.allocate(len(req.block_ids))
-        ops = [pb.BlockCopy(src=g, dst=c) for g, c in zip(req.block_ids, cpu)]
+        ops = list(zip(req.block_ids, cpu))
         self.pool.free(req.block_ids)
         req.block_ids, req.cpu_block_ids, req.num_cached_blocks = [], cpu, 0
         return ops
 
-    def swap_in(self, req: "Request", num_new_tokens: int) -> list[pb.BlockCopy] | None:
+    def swap_in(self, req: "Request", num_new_tokens: int) -> list[BlockMove] | None:
         """Device blocks for req's swapped blocks plus room for num_new_tokens, or None."""
         back = len(req.cpu_block_ids)
         need = max(back, self.blocks_for(req.num_computed_tokens + num_new_tokens))
         if need > self.pool.num_free:
             return None
         gpu = self.pool.allocate(need)
-        ops = [pb.BlockCopy(src=c, dst=g) for c, g in zip(req.cpu_block_ids, gpu)]
+        ops = list(zip(req.cpu_block_ids, gpu))
         self.cpu_pool.free(req.cpu_block_ids)
         req.cpu_block_ids, req.block_ids = [], gpu
         return ops

@@ -10,7 +10,7 @@ later chunk kills the worker still counts, as its early chunks add no token.
 At the bound, a sequence that was alone in the lost step (or with only its own request's other
 sequences) ends with INTERNAL. Its blocks are gone with the worker's pool, and it is not requeued
 anywhere. A sequence that shared the step with other requests may be innocent: it runs alone
-next, as a suspect (scheduler/failures.py). It ends if it is lost once more, alone or not, so
+next, as a suspect (Scheduler.fail_oldest). It ends if it is lost once more, alone or not, so
 that a sequence whose killing chunk never runs alone still ends. Only the step that was running
 counts. A plan queued behind it never ran.
 """
@@ -21,23 +21,22 @@ from typing import TYPE_CHECKING
 from scheduler.request import Request, Status
 
 if TYPE_CHECKING:
-    from scheduler.scheduler import Scheduler
+    from scheduler.step import Step
 
 
-def count_lost_step(sched: "Scheduler", max_failures: int) -> list[Request]:
-    """Before sched.drain(): counts the running step against the sequences in it, and returns
-    those to end with INTERNAL (a beam search as its handle). 0 or less: never ends one."""
-    if max_failures <= 0 or not sched.in_flight:
+def count_lost_step(running: Step | None, max_failures: int) -> list[Request]:
+    """Before the scheduler's drain(): counts its running step against the sequences in it, and
+    returns the requests to end with INTERNAL (each as the router knows it: a beam search as its
+    handle). 0 or less: never ends one."""
+    if max_failures <= 0 or running is None:
         return []
     ran: dict[int, tuple[Request, int]] = {}
-    for req, _, _ in sched.in_flight[0].entries:
+    for req, _, _ in running.entries:
         if req.status is Status.FINISHED:
             continue
-        group = req.beam
-        if group is None:
-            ran[id(req)] = (req, req.num_tokens)
-        else:  # a beam search starts again from its prompt: how far its longest beam got
-            ran[id(group.handle)] = (group.handle, max(b.num_tokens for b in group.beams))
+        # A group's sequences start again as its handle: how far its longest got.
+        handle = req.group.handle
+        ran[id(handle)] = (handle, max(s.num_tokens for s in req.group.seqs()))
     alone = len({seq.request_id for seq, _ in ran.values()}) == 1
     doomed = []
     for seq, length in ran.values():

@@ -34,24 +34,25 @@ class RouterCollector(Collector):
                                       "the worker's time executing steps", labels=["worker"])
         for state in list(self.router.workers.values()):
             wid = state.hello.worker_id
-            sched, pool = state.scheduler, state.scheduler.kv.pool
-            used = pool.num_used
+            sched, kv = state.scheduler, state.scheduler.kv
+            used = kv.num_used
             reqs = list(sched.requests.values())
             running = [r for r in reqs if r.status is Status.RUNNING]
-            bs = sched.kv.block_size
+            bs = kv.block_size
             slots = used * bs
             empty = sum(len(r.block_ids) * bs - r.num_computed_tokens for r in running)
-            g["kv_cache_usage_ratio"].add_metric([wid], used / max(1, pool.num_blocks))
+            g["kv_cache_usage_ratio"].add_metric([wid], used / max(1, kv.num_blocks))
             g["kv_cache_token_utilization"].add_metric([wid], (slots - empty) / slots if slots else 0.0)
-            g["kv_blocks_total"].add_metric([wid], pool.num_blocks)
-            g["kv_blocks_free"].add_metric([wid], pool.num_free)
+            g["kv_blocks_total"].add_metric([wid], kv.num_blocks)
+            g["kv_blocks_free"].add_metric([wid], kv.num_free)
             g["num_requests_running"].add_metric([wid], len(running))
             g["num_requests_waiting"].add_metric([wid], sched.num_waiting)
             g["num_requests_swapped"].add_metric([wid], sum(r.status is Status.SWAPPED for r in reqs))
             for mode, count in sched.stats.num_preemptions.items():
                 preempt.add_metric([wid, mode], count)
-            queries.add_metric([wid], pool.queries)
-            hits.add_metric([wid], pool.hits)
+            num_queries, num_hits = kv.prefix_stats()
+            queries.add_metric([wid], num_queries)
+            hits.add_metric([wid], num_hits)
             steps.add_metric([wid], state.steps)
             forward.add_metric([wid], state.forward_seconds)
         yield from g.values()

@@ -1,50 +1,30 @@
-"""What one gateway gets after a step: token columns plus the rare deltas (see SchedulerMessage)."""
+"""What one gateway gets after a step, and its cut into messages the gateway accepts. The
+encoding is the token stream's own (proto/token_stream.py)."""
 from __future__ import annotations
 
 from proto import internal_pb2 as pb
-from proto.columns import pack, unpack
 from proto.sizes import DELTA_BATCH_BYTES, LOGPROBS_POSITIONS
+from proto.token_stream import Writer, updates
 
 
-class Outbox:
-    """Token entries in arrival order, so that a stream's tokens stay in order, plus the deltas
-    that carry usage, finishes and errors, and logprobs."""
+class Outbox(Writer):
+    """One gateway's token entries, deltas and logprobs since the last send."""
 
-    def __init__(self) -> None:
-        self.request_ids: list[str] = []
-        self.indices: list[int] = []
-        self.num_tokens: list[int] = []
-        self.offsets: list[int] = []  # output index of each entry's first token
-        self.token_ids: list[int] = []
-        self.deltas: list[pb.TokenDelta] = []
-        self.logprobs: list[pb.Logprobs] = []
 
-    def add(self, request_id: str, index: int, token_ids: list[int], offset: int = 0) -> None:
-        self.request_ids.append(request_id)
-        self.indices.append(index)
-        self.num_tokens.append(len(token_ids))
-        self.offsets.append(offset)
-        self.token_ids += token_ids
+class Outboxes(dict):
+    """Each gateway's outbox, made on first use: `outboxes[gateway]`."""
 
-    def appends(self) -> tuple:
-        """The columns' append methods, in add()'s order (request id, index, count, offset,
-        token): a step streams one token per decode, and binding these once per step spares
-        a method call per token."""
-        return (self.request_ids.append, self.indices.append, self.num_tokens.append,
-                self.offsets.append, self.token_ids.append)
-
-    def to_message(self) -> pb.SchedulerMessage:
-        return pb.SchedulerMessage(deltas=self.deltas, logprobs=self.logprobs,
-                                   request_ids=self.request_ids, indices=pack(self.indices),
-                                   num_tokens=pack(self.num_tokens), token_ids=pack(self.token_ids),
-                                   offsets=pack(self.offsets))
+    def __missing__(self, gateway: bytes) -> Outbox:
+        box = self[gateway] = Outbox()
+        return box
 
 
 def split(msg: pb.SchedulerMessage) -> list[pb.SchedulerMessage]:
     """msg as messages of at most DELTA_BATCH_BYTES of entries each (one larger entry goes
     alone), logprobs cut to LOGPROBS_POSITIONS positions, so that each fits the gateway's bound
-    (proto/sizes.py). The order of application stays: all logprobs, then the token entries, then
-    the deltas, since a gateway pairs logprobs with tokens that come with or after them."""
+    (proto/sizes.py). The order of application stays: all logprobs, then the updates in the
+    decoder's order, each whole (a beam's output with its finish stays one), since a gateway
+    pairs logprobs with tokens that come with or after them."""
     logprobs = [part for lp in msg.logprobs for part in _cut_logprobs(lp)]
     if len(logprobs) == len(msg.logprobs) and msg.ByteSize() <= DELTA_BATCH_BYTES:
         return [msg]
@@ -60,15 +40,9 @@ def split(msg: pb.SchedulerMessage) -> list[pb.SchedulerMessage]:
     for lp in logprobs:
         fits(lp.ByteSize())
         box.logprobs.append(lp)
-    tokens, pos = unpack(msg.token_ids), 0
-    for rid, index, n, offset in zip(msg.request_ids, unpack(msg.indices).tolist(),
-                                     unpack(msg.num_tokens).tolist(), unpack(msg.offsets).tolist()):
-        fits(len(rid) + 16 + 4 * n)
-        box.add(rid, index, tokens[pos:pos + n].tolist(), offset)
-        pos += n
-    for delta in msg.deltas:
-        fits(delta.ByteSize())
-        box.deltas.append(delta)
+    for update in updates(msg):
+        fits(update.wire_bytes())
+        box.put(update)
     out.append(box.to_message())
     out[0].replies.extend(msg.replies)  # replies and info go with the first part
     if msg.HasField("info"):

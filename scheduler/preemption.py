@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from scheduler.config import SchedulerConfig
     from scheduler.kv_cache_manager import KVCacheManager
     from scheduler.request import Request
-    from scheduler.scheduler import SchedulerConfig
 
 log = logging.getLogger("pagoda.preemption")
 
@@ -29,7 +29,7 @@ class PreemptionPolicy:
         tokens again, by the bandwidth and prefill speed the worker measured at start-up."""
         mode, why = "recompute", "no swap space"
         cfg = self.config
-        if self.kv.cpu_pool.num_blocks and req.block_ids:
+        if self.kv.has_swap_space and req.block_ids:
             if not self.kv.can_swap_out(req):
                 why = "swap space full"
             elif cfg.swap_bytes_per_s <= 0 or cfg.prefill_tokens_per_s <= 0:
@@ -39,7 +39,11 @@ class PreemptionPolicy:
                 recompute_s = req.num_computed_tokens / cfg.prefill_tokens_per_s
                 mode = "swap" if swap_s < recompute_s else "recompute"
                 why = f"swap {swap_s * 1e3:.2f} ms vs recompute {recompute_s * 1e3:.2f} ms"
-        self.stats.num_preemptions[mode] += 1
+        self.record(mode)
         log.info("preempt %s (%d tokens, %d blocks) by %s: %s", req.seq_id, req.num_tokens,
                  len(req.block_ids), mode, why)
         return mode
+
+    def record(self, mode: str) -> None:
+        """A preemption by `mode` ("recompute" or "swap"), for the metrics."""
+        self.stats.num_preemptions[mode] += 1

@@ -3,12 +3,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
-from proto import internal_pb2 as pb, pagoda_pb2
-
-if TYPE_CHECKING:
-    from scheduler.beam import BeamGroup
+from proto import internal_pb2 as pb
 
 
 class Status(enum.Enum):
@@ -23,6 +20,12 @@ class FinishReason(enum.IntEnum):
     STOP = pb.STOP
     ABORT = pb.ABORT
     ERROR = pb.ERROR
+
+
+# What derive() carries over: the request's parameters and stop rule, never its progress.
+_PARAMETERS = ("request_id", "index", "gateway", "prompt_token_ids", "sampling", "max_tokens",
+               "ignore_eos", "stop_token_ids", "priority", "arrival", "public_id", "cache_salt",
+               "tenant", "arrival_time", "stop_set", "length_limit", "min_stop_len", "worker")
 
 
 @dataclass(eq=False, slots=True)  # slots: attribute access in the per-step loops is faster
@@ -56,26 +59,26 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks' tokens, once each
     num_cached_blocks: int = 0      # leading blocks registered in the prefix cache
     num_cached_tokens: int = -1     # the prefix hit at first admission (-1 = not admitted yet)
-    status: Status = Status.WAITING
+    status: Status = Status.WAITING  # on a worker, moved by scheduler/queues.py, which counts
     finish_reason: FinishReason | None = None
 
-    # Set by the worker's scheduler on arrival: the token ids that stop it (EOS unless
-    # ignore_eos, plus stop_token_ids) and the length at which it stops, so that the per-token
-    # check is two comparisons.
+    # Set by set_limits() on arrival at a worker's scheduler: the token ids that stop it (EOS
+    # unless ignore_eos, plus stop_token_ids) and the length at which it stops, so that the
+    # per-token check is two comparisons.
     stop_set: frozenset[int] = frozenset()
     length_limit: int = 0
     min_stop_len: int = 0           # a stop token ends it only from this length on (min_tokens)
     worker: bytes | None = None     # the worker whose pool holds its blocks
     cpu_block_ids: list[int] = field(default_factory=list)  # while swapped out
-    # n > 1: sequence 0 computes the prompt, then the others fork its blocks (copy-on-write).
-    fork_children: list["Request"] = field(default_factory=list)
-    fork_parent: "Request | None" = None
+    # The sequence group it belongs to (scheduler/sequence_group.py: a plain request is a group
+    # of one), set by the router. Typed loosely: that module builds on this one.
+    group: Any = None
     # What the worker already knows, so that a plan carries only the difference.
     on_worker: bool = False
     slot: int = -1                  # its name in plans and results while on the worker
     num_preemptions: int = 0
     # It was in a step that failed: it runs alone until a step with it succeeds, and ends with
-    # INTERNAL if it fails alone (scheduler/failures.py).
+    # INTERNAL if it fails alone (Scheduler.fail_oldest). It stays set across workers.
     suspect: bool = False
     # Steps that ran it and were lost with their worker (it died or hung in them), counted since
     # it last got further than before (scheduler/lost_steps.py), and how far it had got then.
@@ -86,17 +89,30 @@ class Request:
     # writes nothing here.
     stream_started: bool = False
     num_unstreamed: int = 0
-    # Beam search (scheduler/beam.py): the group of a beam, and of the router's handle of the
-    # request (which carries beam_params and is never in the batch); a beam's cumulative logprob
-    # and whether its last token, the scheduler's choice, is still to be named in a plan.
-    beam: "BeamGroup | None" = None
-    beam_params: pagoda_pb2.BeamSearchParams | None = None
-    cum_logprob: float = 0.0
-    token_unsent: bool = False
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+
+    def derive(self, **changes) -> Request:
+        """Another sequence of the same request (a beam, say): its parameters and stop rule,
+        none of its progress, then `changes` (seq_id among them)."""
+        fields = {name: getattr(self, name) for name in _PARAMETERS}
+        fields.update(changes)
+        return Request(**fields)
+
+    def set_limits(self, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+        """Its stop rule on a worker whose model ends answers with eos_token_ids."""
+        eos = frozenset() if self.ignore_eos else eos_token_ids
+        self.stop_set = eos | self.stop_token_ids
+        # The first output token sits at index num_prompt_tokens; with min_tokens m, output
+        # tokens 0..m-1 cannot stop it (the worker masks them, see SamplingConfig).
+        self.min_stop_len = self.num_prompt_tokens + self.sampling.min_tokens + 1
+        # The worker needs them for min_tokens, and for a grammar: a complete answer may take
+        # only these (worker/grammar.py).
+        if self.sampling.min_tokens or self.sampling.HasField("structured_output"):
+            self.sampling.stop_token_ids[:] = sorted(self.stop_set)
+        self.length_limit = min(self.num_prompt_tokens + self.max_tokens, max_model_len)
 
     @property
     def num_tokens(self) -> int:

@@ -7,16 +7,15 @@ from typing import TYPE_CHECKING
 
 from proto import internal_pb2 as pb
 from proto.columns import unpack_list
-from scheduler import beam
 from scheduler.outbox import Outbox
 from scheduler.request import FinishReason, Request, Status
 from scheduler.step import Step
 
 if TYPE_CHECKING:
-    from scheduler.scheduler import Scheduler
+    from scheduler.sequence_group import Batch
 
 
-def apply_result(sched: "Scheduler", step: Step, result: pb.StepResult,
+def apply_result(sched: Batch, step: Step, result: pb.StepResult,
                  outboxes: dict[bytes, Outbox]) -> list[Request]:
     """Append the step's sampled tokens, check stops, and stream each plain one-token step into
     its gateway's outbox. Returns the sequences with other news (first tokens, which carry
@@ -28,10 +27,10 @@ def apply_result(sched: "Scheduler", step: Step, result: pb.StepResult,
     res_slots, res_tokens = unpack_list(result.slots), unpack_list(result.token_ids)
     if len(res_slots) != len(res_tokens):
         raise ValueError(f"step {result.step_id}: {len(res_slots)} slots but {len(res_tokens)} tokens")
-    beam_lps = forward_logprobs(step, result.logprobs, outboxes) if result.logprobs else {}
+    candidates = forward_logprobs(step, result.logprobs, outboxes) if result.logprobs else {}
     RUNNING, kv = Status.RUNNING, sched.kv
-    caching, block_size = kv.pool.enable_prefix_caching, kv.block_size
-    j, num_results, others, beams = 0, len(res_slots), [], []
+    caching, block_size = kv.prefix_caching, kv.block_size
+    j, num_results, others, picked = 0, len(res_slots), [], []
     streams: dict[bytes, tuple] = {}  # gateway -> its outbox's column appends, looked up once
     for req, _, slot in step.entries:
         if j == num_results or res_slots[j] != slot:
@@ -41,8 +40,8 @@ def apply_result(sched: "Scheduler", step: Step, result: pb.StepResult,
         if req.status is Status.FINISHED:
             continue
         req.num_pending -= 1
-        if req.beam is not None:
-            beams.append((req, slot))  # its candidates, not its sampled token, matter
+        if req.group.picks_tokens:
+            picked.append((req, slot))  # its candidates, not its sampled token, matter
             continue
         tokens = req.all_token_ids
         tokens.append(token)
@@ -74,28 +73,40 @@ def apply_result(sched: "Scheduler", step: Step, result: pb.StepResult,
     if j != num_results:
         raise ValueError(f"step {result.step_id}: {num_results - j} sampled slots match no "
                          "sequence of the plan")
-    if beams:
-        others += beam.on_results(sched, beams, beam_lps)
+    if picked:
+        others += pick_tokens(sched, picked, candidates)
     return others
+
+
+def pick_tokens(sched: Batch, picked: list[tuple[Request, int]],
+                candidates: dict[int, pb.Logprobs]) -> list[Request]:
+    """The candidates of sequences whose groups pick their tokens (a beam search), by their slot
+    in the step. Returns the handles of the groups that ended."""
+    groups = []
+    for seq, slot in picked:
+        group = seq.group
+        if group.add_candidates(seq, candidates.get(slot)) and group not in groups:
+            groups.append(group)
+    return [group.handle for group in groups if group.on_result(sched)]
 
 
 def forward_logprobs(step: Step, logprobs, outboxes: dict[bytes, Outbox]) -> dict[int, pb.Logprobs]:
     """Logprobs go to the gateway as the worker computed them, named by request rather than
-    slot (the step's own entries say whose slot it was when the plan went out). A beam's are
-    its candidates: they are returned by slot, for the search."""
+    slot (the step's own entries say whose slot it was when the plan went out). Those of a group
+    that picks its tokens (a beam search) are its candidates: they are returned by slot."""
     by_slot = {slot: req for req, _, slot in step.entries}
-    beams = {}
+    candidates = {}
     for lp in logprobs:
         req = by_slot.get(lp.slot)
         if req is None or req.status is Status.FINISHED:
             continue
-        if req.beam is not None:
+        if req.group.picks_tokens:
             if not lp.prompt:
-                beams[lp.slot] = lp
+                candidates[lp.slot] = lp
             continue
         lp.request_id, lp.index, lp.slot = req.request_id, req.index, 0
         box = outboxes.get(req.gateway)
         if box is None:
             box = outboxes[req.gateway] = Outbox()
         box.logprobs.append(lp)
-    return beams
+    return candidates

@@ -12,12 +12,16 @@ from dataclasses import dataclass, field
 
 from proto import internal_pb2 as pb, pagoda_pb2
 from proto.auth import PROTOCOL_VERSION
-from scheduler import beam, lost_steps
+from scheduler import lost_steps
 from scheduler.admission import Rejected, check_admission  # noqa: F401 - Rejected: the API
+from scheduler.beam_search import BeamSearch
+from scheduler.config import RouterConfig, SchedulerConfig  # noqa: F401 - RouterConfig: the API
+from scheduler.forks import Forks
 from scheduler.outbox import Outbox
-from scheduler.request import FinishReason, Request, Status
-from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.reports import loads_of
+from scheduler.request import FinishReason, Request, Status
+from scheduler.scheduler import Scheduler
+from scheduler.sequence_group import SequenceGroup, Single
 from scheduler.tenants import TenantLoad
 
 log = logging.getLogger("pagoda.router")
@@ -37,19 +41,6 @@ class WorkerState:
     @property
     def load(self) -> int:
         return len(self.scheduler.requests)
-
-
-@dataclass
-class RouterConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    max_waiting_requests: int = 1024
-    max_plans_in_flight: int = 2
-    max_step_failures: int = 2  # lost steps that end a sequence (scheduler/lost_steps.py)
-    max_seqs_per_tenant: int = 0  # scheduler/tenants.py
-    # A prefix hit wins the routing unless its worker is this much busier than the least loaded.
-    load_slack: int = 8
 
 
 class Router:
@@ -111,7 +102,7 @@ class Router:
                  hello.device)
         pending, self.pending = self.pending, []
         for req in pending:
-            self._route(req)
+            self._route(req.group)
 
     def remove(self, worker_id: bytes, why: str, step_lost: bool = False) -> None:
         """A lost worker's sequences are recomputed elsewhere from prompt plus the tokens already
@@ -121,13 +112,13 @@ class Router:
         if state is None:
             return
         most = self.config.max_step_failures
-        doomed = lost_steps.count_lost_step(state.scheduler, most) if step_lost else []
+        doomed = lost_steps.count_lost_step(state.scheduler.running_step, most) if step_lost else []
         orphans = state.scheduler.drain()
         log.warning("worker %s dropped (%s); %d sequences requeued",
                     state.hello.worker_id, why, len(orphans) - len(doomed))
         for req in orphans:
             if req not in doomed:
-                self._route(req)
+                self._route(req.group)
         for req in doomed:
             message = lost_steps.failed_message(req, most)
             log.error("%s: %s; ended with INTERNAL", req.seq_id, message)
@@ -151,41 +142,33 @@ class Router:
     def add(self, gateway: bytes, add: pb.AddRequest) -> None:
         """Admit a request or raise Rejected: one that can never fit is refused now, not left
         waiting forever."""
-        copies = check_admission(self, add)
+        check_admission(self, add)
         width = add.beam_search.beam_width
-        n = 1 if width else max(1, add.n)  # a beam search is one handle (scheduler/beam.py)
-        arrival, now = next(self.arrivals), time.monotonic()
-        reqs = []
-        for i in range(n):
-            sampling = pb.SamplingConfig()
-            sampling.CopyFrom(add.sampling)
-            if sampling.has_seed:
-                sampling.seed = (sampling.seed + i) & (2 ** 64 - 1)  # n seeded, distinct draws
-            reqs.append(Request(
-                seq_id=f"{add.request_id}#{i}", request_id=add.request_id, index=i, gateway=gateway,
-                prompt_token_ids=list(add.prompt_token_ids), sampling=sampling,
-                max_tokens=add.max_tokens, ignore_eos=add.ignore_eos,
-                stop_token_ids=frozenset(add.stop_token_ids), priority=add.priority,
-                arrival=arrival, public_id=add.public_id, arrival_time=now,
-                cache_salt=add.cache_salt, tenant=add.tenant))
+        n = 1 if width else max(1, add.n)  # a beam search is one handle (scheduler/beam_search.py)
+        reqs = [Request(seq_id=f"{add.request_id}#0", request_id=add.request_id, index=0,
+                        gateway=gateway, prompt_token_ids=list(add.prompt_token_ids),
+                        sampling=_seeded(add, 0), max_tokens=add.max_tokens,
+                        ignore_eos=add.ignore_eos, stop_token_ids=frozenset(add.stop_token_ids),
+                        priority=add.priority, arrival=next(self.arrivals),
+                        public_id=add.public_id, arrival_time=time.monotonic(),
+                        cache_salt=add.cache_salt, tenant=add.tenant)]
+        reqs += [reqs[0].derive(seq_id=f"{add.request_id}#{i}", index=i, sampling=_seeded(add, i))
+                 for i in range(1, n)]
+        for req in reqs:
+            req.group = Single(req)  # each alone, unless they fork on one worker (below)
         if width:
-            reqs[0].beam_params = add.beam_search
+            reqs[0].group = BeamSearch.of(reqs[0], add.beam_search)
         self.seqs[add.request_id] = reqs
         self.tenants.admit(add.tenant, len(reqs))
         if add.public_id:
             self.public[add.public_id] = add.request_id
-        self._route(reqs[0], copies=copies)
-        if n > 1 and reqs[0].worker is not None:
-            # The n sequences share the prompt's blocks: the others fork sequence 0 once it has
-            # computed the prompt, on the same worker.
-            reqs[0].fork_children = reqs[1:]
-            for child in reqs[1:]:
-                child.fork_parent = reqs[0]
-                child.worker = reqs[0].worker
-                self.workers[reqs[0].worker].scheduler.add(child)
-        else:
+        if n == 1:
+            self._route(reqs[0].group)
+        # The n sequences share the prompt's blocks: the others fork sequence 0 once it has
+        # computed the prompt, on the same worker. No worker for them now: each goes alone.
+        elif not self._route(Forks(reqs[0], children=reqs[1:])):
             for req in reqs[1:]:
-                self._route(req)
+                self._route(req.group)
 
     def abort(self, request_id: str, indices=()) -> None:
         """The gateway gave up a request's sequences (the given indices, or all): free their
@@ -267,20 +250,21 @@ class Router:
             reply.loads.CopyFrom(self.loads())
         return reply
 
-    def _route(self, req: Request, copies: int = 1) -> None:
-        if req.beam_params is not None:
-            copies = req.beam_params.beam_width
+    def _route(self, group: SequenceGroup) -> bool:
+        """To the worker best placed for it. False: it waits for one (pending), or none can ever
+        hold it (it ends RESOURCE_EXHAUSTED)."""
+        req = group.handle
         if not self.workers:
             self.pending.append(req)
-            return
-        # Only a worker whose whole pool can hold the sequence at its longest, or it would wait
-        # (or be preempted) forever on a small worker while a big one could run it.
-        states = [w for w in self.workers.values() if self._fits(w, req, copies)]
+            return False
+        # Only a worker whose whole pool can hold the sequences at their longest, or they would
+        # wait (or be preempted) forever on a small worker while a big one could run them.
+        states = [w for w in self.workers.values() if self._fits(w, req, group.seats)]
         if not states:
             req.status, req.finish_reason = Status.FINISHED, FinishReason.ERROR
             self._emit(req, error=pb.Error(code="RESOURCE_EXHAUSTED", message=(
                 "no remaining worker's KV cache can hold prompt plus max_tokens")))
-            return
+            return False
         least = min(states, key=lambda w: w.load)
         best, best_hits = least, 0
         if self.config.enable_prefix_caching and len(states) > 1:
@@ -291,7 +275,8 @@ class Router:
             if best.load > least.load + self.config.load_slack:
                 best = least
         req.worker = best.worker_id
-        best.scheduler.add(req)
+        best.scheduler.add(group)
+        return True
 
     @staticmethod
     def _fits(state: WorkerState, req: Request, copies: int) -> bool:
@@ -347,6 +332,7 @@ class Router:
             return
         # The scheduler streams plain one-token steps into the outboxes itself; what is left
         # (first tokens with usage, finishes) comes back for _emit.
+        failed = sched.failed_rows(result)
         try:
             others = sched.update(result, self.outbox)
         except ValueError as e:
@@ -356,13 +342,18 @@ class Router:
             return
         for req in others:
             self._emit(req)
+        for req, why in failed:
+            if req.status is Status.FINISHED:
+                continue  # ended while the step ran (an abort)
+            sched.finish(req, FinishReason.ERROR)
+            self._emit(req, error=pb.Error(code="INVALID_ARGUMENT", message=why))
 
     def _emit(self, req: Request, error: pb.Error | None = None) -> None:
         box = self.outbox.get(req.gateway)
         if box is None:
             box = self.outbox[req.gateway] = Outbox()
-        if req.beam_params is not None:  # a beam search says nothing until it ends
-            box.deltas += beam.final_deltas(req, error)
+        if req.group.picks_tokens:  # a beam search says nothing until it ends
+            box.deltas += req.group.final_deltas(error)
             return self._forget(req.request_id)
         first = not req.stream_started
         if req.num_unstreamed:
@@ -393,3 +384,10 @@ class Router:
         return out
 
 
+def _seeded(add: pb.AddRequest, index: int) -> pb.SamplingConfig:
+    """Sequence `index`'s own sampling: n seeded draws are distinct."""
+    sampling = pb.SamplingConfig()
+    sampling.CopyFrom(add.sampling)
+    if sampling.has_seed:
+        sampling.seed = (sampling.seed + index) & (2 ** 64 - 1)
+    return sampling

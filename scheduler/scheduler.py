@@ -2,49 +2,42 @@
 
 Each registered worker gets its own Scheduler and KVCacheManager; the router (router.py) decides
 which worker a request goes to, this file everything after. A step has three phases, in this
-order: running sequences (preempting when blocks run out), then swapped sequences coming back,
-then waiting ones (reusing cached prefix blocks).
+order: running groups (preempting when blocks run out), then swapped ones coming back, then
+waiting ones (reusing cached prefix blocks). It schedules sequence groups (sequence_group.py: a
+plain request is a group of one) through their interface, and knows no kind of group.
 
 One plan ahead: schedule() may run while the previous plan is still on the worker. A sequence's
 computed count moves when it is scheduled, and a step that samples leaves a token "pending": the
 worker feeds it into the next step itself, and the scheduler appends it when the result arrives
 (results.py). Stops therefore lag one step; the token a finished sequence computes in the step
 after is dropped.
+
+A step the worker fails (fail_oldest): its sequences may be what breaks the worker, or its
+innocent neighbours. Each group is recomputed and marked suspect, and a suspect runs alone until a
+step with it succeeds, which clears it; one that fails alone is the cause and ends with INTERNAL.
+A plan sent after the failed one counted on the failed step's sampled tokens and cache writes, so
+it is void: its sequences are recomputed too (not suspect), and its result is dropped when it
+comes back. Blocks those steps may have written leave the prefix cache.
 """
 from __future__ import annotations
 
-import heapq
-import itertools
-import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from operator import attrgetter
 
 from proto import internal_pb2 as pb
-from scheduler import beam, failures
+from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.outbox import Outbox
 from scheduler.preemption import PreemptionPolicy
+from scheduler.queues import Queues
 from scheduler.request import FinishReason, Request, Status
 from scheduler.results import apply_result
+from scheduler.sequence_group import SequenceGroup
+from scheduler.slots import Slots
 from scheduler.step import Step
 
-log = logging.getLogger("pagoda.scheduler")
-
-
-@dataclass
-class SchedulerConfig:
-    block_size: int = 16
-    max_model_len: int = 8192
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    eos_token_ids: frozenset[int] = frozenset()
-    num_cpu_blocks: int = 0            # swap space; 0 = recompute only
-    bytes_per_block: int = 0
-    swap_bytes_per_s: float = 0.0
-    prefill_tokens_per_s: float = 0.0
-    max_plans_in_flight: int = 2       # 2 = one plan ahead; 1 = wait for each result
+_KEY = attrgetter("key")
 
 
 class Scheduler:
@@ -53,242 +46,179 @@ class Scheduler:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.num_cpu_blocks)
         self.preemption = PreemptionPolicy(config, self.kv)
-        self.waiting: list[tuple[int, int, int, Request]] = []  # heap: priority, arrival, tiebreak
-        self._tiebreak = itertools.count()
-        self.running: list[Request] = []                     # in priority order
-        self.swapped: list[Request] = []
-        self.requests: dict[str, Request] = {}               # every unfinished sequence here
-        self.num_waiting = 0  # of those, the ones in status WAITING (fork children included)
-        # Slots name sequences in plans and results. A released slot is reused only once every
-        # plan sent before its release has come back, so a result never names the wrong one.
-        self.slots: list[Request | None] = []
-        self.free_slots: list[int] = []
-        self.released: list[tuple[int, int]] = []            # (last plan sent, slot)
-        self.dropped: list[int] = []                         # slots the next plan makes it forget
-        self.in_flight: deque[Step] = deque()                # plans sent, results not yet back
+        self.queues = Queues()
+        self.slots = Slots()
+        self.in_flight: deque[Step] = deque()  # plans sent, results not yet back
         self.last_result_at = 0.0  # monotonic: the worker starts the next plan in flight then
         # Each registration starts its ids where no earlier one reached (the router's epoch), so a
         # result from before a worker registered again never matches a plan of this one.
         self.step_id = first_step_id
-        # Waiting or running sequences of a failed step, kept off the waiting queue: each runs
-        # alone until a step with it succeeds (scheduler/failures.py).
-        self.suspects: list[Request] = []
-        self.groups: dict[str, beam.BeamGroup] = {}          # beam searches, by handle seq_id
 
-    # -- intake -------------------------------------------------------------------------------
-    def add(self, req: Request) -> None:
-        if req.beam_params is not None:
-            return beam.start(self, req)  # the router's handle: its beams are added there
-        eos = frozenset() if req.ignore_eos else self.config.eos_token_ids
-        req.stop_set = eos | req.stop_token_ids
-        # The first output token sits at index num_prompt_tokens; with min_tokens m, output
-        # tokens 0..m-1 cannot stop it (the worker masks them, see SamplingConfig).
-        req.min_stop_len = req.num_prompt_tokens + req.sampling.min_tokens + 1
-        if req.sampling.min_tokens:
-            req.sampling.stop_token_ids[:] = sorted(req.stop_set)
-        req.length_limit = min(req.num_prompt_tokens + req.max_tokens, self.config.max_model_len)
-        req.status = Status.WAITING
-        self.num_waiting += 1
-        self.requests[req.seq_id] = req
-        if req.fork_parent is None:
-            self.enqueue(req)
-        # A fork child waits, off the queue, for its parent to compute the prompt.
+    # -- what the router and reports read -----------------------------------------------------
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Every unfinished sequence here, by seq_id (read only: the queues own it)."""
+        return self.queues.requests
 
-    def enqueue(self, req: Request) -> None:
-        """A WAITING sequence joins the waiting queue, or the suspects."""
-        if req.suspect:
-            self.suspects.append(req)
-        else:
-            heapq.heappush(self.waiting, (req.priority, req.arrival, next(self._tiebreak), req))
+    @property
+    def groups(self) -> dict[str, SequenceGroup]:
+        return self.queues.groups
 
-    def abort(self, seq_id: str) -> Request | None:
-        if seq_id in self.groups:
-            group = self.groups[seq_id]
-            beam.end(self, group, FinishReason.ABORT)
-            return group.handle
-        req = self.requests.get(seq_id)
-        if req is not None:
-            self.finish(req, FinishReason.ABORT)
-        return req
+    @property
+    def num_waiting(self) -> int:
+        return self.queues.num_waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return [seq for group in self.queues.running for seq in group.seqs()
+                if seq.status is Status.RUNNING]
+
+    @property
+    def swapped(self) -> list[Request]:
+        return [group.handle for group in self.queues.swapped]
+
+    @property
+    def suspects(self) -> list[Request]:
+        return [group.handle for group in self.queues.suspects]
+
+    @property
+    def waiting(self) -> list[Request]:
+        return [entry[-1].handle for entry in self.queues.waiting]
+
+    @property
+    def running_step(self) -> Step | None:
+        """The plan the worker is running: the oldest in flight."""
+        return self.in_flight[0] if self.in_flight else None
+
+    @property
+    def stats(self):
+        return self.preemption.stats
 
     @property
     def has_work(self) -> bool:
-        return bool(self.requests) or bool(self.dropped)
+        return bool(self.queues.requests) or bool(self.slots.dropped)
 
     @property
     def can_plan(self) -> bool:
         return len(self.in_flight) < self.config.max_plans_in_flight
 
+    def tables(self) -> list[list[int]]:
+        return [r.block_ids for r in self.queues.requests.values()]
+
+    # -- intake -------------------------------------------------------------------------------
+    def add(self, group: SequenceGroup, ready: bool = True) -> None:
+        """A request arrives, as a group. One not ready (structured outputs: its grammar still
+        compiling) waits apart, never admitted, until mark_ready."""
+        group.start(self)
+        self.queues.track(group)
+        self.queues.enqueue(group, ready)
+
+    def add_sequence(self, seq: Request) -> None:
+        """A sequence new to this worker (its group's start): its stop rule, and it waits."""
+        seq.set_limits(self.config.eos_token_ids, self.config.max_model_len)
+        self.queues.add(seq)
+
+    def mark_ready(self, seq_id: str) -> None:
+        """The group known by seq_id may be admitted from now on."""
+        group = self.queues.groups.get(seq_id)
+        if group is not None:
+            self.queues.mark_ready(group)
+
+    def abort(self, seq_id: str) -> Request | None:
+        req = self.queues.requests.get(seq_id)
+        if req is not None:
+            self.finish(req, FinishReason.ABORT)
+            return req
+        group = self.queues.groups.get(seq_id)  # known by a handle outside the batch
+        if group is not None:
+            group.end(self, FinishReason.ABORT)
+            return group.handle
+        return None
+
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> pb.StepPlan | None:
         step = Step(self.step_id + 1, self.config.max_num_batched_tokens)
-        self.running = [r for r in self.running if r.status is Status.RUNNING]
-        if self.suspects:
-            self.suspects = [r for r in self.suspects if r.suspect and r.status is not Status.FINISHED]
-        if self.suspects:
+        queues = self.queues
+        queues.prune()
+        if queues.suspects:
             if self.in_flight:
                 return None  # a suspect's step runs alone: let the pipeline drain first
-            if failures.schedule_alone(self, step):
+            if self._schedule_alone(step):
+                step.dropped = self.slots.take_dropped()
                 return self._send(step)
         self._schedule_running(step)
         # A step that had to preempt admits nothing: the victims would come straight back.
         if not step.preempted:
             self._schedule_swapped(step)
-            if not self.swapped:  # swapped sequences resume before any new one is admitted
+            if not queues.swapped:  # swapped groups resume before any new one is admitted
                 self._schedule_waiting(step)
-        if step.forked:  # they joined this step already; no phase above may schedule them again
-            self.running += step.forked
-            self.running.sort(key=Request.sort_key)
-        step.dropped, self.dropped = self.dropped, []
+        step.dropped = self.slots.take_dropped()
         if step.is_empty():
-            self.dropped = step.dropped
+            self.slots.give_back(step.dropped)
             return None
         return self._send(step)
 
     def _send(self, step: Step) -> pb.StepPlan:
-        if step.alone:
-            step.dropped, self.dropped = self.dropped, []
+        if step.forked:  # they joined this step already; no phase above may schedule them again
+            self.queues.start_running(*step.forked)
         self.step_id += 1
         now = time.monotonic() if step.new else 0.0
         for req, _ in step.new:
             if req.queue_time < 0:
                 req.queue_time = now - req.arrival_time
-            self._assign_slot(req)
+            self.slots.assign(req)
         plan = step.plan()
         step.sent_at = time.monotonic()
         self.in_flight.append(step)
         return plan
 
     def _schedule_running(self, step: Step) -> None:
-        """The next token, or the next prefill chunk, for every running sequence."""
-        for req in self.running:  # preemption and forks leave the list itself alone
+        """The next tokens, or the next prefill chunks, of every running group."""
+        for group in self.queues.running:  # preemption and forks leave the list itself alone
             if step.budget == 0:
                 break
-            if req.status is not Status.RUNNING or req.suspect:
-                continue  # a victim earlier in this loop, or a suspect (it runs alone)
-            if req.beam is not None:
-                beam.schedule(self, req.beam, step)  # no plan ahead: its tokens are chosen here
-                continue
-            known = len(req.all_token_ids) + req.num_pending
-            if known >= req.length_limit:
-                continue  # its last token is on the way; it ends when that arrives
-            todo = known - req.num_computed_tokens
-            if req.fork_children:
-                if todo == 1:
-                    self._fork(req, step)
-                    continue
-                todo -= 1  # the children fork at the prompt's last token
-            if todo <= 0:
-                continue
-            n = min(todo, step.budget)
-            blocks = self.kv.allocate_slots(req, n)
-            while blocks is None and self.preempt_for(req, step):
-                blocks = self.kv.allocate_slots(req, n)
-            if blocks is not None:
-                step.take(req, n, blocks)
-
-    def preempt_for(self, req: Request, step: Step) -> bool:
-        """Preempt the lowest-priority, latest-arrived running sequence not yet given work this
-        step (the list is in that order). Returns False once req (or its beam group) was it."""
-        victim = next(r for r in reversed(self.running) if r.status is Status.RUNNING)
-        self.preempt(victim, step)
-        return victim is not req and (victim.beam is None or victim.beam is not req.beam)
-
-    def _fork(self, parent: Request, step: Step, may_preempt: bool = True) -> None:
-        """The parent computes its prompt's last token and its children start from there, sharing
-        its blocks; one token each, if the step has room for all of them. Only the running phase
-        may preempt for it: a sequence admitted in this step must not leave again in it."""
-        children = parent.fork_children
-        room = self.config.max_num_seqs - len(self.running) - len(step.forked) - \
-            beam.reserved(self) >= len(children)
-        if not room or 1 + len(children) > step.budget:
-            return  # a later step forks it
-        while self.kv.fork_cost(parent, len(children), 1) > self.kv.pool.num_free:
-            if not may_preempt or not self.preempt_for(parent, step):
-                return
-        blocks = self.kv.allocate_slots(parent, 1)
-        for child in children:  # from the parent's state before this step's token
-            copy = self.kv.fork(parent, child)
-            if copy is not None:
-                step.copy.append(copy)
-            child.num_cached_tokens = parent.num_cached_tokens
-            child.fork_parent = None
-            child.status = Status.RUNNING
-            self.num_waiting -= 1
-            step.take(child, 1, [])
-        step.take(parent, 1, blocks)
-        parent.fork_children = []
-        step.forked += children
-
-    def _room_for(self, req: Request, step: Step) -> bool:
-        seqs = len(self.running) + len(step.forked) + 1 + len(req.fork_children) + beam.reserved(self)
-        return seqs <= self.config.max_num_seqs
+            group.schedule(self, step)
 
     def _schedule_swapped(self, step: Step) -> None:
-        self.swapped.sort(key=Request.sort_key)
-        while self.swapped and step.budget > 0 and self._room_for(self.swapped[0], step):
-            req = self.swapped[0]
-            if req.num_pending:
-                return  # its last token is still on the way
-            n = min(req.num_tokens - req.num_computed_tokens - bool(req.fork_children), step.budget)
-            ops = self.kv.swap_in(req, n)
-            if ops is None:
+        queues = self.queues
+        while queues.swapped and step.budget > 0:
+            group = queues.swapped[0]
+            if not self.has_room(group.seats, step) or not group.resume(self, step):
                 return
-            self.swapped.pop(0)
-            step.swap_in += ops
-            self.start_running(req)
-            self.take_or_fork(req, n, [], step)
 
     def _schedule_waiting(self, step: Step) -> None:
-        while self.waiting and step.budget > 0:
-            req = self.waiting[0][-1]
-            if req.status is not Status.WAITING or req.suspect:
-                heapq.heappop(self.waiting)  # aborted while waiting, or now waits as a suspect
-                continue
-            if req.beam is not None:  # a beam search joins whole
-                if not beam.admit(self, req.beam, step):
-                    return
-                heapq.heappop(self.waiting)
-                continue
-            if req.num_pending or not self._room_for(req, step):
-                return  # strict priority order: nothing jumps the queue
-            hits = self.kv.get_computed_blocks(req)
-            # A parent with children to fork stops one short of its prompt's end.
-            n = min(req.num_tokens - len(hits) * self.config.block_size - bool(req.fork_children),
-                    step.budget)
-            blocks = self.kv.allocate_slots(req, n, hits)
-            if blocks is None:
+        queues = self.queues
+        while step.budget > 0:
+            group = queues.next_waiting()
+            # Strict priority order: nothing jumps the queue.
+            if group is None or not self.has_room(group.seats, step) or not group.admit(self, step):
                 return
-            heapq.heappop(self.waiting)
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = req.num_computed_tokens
-                self.kv.pool.queries += req.num_tokens
-                self.kv.pool.hits += req.num_computed_tokens
-            self.num_waiting -= 1
-            self.start_running(req)
-            self.take_or_fork(req, n, blocks, step)
+            queues.pop_waiting()
 
-    def take_or_fork(self, req: Request, n: int, blocks: list[int], step: Step) -> None:
-        """A sequence that just (re)joined the batch: its chunk, or, when only its prompt's last
-        token is left and children wait, the fork."""
-        if n > 0:
-            step.take(req, n, blocks)
-        elif req.fork_children:
-            self._fork(req, step, may_preempt=False)
+    def _schedule_alone(self, step: Step) -> bool:
+        """Put the first suspect that fits into `step`, alone. False: none fits now (no blocks or
+        no room); the caller plans a step of the others. Every suspect here waits: one runs only
+        in its own step, which clears it when it succeeds and requeues or ends it when it fails."""
+        for group in sorted(self.queues.suspects, key=_KEY):
+            if group.handle.status is Status.WAITING and self.has_room(group.seats, step) \
+                    and group.admit(self, step):
+                step.alone = True
+                return True
+        return False
 
-    def start_running(self, req: Request) -> None:
-        req.status = Status.RUNNING
-        self.running.append(req)
-        self.running.sort(key=Request.sort_key)
+    def has_room(self, seats: int, step: Step) -> bool:
+        """Whether `seats` more sequences fit under max_num_seqs in this step, keeping the room
+        the running groups may still fork into."""
+        queues = self.queues
+        return queues.num_running + len(step.forked) + seats + queues.reserved() \
+            <= self.config.max_num_seqs
 
-    def _assign_slot(self, req: Request) -> None:
-        if self.free_slots:
-            req.slot = self.free_slots.pop()
-            self.slots[req.slot] = req
-        else:
-            req.slot = len(self.slots)
-            self.slots.append(req)
-        req.on_worker = True
+    def preempt_for(self, group: SequenceGroup, step: Step) -> bool:
+        """Preempt the lowest-priority, latest-arrived running group (the list is in that order).
+        Returns False once `group` itself was it."""
+        victim = next(g for g in reversed(self.queues.running) if g.handle.status is Status.RUNNING)
+        victim.preempt(self, step)
+        return victim is not group
 
     # -- results ------------------------------------------------------------------------------
     def update(self, result: pb.StepResult, outboxes: dict[bytes, Outbox]) -> list[Request]:
@@ -299,100 +229,100 @@ class Scheduler:
                              f"is {self.in_flight[0].step_id if self.in_flight else 'none'}")
         step = self.in_flight.popleft()
         self.last_result_at = time.monotonic()
-        self.reuse_slots(step.step_id)
+        self.slots.reuse(step.step_id)
         if step.void:
             return []  # sent before a failed step came back; its sequences were requeued
         if step.alone:
             for req, _, _ in step.entries:
-                req.suspect = False  # it ran alone and the worker survived it
+                req.group.suspect = False  # it ran alone and the worker survived it
         return apply_result(self, step, result, outboxes)
 
-    def fail_oldest(self) -> list[Request]:
-        """The worker failed the oldest plan (scheduler/failures.py): the sequences that failed
-        alone, for the caller to end with INTERNAL. The others are requeued for recompute."""
-        self.last_result_at = time.monotonic()
-        return failures.fail_oldest(self)
+    def failed_rows(self, result: pb.StepResult) -> list[tuple[Request, str]]:
+        """The sequences the worker could not go on with (their grammar left no token: a
+        conflict of the request's own settings) and why; the caller ends each with
+        INVALID_ARGUMENT. Read before update(), while the result's slots still name them."""
+        table = self.slots.table
+        out = []
+        for f in result.failed:
+            req = table[f.slot] if f.slot < len(table) else None
+            if req is not None and req.status is not Status.FINISHED:
+                out.append((req, f.reason))
+        return out
 
-    def reuse_slots(self, step_id: int) -> None:
-        keep = []
-        for sent, slot in self.released:
-            if sent <= step_id:
-                self.free_slots.append(slot)
-            else:
-                keep.append((sent, slot))
-        self.released = keep
+    def fail_oldest(self) -> list[Request]:
+        """The worker failed the oldest plan in flight. Returns the handles of the groups that
+        failed alone, for the caller to end with INTERNAL; every other group of that plan and of
+        the void plans after it is requeued for recompute."""
+        self.last_result_at = time.monotonic()
+        step = self.in_flight.popleft()
+        self.slots.reuse(step.step_id)
+        for later in self.in_flight:
+            later.void = True
+        failed = _live(step.entries)
+        failed_ids = {id(r) for r in failed}
+        later_seqs = _live(e for s in self.in_flight for e in s.entries)
+        in_flight_tokens: dict[int, int] = {}
+        for s in (step, *self.in_flight):
+            for req, n, _ in s.entries:
+                in_flight_tokens[id(req)] = in_flight_tokens.get(id(req), 0) + n
+        by_group: dict[int, tuple[SequenceGroup, list[Request]]] = {}
+        for req in failed + [r for r in later_seqs if id(r) not in failed_ids]:
+            by_group.setdefault(id(req.group), (req.group, []))[1].append(req)
+        culprits = []
+        # Groups that may fork (beam searches) go back after the others: the order decides which
+        # freed blocks are reused first, and this one keeps the plans as they were before groups.
+        for group, seqs in sorted(by_group.values(), key=lambda entry: entry[0].grows):
+            for req in seqs:
+                # The failed and void steps wrote (or not) the positions after this one; a block
+                # cached one step early (its last token's KV still in flight) must not be found.
+                self.kv.uncache_from(req, max(0, req.num_tokens - in_flight_tokens[id(req)] - 1))
+            culprit = group.fail(self, [r for r in seqs if id(r) in failed_ids], step.alone)
+            if culprit is not None:
+                culprits.append(culprit)
+        return culprits
 
     # -- endings and preemption ---------------------------------------------------------------
-    def finish(self, req: Request, reason: FinishReason) -> None:
+    def finish(self, seq: Request, reason: FinishReason) -> None:
         """Every way a sequence ends comes here, so its blocks are always freed at once."""
-        if req.status is Status.FINISHED:
+        if seq.status is Status.FINISHED:
             return
-        self.kv.free(req)
-        self.drop_slot(req)
-        if req in self.swapped:
-            self.swapped.remove(req)
-        if req.status is Status.WAITING:
-            self.num_waiting -= 1
-        req.status = Status.FINISHED
-        req.finish_reason = reason
-        self.requests.pop(req.seq_id, None)
+        self.kv.free(seq)
+        self.drop_slot(seq)
+        self.queues.remove(seq)
+        seq.finish_reason = reason
 
-    def preempt(self, req: Request, step: Step) -> None:
-        """Swap out to CPU when the cost model says moving the blocks twice beats computing the
-        tokens again; else recompute: free the blocks and requeue. Freed blocks keep their
-        hashes, so a recompute often finds most of its prefix still cached."""
-        if req.beam is not None:
-            return beam.preempt(self, req.beam, step)
-        step.preempted = True
-        req.num_preemptions += 1
-        if not req.suspect and self.preemption.choose(req) == "swap":
-            step.swap_out += self.kv.swap_out(req)
-            self.drop_slot(req)
-            req.status = Status.SWAPPED
-            self.swapped.append(req)
-        else:
-            self.kv.free(req)
-            self.drop_slot(req)
-            req.num_computed_tokens = 0
-            req.status = Status.WAITING
-            self.num_waiting += 1
-            self.enqueue(req)
+    def recompute(self, seq: Request) -> None:
+        """seq leaves the batch to be computed again from its first token: its blocks and slot
+        go, and it waits (its group puts it in line). Freed blocks keep their hashes, so the
+        recompute often finds most of its prefix still cached."""
+        self.kv.free(seq)
+        self.drop_slot(seq)
+        seq.num_computed_tokens = 0
+        self.queues.mark_waiting(seq)
 
-    def drop_slot(self, req: Request) -> None:
-        if req.on_worker:
-            self.dropped.append(req.slot)
-            self.slots[req.slot] = None
-            self.released.append((self.step_id, req.slot))
-            req.slot = -1
-            req.on_worker = False
+    def drop_slot(self, seq: Request) -> None:
+        self.slots.release(seq, self.step_id)
 
     def drain(self) -> list[Request]:
-        """The worker is gone: hand back every unfinished sequence, reset to be recomputed (a
-        beam search as its handle: it starts again from its prompt)."""
-        for group in self.groups.values():
-            group.handle.beam, group.handle.status = None, Status.WAITING
-        out = sorted([r for r in self.requests.values() if r.beam is None] +
-                     [g.handle for g in self.groups.values()], key=Request.sort_key)
-        self.groups.clear()
+        """The worker is gone: hand back every unfinished request, reset to be recomputed (a beam
+        search as its handle: it starts again from its prompt)."""
+        groups = {id(s.group): s.group for s in self.queues.requests.values()}
+        out = sorted((r for g in groups.values() for r in g.drained()), key=Request.sort_key)
         for req in out:
             self.kv.free(req)
             req.on_worker, req.slot = False, -1
             req.num_computed_tokens = req.num_pending = 0
-            req.fork_children, req.fork_parent = [], None
-            req.status = Status.WAITING
-        self.requests.clear()
-        self.num_waiting = 0
-        self.waiting.clear()
-        self.running.clear()
-        self.swapped.clear()
-        self.suspects.clear()
+            req.status = Status.WAITING  # for the router: it waits for a worker
+        self.queues.clear()
+        self.slots.clear()
         self.in_flight.clear()
-        self.dropped, self.slots, self.free_slots, self.released = [], [], [], []
         return out
 
-    def tables(self) -> list[list[int]]:
-        return [r.block_ids for r in self.requests.values()]
 
-    @property
-    def stats(self):
-        return self.preemption.stats
+def _live(entries) -> list[Request]:
+    """The unfinished sequences of step entries, each once, in order."""
+    seen: dict[int, Request] = {}
+    for req, _, _ in entries:
+        if req.status is not Status.FINISHED:
+            seen.setdefault(id(req), req)
+    return list(seen.values())

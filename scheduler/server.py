@@ -31,7 +31,7 @@ from proto.auth import CurveServer
 from proto.polling import poll, resolve_busy_poll_us
 from proto.sizes import (DEFAULT_MAX_MODEL_LEN, MAX_LOGPROBS, MAX_WORKERS, largest_gateway_message,
                          largest_worker_message)
-from scheduler import checks
+from scheduler import message_checks
 from scheduler.deadlines import overdue_workers
 from scheduler.links import GatewayLinks
 from scheduler.outbox import split
@@ -146,7 +146,7 @@ class SchedulerServer:
                 continue
             try:
                 handle(frames[0], frames[1])
-            except Exception:  # noqa: BLE001 - what checks.py missed still must not stop the loop
+            except Exception:  # noqa: BLE001 - what message_checks missed must not stop the loop
                 log.exception("dropped a message from %r that could not be handled", frames[0][:64])
 
     # -- gateways -----------------------------------------------------------------------------
@@ -160,12 +160,12 @@ class SchedulerServer:
         kind = msg.WhichOneof("kind")
         if why := self._check_gateway(msg, kind):
             self.dropped.warning("dropped a %s message from gateway %r: %s", kind, ident[:64], why)
-            if kind == "add" and not checks.check_request_id(msg.add.request_id):
+            if kind == "add" and not message_checks.check_request_id(msg.add.request_id):
                 self.router.refuse(ident, msg.add.request_id,
                                    pb.Error(code="INVALID_ARGUMENT", message=why))
             return
         if kind == "hello":
-            if why := checks.check_gateway_hello(msg.hello, self.router.cluster_info().model):
+            if why := message_checks.check_gateway_hello(msg.hello, self.router.cluster_info().model):
                 # Once per gateway: it says hello again every second while refused.
                 if ident not in self.refused_gateways:
                     log.error("refused gateway %r: %s", ident[:64], why)
@@ -200,12 +200,12 @@ class SchedulerServer:
             # Every worker agrees on the vocabulary (Router.refusal): the first one's will do,
             # and is cheaper than cluster_info() in a flood of adds.
             first = next(iter(self.router.workers.values()), None)
-            return checks.check_request_id(msg.add.request_id) or checks.check_add(
+            return message_checks.check_request_id(msg.add.request_id) or message_checks.check_add(
                 msg.add, first.hello.vocab_size if first is not None else 0)
         if kind == "abort":
-            return checks.check_abort(msg.abort)
+            return message_checks.check_abort(msg.abort)
         if kind == "call":
-            return checks.check_call(msg.call)
+            return message_checks.check_call(msg.call)
         return None if kind == "hello" else "no message kind"
 
     def _broadcast_info(self) -> None:
@@ -258,7 +258,7 @@ class SchedulerServer:
                 self.router.remove(ident, "said goodbye")
                 self._broadcast_info()
         elif kind == "hello":
-            why = (checks.check_worker_hello(msg.hello) or self._beyond_bounds(ident, msg.hello)
+            why = (message_checks.check_worker_hello(msg.hello) or self._beyond_bounds(ident, msg.hello)
                    or self.router.refusal(ident, msg.hello))
             if why is not None:
                 log.error("refused worker %s: %s", msg.hello.worker_id, why)
@@ -275,7 +275,7 @@ class SchedulerServer:
                 self.reregister_asked[ident] = now
                 self._send(self.workers, ident, pb.SchedulerToWorker(reregister=True))
         elif kind == "result":
-            if why := checks.check_result(msg.result, state.hello.vocab_size):
+            if why := message_checks.check_result(msg.result, state.hello.vocab_size):
                 # Its step can never complete: start the worker afresh, recompute its sequences.
                 log.error("bad result from worker %s: %s", state.hello.worker_id, why)
                 self.router.remove(ident, why)

@@ -21,14 +21,15 @@ class Step:
     held: list[tuple["Request", int]] = field(default_factory=list)
     new_block_slots: list[int] = field(default_factory=list)  # a held sequence grew: whose,
     new_block_ids: list[int] = field(default_factory=list)    # and which block
-    swap_out: list[pb.BlockCopy] = field(default_factory=list)
-    swap_in: list[pb.BlockCopy] = field(default_factory=list)
-    copy: list[pb.BlockCopy] = field(default_factory=list)
+    # Block moves, (src, dst) as the KV manager returns them: protobuf only in plan().
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    copy: list[tuple[int, int]] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)
     next_token_slots: list[int] = field(default_factory=list)  # beam search: a held sequence's
     next_token_ids: list[int] = field(default_factory=list)    # next token, chosen by the scheduler
     preempted: bool = False
-    forked: list["Request"] = field(default_factory=list)  # children that joined the batch
+    forked: list = field(default_factory=list)  # groups forked into the batch, to join its running list
     alone: bool = False             # a suspect's step: nothing else runs in it
     void: bool = False              # sent before a failed step came back: its result is dropped
     sent_at: float = 0.0            # monotonic; its deadline runs from here or the last result
@@ -63,8 +64,8 @@ class Step:
         self.entries = [(req, n, req.slot) for req, n in self.new] + \
                        [(req, n, req.slot) for req, n in self.held]
         return pb.StepPlan(
-            step_id=self.step_id, dropped_slots=self.dropped, swap_out=self.swap_out,
-            swap_in=self.swap_in, copy=self.copy,
+            step_id=self.step_id, dropped_slots=self.dropped, swap_out=_moves(self.swap_out),
+            swap_in=_moves(self.swap_in), copy=_moves(self.copy),
             new_seqs=[pb.NewSeq(
                 seq_id=req.seq_id, slot=req.slot, token_ids=req.all_token_ids,
                 sampling=req.sampling, num_computed_tokens=req.num_computed_tokens - n,
@@ -74,3 +75,7 @@ class Step:
             running_num_tokens=pack([n for _, n in self.held]),
             new_block_slots=pack(self.new_block_slots), new_block_ids=pack(self.new_block_ids),
             next_token_slots=pack(self.next_token_slots), next_token_ids=pack(self.next_token_ids))
+
+
+def _moves(pairs: list[tuple[int, int]]) -> list[pb.BlockCopy]:
+    return [pb.BlockCopy(src=src, dst=dst) for src, dst in pairs]

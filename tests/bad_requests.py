@@ -2,7 +2,7 @@
 
 Shared by the validation unit test and the end-to-end gRPC test, so that both layers refuse the
 same inputs in the same words. Written against SmolLM2 (vocab_size 49152, max_model_len 8192) and
-the gateway's default limits (gateway/args.py REQUEST_LIMITS).
+the gateway's default limits (gateway/gateway_flags.py REQUEST_LIMITS).
 
 A case is (spec, field): spec is a dict in protobuf's JSON mapping (json_format.ParseDict, or
 grpcurl -d after json.dumps; NaN and infinities are the strings "NaN" and "Infinity"), or a

@@ -46,7 +46,7 @@ def _load_smollm2_hf():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from launch.models import resolve_model
+    from modelfiles.resolve import resolve_model
     path = resolve_model("")
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 

@@ -1,7 +1,7 @@
 """A fake scheduler and an in-process gateway, for tests and for trying clients without workers.
 
 The fake binds a real ZeroMQ ROUTER and speaks the real internal protocol, answering each
-AddRequest with TokenDeltas cut from real tokenizer encodings (and Logprobs, when a plan says so),
+AddRequest with tokens cut from real tokenizer encodings (and Logprobs, when a plan says so),
 and each Call (Abort by public id, GetLoads) as scheduler/router.py does. That isolates the
 gateway's own logic (streaming, status codes, aborts, health) from the scheduler's.
 
@@ -27,6 +27,7 @@ from gateway.tokenizer import TextTokenizer, load_tokenizer
 from proto import internal_pb2 as ipb, pagoda_pb2 as pb, pagoda_pb2_grpc
 from proto.auth import PROTOCOL_VERSION
 from proto.columns import pack, pack_f32
+from proto.token_stream import Writer
 from tests.cluster import free_port
 
 DEFAULT_REPLY = "Héllo 😀 wörld, 日本語 and 🇯🇵 done."
@@ -122,13 +123,19 @@ class FakeScheduler:
 
     async def send(self, peer: bytes, msg: ipb.SchedulerMessage) -> None:
         """Numbers the message as the real scheduler does: epoch, the link's seq, and each
-        delta's offset (output tokens sent before it on its sequence)."""
-        msg.epoch = self.epoch
-        msg.seq = self.seqs[peer] = self.seqs.get(peer, 0) + 1
+        delta's offset (output tokens sent before it on its sequence). The deltas' tokens go
+        into the columns, as the real scheduler's encoder puts them (proto/token_stream.py)."""
         for d in msg.deltas:
             key = (d.request_id, d.index)
             d.offset = self.sent_tokens.get(key, 0)
             self.sent_tokens[key] = d.offset + len(d.token_ids)
+        if any(d.token_ids for d in msg.deltas):
+            writer = Writer()
+            writer.deltas += msg.deltas
+            del msg.deltas[:]
+            msg.MergeFrom(writer.to_message())
+        msg.epoch = self.epoch
+        msg.seq = self.seqs[peer] = self.seqs.get(peer, 0) + 1
         await self.sock.send_multipart([peer, msg.SerializeToString()])
 
     async def set_workers(self, n: int) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from launch.models import DEFAULT_MODEL
+from modelfiles.resolve import DEFAULT_MODEL
 from proto import internal_pb2 as pb
 from proto.auth import PROTOCOL_VERSION
 from proto.columns import pack, pack_f32, unpack_list

@@ -2,7 +2,7 @@
 
     child DRAIN      launch/lifetime.py with that drain; on SIGTERM its "drain" wedges the main
                      thread in Python code for good (prints "ready", then "draining")
-    parent           spawns `child 60` as the launcher spawns its processes (launch.__main__.spawn),
+    parent           spawns `child 60` as the launcher spawns its processes (launch.children.spawn),
                      prints the child's pid, then sleeps
     witness          a subreaper: starts `parent`, SIGKILLs it once the child is ready, and prints
                      "EXIT_CODE SECONDS": how the orphaned child ended, and how long after
@@ -40,7 +40,7 @@ def child(drain_s: float) -> None:
 
 
 def parent() -> None:
-    from launch.__main__ import spawn
+    from launch.children import spawn
     proc = spawn([sys.executable, "-m", "tests.lifetime_child", "child", "60"], dict(os.environ))
     say(str(proc.pid))
     time.sleep(600)

@@ -23,7 +23,7 @@ from proto import internal_pb2 as ipb
 from proto.auth import PROTOCOL_VERSION, CurveServer, check_auth_args, create_keys, secure_client
 from proto.keyset import KeySet
 from proto.loopback import is_loopback
-from scheduler.args import add_scheduler_args
+from scheduler.scheduler_flags import add_scheduler_args
 from scheduler.server import SchedulerServer
 from tests.cluster import ROOT, free_port
 

@@ -17,11 +17,11 @@ import yaml
 import zmq
 
 from gateway.app import LIVENESS_SERVICE, SERVICE_NAME
-from gateway.args import parse_gateway_args
+from gateway.gateway_flags import parse_gateway_args
 from proto.auth import CurveServer, check_auth_args, create_keys, secure_client
-from scheduler.args import add_scheduler_args
+from scheduler.scheduler_flags import add_scheduler_args
 from tests.metric_names import grouping_labels, names_in, scheduler_series
-from worker.args import add_worker_args
+from worker.worker_flags import add_worker_args
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"

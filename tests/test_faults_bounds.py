@@ -1,10 +1,11 @@
 """The gateway's gRPC receive limit is the largest valid GenerateRequest, computed from the
-request limits (gateway/sizes.py): every valid request fits, and the bound is tight."""
+request limits (gateway/grpc_bounds.py): every valid request fits, and the bound is tight."""
 from __future__ import annotations
 
 import pytest
 
-from gateway.sizes import CONTEXT_BOUND, largest_generate_request
+from gateway.grpc_bounds import CONTEXT_BOUND, largest_generate_request
+from gateway.structured_check import MAX_CHOICES
 from gateway.validate import Limits
 from proto import pagoda_pb2 as pb
 
@@ -21,7 +22,10 @@ def worst_requests(limits: Limits) -> dict[str, pb.GenerateRequest]:
             temperature=1.5, top_p=0.5, top_k=2**31 - 1, min_p=0.5, presence_penalty=-2,
             frequency_penalty=-2, repetition_penalty=1.5, seed=2**64 - 1, n=16,
             logprobs=limits.max_logprobs, prompt_logprobs=limits.max_logprobs,
-            logit_bias={2**32 - 1 - i: -100.0 for i in range(limits.max_logit_bias)}),
+            logit_bias={2**32 - 1 - i: -100.0 for i in range(limits.max_logit_bias)},
+            # The most framing a spec can carry: MAX_CHOICES values filling the byte limit.
+            structured_output=pb.StructuredOutput(any_whitespace=True, choice=pb.ChoiceList(
+                values=["c" * (limits.max_structured_output_bytes // MAX_CHOICES)] * MAX_CHOICES))),
         stopping=pb.StoppingCriteria(
             max_tokens=2**31 - 1, min_tokens=2**31 - 1, ignore_eos=True,
             include_stop_str_in_output=True,

@@ -15,6 +15,7 @@ from gateway.app import Gateway
 from gateway.inbox import Inbox
 from gateway.tokenizer import load_tokenizer
 from proto import internal_pb2 as ipb, pagoda_pb2 as pb, pagoda_pb2_grpc
+from proto.token_stream import Update
 from tests.fake_scheduler import local_gateway, until
 
 TOK = load_tokenizer("")
@@ -92,19 +93,19 @@ def test_inbox_merges_plain_tokens_and_bounds_the_rest(run):
     async def body():
         inbox = Inbox("r", limit=5)
         for offset in range(3):
-            assert inbox.put(ipb.TokenDelta(request_id="r", token_ids=[7 + offset], offset=offset))
-        assert inbox.put(ipb.TokenDelta(request_id="r", prompt_tokens=4))  # usage: its own item
+            assert inbox.put(Update("r", 0, offset, [7 + offset]))
+        assert inbox.put(Update.of_news(ipb.TokenDelta(request_id="r", prompt_tokens=4)))  # usage
         assert len(inbox) == 4
         merged = await inbox.get()
         assert list(merged.token_ids) == [7, 8, 9] and len(inbox) == 1
-        assert inbox.put(ipb.TokenDelta(request_id="r", token_ids=[10, 11], offset=3))
-        assert not inbox.put(ipb.TokenDelta(request_id="r", token_ids=[12, 13, 14], offset=5))
-        assert inbox.put(ipb.TokenDelta(request_id="r", token_ids=[15], offset=8))  # dropped
+        assert inbox.put(Update("r", 0, 3, [10, 11]))
+        assert not inbox.put(Update("r", 0, 5, [12, 13, 14]))
+        assert inbox.put(Update("r", 0, 8, [15]))  # dropped
         items = [await inbox.get() for _ in range(3)]
         assert [list(i.token_ids) for i in items] == [[], [10, 11], []]
-        assert items[2].finish == ipb.ERROR and items[2].error.code == "RESOURCE_EXHAUSTED"
-        assert items[2].error.message == ("the client read too slowly: 3 tokens were waiting "
-                                          "unread (--max-unread-deltas 5)")
+        assert items[2].finish == ipb.ERROR and items[2].news.error.code == "RESOURCE_EXHAUSTED"
+        assert items[2].news.error.message == ("the client read too slowly: 3 tokens were waiting "
+                                               "unread (--max-unread-deltas 5)")
     run(body())
 
 

@@ -1,7 +1,7 @@
-"""The gateway range-checks what the scheduler sends (gateway/checks.py): the gateway against the
-fake scheduler on a real ZeroMQ socket and real gRPC. Garbage and bad envelopes are dropped
-without touching any stream; a malformed delta or logprobs entry ends its own stream with
-INTERNAL (and aborts it), never another's; a valid request completes afterwards."""
+"""The gateway range-checks what the scheduler sends (gateway/scheduler_checks.py): the gateway
+against the fake scheduler on a real ZeroMQ socket and real gRPC. Garbage and bad envelopes are
+dropped without touching any stream; a malformed token entry, delta or logprobs entry ends its
+own stream with INTERNAL (and aborts it), never another's; a valid request completes afterwards."""
 from __future__ import annotations
 
 import asyncio
@@ -35,14 +35,16 @@ def column(rid: str, tokens, index: int = 0, offset: int = 1) -> dict:
 MALFORMED = {
     "finish out of range": (lambda rid: dict(deltas=[delta(request_id=rid, finish=7)]),
                             "finish = 7 is not a Finish"),
-    "token outside the vocabulary": (lambda rid: dict(deltas=[delta(request_id=rid, token_ids=[V + 5])]),
+    "token outside the vocabulary": (lambda rid: column(rid, [V + 5]),
                                      f"token_ids holds token {V + 5}, outside the vocabulary of {V}"),
+    "tokens in a delta": (lambda rid: dict(deltas=[delta(request_id=rid, token_ids=TOKENS[1:2],
+                                                         offset=1)]),
+                          "a delta holds 1 token_ids: tokens travel in the columns"),
     "negative token in the columns": (lambda rid: column(rid, [-3]),
                                       "entry 0 of the token columns holds a negative"),
     "negative offset in the columns": (lambda rid: column(rid, TOKENS[1:2], offset=-1),
                                        "entry 0 of the token columns holds a negative"),
-    "index past n": (lambda rid: dict(deltas=[delta(request_id=rid, index=3, token_ids=TOKENS[1:2])]),
-                     "index = 3 is outside [0, 0]"),
+    "index past n": (lambda rid: column(rid, TOKENS[1:2], index=3), "index = 3 is outside [0, 0]"),
     "unknown error code": (lambda rid: dict(deltas=[delta(request_id=rid, finish=ipb.ERROR,
                                                           error=ipb.Error(code="BOGUS"))]),
                            "error.code 'BOGUS' is not a status"),

@@ -1,6 +1,6 @@
 """The gateway's gRPC send limit is the largest valid response, computed from its flags, the
-tokenizer's vocabulary and max_model_len (gateway/sizes.py): the largest responses built for real
-with the real tokenizer fit it, and a real gateway with that limit delivers the largest unary
+tokenizer's vocabulary and max_model_len (gateway/grpc_bounds.py): the largest responses built for
+real with the real tokenizer fit it, and a real gateway with that limit delivers the largest unary
 Generate (max_model_len tokens of the longest token, logprobs and prompt logprobs at
 --max-logprobs) to a real client."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from gateway.app import Gateway
 from gateway.scheduler_client import SchedulerClient
-from gateway.sizes import (CONTEXT_BOUND, largest_generate_response, largest_response,
+from gateway.grpc_bounds import (CONTEXT_BOUND, largest_generate_response, largest_response,
                            largest_tokenize_response, token_sizes)
 from gateway.tokenizer import load_tokenizer
 from gateway.validate import Limits

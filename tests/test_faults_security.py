@@ -216,7 +216,7 @@ def test_fuzzed_internal_messages_kill_nothing(cluster, stub):
           f"{dropped} dropped or refused by the checks, scheduler and worker alive, a real "
           f"request then got {tokens} tokens")
     assert tokens == 8
-    # Every bad message was caught by scheduler/checks.py, not by the loop's last-resort guard.
+    # Every bad message was caught by scheduler/message_checks.py, not by the loop's last-resort guard.
     assert "could not be handled" not in log and "Traceback" not in log
 
 

@@ -14,13 +14,13 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from gateway.sizes import CONTEXT_BOUND
+from gateway.grpc_bounds import CONTEXT_BOUND
 from proto import internal_pb2 as ipb, pagoda_pb2
 from proto.auth import secure_client
 from proto.columns import pack, pack_f32, unpack
 from proto.sizes import (MAX_ID_BYTES, MAX_LIST, MAX_LOGPROBS, largest_gateway_message,
                          largest_scheduler_message, largest_step_plan, largest_worker_message)
-from scheduler import checks
+from scheduler import message_checks as checks
 from scheduler.outbox import Outbox, split
 from tests.cluster import wait_for
 from tests.fake_cluster import FakeCluster
@@ -29,7 +29,7 @@ from tests.test_worker_main import ROOT, receive
 from tests.test_faults_liveness import expected, request
 
 SEQS, TOKENS, LEN, BS = 256, 2048, 8192, 16    # the defaults
-BIG = (1 << 20) - 1                            # the largest id scheduler/checks.py lets through
+BIG = (1 << 20) - 1                            # the largest id scheduler/message_checks.py lets through
 
 
 def sampling() -> ipb.SamplingConfig:

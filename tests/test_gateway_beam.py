@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.beam import add_completion
+from gateway.beam_request import add_completion
 from gateway.openai_schema import CompletionRequest, completion_requests, openai_param
 from gateway.tokenizer import load_tokenizer
 from gateway.validate import ValidationError, validate

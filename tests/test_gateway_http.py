@@ -197,7 +197,7 @@ def test_models_tokenize_detokenize_metrics(run):
 
 
 def test_http_port_equal_to_grpc_port_is_refused():
-    from gateway.args import parse_gateway_args
+    from gateway.gateway_flags import parse_gateway_args
     with pytest.raises(SystemExit):
         parse_gateway_args(["--port", "9000", "--http-port", "9000"])
     assert parse_gateway_args(["--port", "9000", "--http-port", "0"]).http_port == 0

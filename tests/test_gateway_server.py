@@ -160,7 +160,7 @@ def test_bad_input_is_invalid_argument(run, request_kw, field):
     ("RESOURCE_EXHAUSTED", grpc.StatusCode.RESOURCE_EXHAUSTED),
     ("INVALID_ARGUMENT", grpc.StatusCode.INVALID_ARGUMENT),
     ("UNAVAILABLE", grpc.StatusCode.UNAVAILABLE),
-    ("NOT_A_CODE", grpc.StatusCode.INTERNAL),  # malformed (gateway/checks.py)
+    ("NOT_A_CODE", grpc.StatusCode.INTERNAL),  # malformed (gateway/scheduler_checks.py)
 ])
 def test_error_delta_maps_to_status(run, code, expected):
     async def body():

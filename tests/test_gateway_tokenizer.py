@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from gateway.tokenizer import TextTokenizer, _tokenizer_folder, load_tokenizer
+from gateway.tokenizer import TextTokenizer, load_tokenizer
+from modelfiles.resolve import tokenizer_folder
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi"}],
@@ -18,7 +19,7 @@ CONVERSATIONS = [
 @pytest.fixture(scope="module")
 def both():
     transformers = pytest.importorskip("transformers")
-    _, folder = _tokenizer_folder("")
+    _, folder = tokenizer_folder("")
     return load_tokenizer(""), transformers.AutoTokenizer.from_pretrained(str(folder))
 
 

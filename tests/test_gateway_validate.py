@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from gateway.args import REQUEST_LIMITS, parse_gateway_args
+from gateway.gateway_flags import REQUEST_LIMITS, parse_gateway_args
 from gateway.tokenizer import load_tokenizer
 from gateway.validate import Limits, ValidationError, limits_from_args, prompt_ids, prompt_offsets, validate
 from proto import internal_pb2, pagoda_pb2 as pb

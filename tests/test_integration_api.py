@@ -20,7 +20,7 @@ CHAT_PROMPTS = ["What is the capital of France?", "What is 2 + 2?", "Name three 
 def hf_tokenizer():
     from transformers import AutoTokenizer
 
-    from launch.models import cache_dir, resolve_model
+    from modelfiles.resolve import cache_dir, resolve_model
     # The gateway converted the GGUF's vocabulary once with transformers itself; reuse that folder.
     return AutoTokenizer.from_pretrained(str(cache_dir(resolve_model(""), "tokenizer")))
 

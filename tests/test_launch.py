@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from launch.__main__ import process_parsers, route_flags
+from launch.flag_routing import process_parsers, route_flags
 
 
 def test_flags_reach_their_owners_and_parse():

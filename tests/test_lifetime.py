@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from launch import lifetime, watchdog
-from launch.__main__ import Child, reap
+from launch.children import Child, reap
 from launch.loop_metrics import start_metrics_server
 from launch.restarts import RestartPolicy, after_death
 from tests.cluster import free_port

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from proto import internal_pb2 as pb
 from proto.columns import unpack_list
-from proto.codec import expand_deltas
+from proto.token_stream import updates
 from scheduler.request import Status
 from scheduler.router import Rejected, Router, RouterConfig
 from tests.fake_worker import EOS, EOS_MARK, FakeWorker, reference_output
@@ -58,11 +58,11 @@ def step(router, workers, outputs, plans_seen=None):
 
 
 def collect(router, outputs):
-    deltas = [d for msg in router.take_outbox().values() for d in expand_deltas(msg)]
-    for delta in deltas:
-        entry = outputs.setdefault((delta.request_id, delta.index), {"tokens": [], "finish": 0})
-        entry["tokens"] += list(delta.token_ids)
+    for u in [u for msg in router.take_outbox().values() for u in updates(msg)]:
+        entry = outputs.setdefault((u.request_id, u.index), {"tokens": [], "finish": 0})
+        entry["tokens"] += u.token_ids
         entry.setdefault("error", "")
+        delta = u.news if u.news is not None else pb.TokenDelta()
         if delta.finish:
             entry["finish"] = delta.finish
             entry["cached"] = delta.cached_prompt_tokens

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from proto import internal_pb2 as pb, pagoda_pb2
-from proto.codec import expand_deltas
 from proto.columns import unpack_list
+from proto.token_stream import updates
 from scheduler.router import Rejected, Router, RouterConfig
 from tests.beam_reference import reference_beam_search
 from tests.fake_worker import EOS, POISON_MARK, FakeWorker, beam_distribution
@@ -31,11 +31,12 @@ def add_beam(router, rid, prompt, max_tokens, width, length_penalty=1.0, early_s
 
 def collect(router, outputs):
     for msg in router.take_outbox().values():
-        for d in expand_deltas(msg):
-            entry = outputs.setdefault((d.request_id, d.index), {"tokens": [], "finish": 0,
+        for u in updates(msg):
+            entry = outputs.setdefault((u.request_id, u.index), {"tokens": [], "finish": 0,
                                                                  "deltas": 0})
-            entry["tokens"] += list(d.token_ids)
+            entry["tokens"] += u.token_ids
             entry["deltas"] += 1
+            d = u.news if u.news is not None else pb.TokenDelta()
             if d.finish:
                 entry["finish"], entry["error"] = d.finish, d.error.code
                 entry["preemptions"] = d.num_preemptions

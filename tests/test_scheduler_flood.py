@@ -16,7 +16,7 @@ import zmq
 from proto import internal_pb2 as pb
 from proto.auth import PROTOCOL_VERSION
 from scheduler import server as server_module
-from scheduler.args import add_scheduler_args
+from scheduler.scheduler_flags import add_scheduler_args
 from scheduler.links import GatewayLinks
 from scheduler.server import SchedulerServer
 from tests.fake_worker import FakeWorker

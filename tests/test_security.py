@@ -19,7 +19,7 @@ from gateway.app import Gateway
 from gateway.tokenizer import load_tokenizer
 from proto import internal_pb2 as ipb, pagoda_pb2 as pb, pagoda_pb2_grpc
 from proto.auth import CurveServer, check_auth_args, create_keys, secure_client
-from scheduler import checks
+from scheduler import message_checks as checks
 from scheduler.block_pool import full_block_hashes
 from tests.fake_scheduler import FakeScheduler, until, workers_of
 from tests.fake_worker import FakeWorker, reference_output
@@ -73,7 +73,7 @@ def test_only_authorized_keys_reach_a_curve_socket(tmp_path):
 
 
 def test_the_launcher_makes_a_key_set_once_and_hands_it_to_every_process(tmp_path):
-    from launch.__main__ import process_parsers, route_flags, with_keys
+    from launch.flag_routing import process_parsers, route_flags, with_keys
     routed = route_flags(with_keys(["--port", "6000"], tmp_path / "keys"), process_parsers())
     for name in ("scheduler", "worker", "gateway"):
         assert routed[name][-2:] == ["--zmq-keys-dir", str(tmp_path / "keys")]
@@ -190,7 +190,7 @@ def test_a_result_with_tokens_outside_the_vocabulary_is_refused():
 
 def test_a_plan_with_ids_outside_the_cache_or_vocabulary_is_refused_by_the_worker():
     from proto.columns import pack
-    from worker.checks import check_plan
+    from worker.plan_checks import check_plan
     ok = ipb.StepPlan(step_id=1, new_seqs=[ipb.NewSeq(seq_id="s", token_ids=[1, 2, 3], block_ids=[0],
                                                       num_new_tokens=3)],
                       running_slots=pack([4]), running_num_tokens=pack([1]),

@@ -1,4 +1,4 @@
-"""worker.args: the flag contract with the launcher, sizes, and what auto means."""
+"""worker.worker_flags: the flag contract with the launcher, sizes, and what auto means."""
 from __future__ import annotations
 
 import argparse
@@ -6,8 +6,8 @@ import argparse
 import pytest
 import torch
 
-from worker.args import add_worker_args, parse_bytes, worker_args
 from worker.platform import resolve_device, resolve_dtype
+from worker.worker_flags import add_worker_args, parse_bytes, worker_args
 
 
 @pytest.mark.parametrize("text,expected", [("2GiB", 2 << 30), ("512MiB", 512 << 20), ("1.5G", 1_500_000_000),

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 from tests.plan_driver import PlanDriver
-from worker.args import worker_args
 from worker.ranks import start_group
 from worker.runner import ModelRunner
+from worker.worker_flags import worker_args
 
 
 def main(argv: list[str]) -> int:

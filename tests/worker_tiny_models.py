@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from worker.args import worker_args
+from worker.worker_flags import worker_args
 
 VARIANTS = ("llama", "llama3-tied-bias", "qwen2")
 

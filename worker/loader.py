@@ -1,7 +1,7 @@
 """Weights from a .gguf file or a HF directory, as one dict of HF-named float tensors.
 
 A GGUF file is dequantized once and cached as a HF directory (config.json + model.safetensors)
-under launch.models.cache_dir(path, "weights"); later starts memory-map that instead.
+under modelfiles.resolve.cache_dir(path, "weights"); later starts memory-map that instead.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from launch.models import cache_dir
+from modelfiles.resolve import cache_dir
 from worker.config import ModelConfig
 
 logger = logging.getLogger(__name__)

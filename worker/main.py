@@ -25,11 +25,11 @@ from zmq.utils.monitor import recv_monitor_message
 from launch import lifetime, watchdog
 from proto import internal_pb2
 from proto.auth import check_auth_args, secure_client
-from proto.sizes import largest_step_plan
 from proto.polling import receive, resolve_busy_poll_us
-from worker.args import add_worker_args
+from proto.sizes import largest_step_plan
 from worker.heartbeat import heartbeats, main_routing_id
 from worker.parallel import GroupLost
+from worker.worker_flags import add_worker_args
 
 logger = logging.getLogger("pagoda.worker")
 

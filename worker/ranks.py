@@ -90,7 +90,7 @@ def _cpu_threads(size: int) -> None:
 def start_group(args: argparse.Namespace, argv: list[str], device: torch.device) -> RankGroup:
     """Rank 0: refuses a size that does not split the model, starts the other ranks with the
     worker's own flags, and joins them."""
-    from launch.models import resolve_model
+    from modelfiles.resolve import resolve_model
     from worker.loader import load_config
 
     size = args.tensor_parallel_size

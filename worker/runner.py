@@ -14,24 +14,25 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from worker.attention_backends import select_backend
-from launch.models import model_display_name, resolve_model
+from modelfiles.resolve import model_display_name, resolve_model
 from proto import internal_pb2
 from proto.auth import PROTOCOL_VERSION
 from proto.columns import pack, pack_f32, unpack
-from worker.checks import check_plan
-from worker.args import default_worker_id
 from worker.attention import AttentionMetadata
+from worker.attention_backends import select_backend
 from worker.cache import CacheEngine, bytes_per_block, num_device_blocks
 from worker.eos import eos_token_ids
+from worker.grammar import GrammarRows, why_no_token
 from worker.input_batch import InputBatch, StepInputs
 from worker.layers import KERNEL_MAX_ROWS, use_cpu_kernel
 from worker.loader import load_weights
+from worker.logits import compute_logprobs
 from worker.model import build_model
 from worker.parallel import FORGET, PLAN, TensorParallel, shard_config
+from worker.plan_checks import check_plan
 from worker.platform import resolve_device, resolve_dtype
-from worker.logits import compute_logprobs
 from worker.sampler import Sampler
+from worker.worker_flags import default_worker_id
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ class ModelRunner:
 
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(args.seed))
         self.batch = InputBatch(self.max_model_len, self.block_size)
+        self.grammar = GrammarRows(self._grammar_cache)
         logger.info("worker %s ready: %s %s on %s, %d blocks of %d (+%d cpu), load %.1fs, prefill %.0f tok/s",
                     self.worker_id, self.config.architecture, self.dtype, self.device, num_blocks,
                     self.block_size, num_cpu_blocks, self.load_seconds, self.prefill_tokens_per_s)
@@ -143,6 +145,7 @@ class ModelRunner:
         if self.tp.rank == 0:
             self.tp.send(FORGET)
         self.batch = InputBatch(self.max_model_len, self.block_size)
+        self.grammar.drop(list(self.grammar.matchers) + list(self.grammar.failed))
 
     def execute(self, plan: internal_pb2.StepPlan) -> internal_pb2.StepResult:
         result = internal_pb2.StepResult(step_id=plan.step_id)
@@ -170,6 +173,7 @@ class ModelRunner:
     def _execute(self, plan: internal_pb2.StepPlan, result: internal_pb2.StepResult) -> None:
         batch = self.batch
         batch.drop(plan.dropped_slots)
+        self.grammar.drop(plan.dropped_slots)
         self.cache.swap_out(plan.swap_out)
         self.cache.swap_in(plan.swap_in)
         self.cache.copy(plan.copy)
@@ -178,6 +182,8 @@ class ModelRunner:
             sampling.CopyFrom(new.sampling)
             batch.add(new.slot, new.token_ids, new.block_ids, new.num_computed_tokens,
                       new.num_prompt_tokens, sampling)
+            if self.tp.rank == 0:  # rank 0 alone samples
+                self.grammar.add(new.slot, sampling, new.token_ids[new.num_prompt_tokens:])
         batch.append_blocks(unpack(plan.new_block_slots).astype(np.int64),
                             unpack(plan.new_block_ids))
         next_slots = unpack(plan.next_token_slots).astype(np.int64)
@@ -211,11 +217,15 @@ class ModelRunner:
         else:
             tokens = self.tp.receive_tokens(len(sampled_slots))
         batch.advance(slots, counts)
+        if (tokens < 0).any():  # failed rows (result.failed) keep no token
+            sampled_slots, tokens = sampled_slots[tokens >= 0], tokens[tokens >= 0]
         beam = batch.beam[sampled_slots]
         if not beam.any():
             batch.append_tokens(sampled_slots, tokens)
         else:  # a beam's next token is the scheduler's choice, named in a later plan
             batch.append_tokens(sampled_slots[~beam], tokens[~beam])
+        if self.tp.rank == 0:
+            self.grammar.accept(sampled_slots, tokens)
         result.slots = pack(sampled_slots)
         result.token_ids = pack(tokens)
 
@@ -229,15 +239,31 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         params = [batch.sampling[s] for s in sampled_slots.tolist()]
         history = [batch.tokens(s) for s in sampled_slots.tolist()]
+        slot_list = sampled_slots.tolist()
+        rows = self.grammar.constrained(slot_list)
+        allowed = (rows, self.grammar.mask(slot_list, rows, logits.shape[1])) if rows else None
         sampled = self.sampler(logits, params, inputs.sample_positions, history,
-                               batch.num_prompt[sampled_slots].tolist())
+                               batch.num_prompt[sampled_slots].tolist(), allowed)
+        self._fail_rows(slot_list, params, history, sampled, result)
         self._sampled_logprobs(sampled_slots, params, logits, sampled, inputs.sample_positions,
                                result)
         return sampled.cpu().numpy()
 
+    def _fail_rows(self, slots, params, history, sampled, result) -> None:
+        """Rows whose grammar left them no token, or that have no matcher to go on with, end
+        (result.failed) instead of sampling: their token becomes -1."""
+        for i, slot in enumerate(slots):
+            why = self.grammar.failed.get(slot)
+            if why is None and sampled[i] < 0:
+                why = why_no_token(params[i], len(history[i]) - int(self.batch.num_prompt[slot]))
+            if why is not None:
+                sampled[i] = -1
+                result.failed.append(internal_pb2.SeqFailure(slot=slot, reason=why))
+
     def _sampled_logprobs(self, slots, params, logits, sampled, positions, result) -> None:
         """Logprobs of the sampled tokens, for the sequences that asked."""
-        asking = [i for i, p in enumerate(params) if p.HasField("logprobs") or p.beam_candidates]
+        asking = [i for i, p in enumerate(params)
+                  if (p.HasField("logprobs") or p.beam_candidates) and sampled[i] >= 0]
         if not asking:
             return
         index = torch.tensor(asking, device=logits.device)
@@ -280,6 +306,13 @@ class ModelRunner:
                                  to(m.query_start_loc), m.max_seq_len, m.max_query_len)
         return StepInputs(to(inputs.input_ids), to(inputs.positions), meta,
                           to(inputs.logits_indices), inputs.sampled_slots, inputs.sample_positions)
+
+    def _grammar_cache(self):
+        from structured.compiler import GrammarCache, tokenizer_info
+        from modelfiles.resolve import tokenizer_json
+        info = tokenizer_info(tokenizer_json(self.model_path), self.config.vocab_size,
+                              self.eos_token_ids or [0])
+        return GrammarCache(info)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":

@@ -12,6 +12,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from worker.grammar import apply_grammar_mask
 from worker.logits import LogitsParams, apply_logit_bias, apply_min_p, apply_min_tokens, apply_penalties
 
 # Below this temperature a row is greedy (vLLM's _SAMPLING_EPS): dividing by ~0 only makes NaNs.
@@ -42,16 +43,29 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
                  token_ids: Sequence[Sequence[int]] | None = None,
-                 num_prompt_tokens: Sequence[int] | None = None) -> torch.Tensor:
+                 num_prompt_tokens: Sequence[int] | None = None,
+                 allowed: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
         """logits [S, V] float32; positions[i] is the index the sampled token will have in its
         sequence (the seeded draw depends on it); token_ids[i] is row i's sequence so far, whose
-        first num_prompt_tokens[i] are the prompt (None: no row has any history). Returns int64 [S]."""
+        first num_prompt_tokens[i] are the prompt (None: no row has any history); allowed is
+        (rows, their grammars' bitmask, worker/grammar.py): the tokens each of those rows may
+        take next, masked after the logits processors. Returns int64 [S]: -1 for a row that has no token left
+        (nothing is ever sampled from an all-masked row)."""
         if token_ids is None:
             token_ids, num_prompt_tokens = [()] * len(params), [0] * len(params)
         assert num_prompt_tokens is not None, "token_ids needs num_prompt_tokens"
         logits = apply_min_tokens(logits, params, [len(t) - n for t, n in zip(token_ids, num_prompt_tokens)])
         logits = apply_logit_bias(logits, params)
         logits = apply_penalties(logits, params, token_ids, num_prompt_tokens)
+        dead = None
+        if allowed is not None and allowed[0]:
+            logits = apply_grammar_mask(logits, *allowed)
+            dead = torch.isneginf(logits).all(dim=-1)
+        out = self._sample(logits, params, positions)
+        return out if dead is None else out.masked_fill_(dead, -1)
+
+    def _sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                positions: Sequence[int]) -> torch.Tensor:
         greedy = [p.temperature < SAMPLING_EPS for p in params]
         out = logits.argmax(dim=-1)
         if all(greedy):

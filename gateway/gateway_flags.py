@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from gateway.auth import api_keys_from, parse_range, priority_ranges
+from gateway.client_auth import api_keys_from, parse_range, priority_ranges
 from proto.auth import add_auth_args
 
 # Bounds on one GenerateRequest (gateway.validate.Limits has a field per entry, same name and
@@ -26,6 +26,8 @@ REQUEST_LIMITS: tuple[tuple[str, int, int, str], ...] = (
     ("max_request_id_bytes", 256, 1, "UTF-8 bytes of a client's request_id"),
     ("max_priority", 1_000_000, 0, "largest |priority|"),
     ("max_logprobs", 20, 0, "largest sampling.logprobs and sampling.prompt_logprobs (as vLLM's)"),
+    ("max_structured_output_bytes", 32 << 10, 1,
+     "bytes of sampling.structured_output (a JSON schema, regex, grammar or the choices)"),
     ("max_prompt_chars_per_token", 32, 1,
      "a prompt (or the chat messages' content) longer than max_model_len times this many "
      "characters is refused before it is tokenized"),
@@ -86,6 +88,14 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--max-connection-age-grace", type=_positive_seconds, default=600.0,
                    help="seconds a gRPC connection's open streams may run past "
                         "--max-connection-age before it is closed (default: %(default)s)")
+    g.add_argument("--max-grammar-compile-seconds", type=_positive_seconds, default=5.0,
+                   help="seconds a structured-output spec (schema, regex, grammar) may take to "
+                        "compile in the gateway's check; a slower one gets INVALID_ARGUMENT / 400 "
+                        "(default: %(default)s)")
+    g.add_argument("--structured-outputs-any-whitespace", action="store_true",
+                   help="let JSON answers put whitespace anywhere (HTTP requests; gRPC sets "
+                        "structured_output.any_whitespace itself); off by default, since small "
+                        "models loop on free whitespace")
     g.add_argument("--max-http-connections", type=_int_at_least(1), default=1024,
                    help="open HTTP connections (and requests in flight) at once; past it, 503 "
                         "(default: %(default)s)")
@@ -107,11 +117,11 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="Prometheus /metrics port, 0 = off (default: %(default)s)")
     g.add_argument("--max-message-bytes", type=int, default=None,
                    help="largest gRPC response sent and ZeroMQ message received (default: the "
-                        "largest valid response, computed in gateway/sizes.py, and the largest "
+                        "largest valid response, computed in gateway/grpc_bounds.py, and the largest "
                         "valid message from the scheduler, computed in proto/sizes.py)")
     g.add_argument("--max-request-bytes", type=int, default=None,
                    help="largest gRPC request received (default: the largest valid "
-                        "GenerateRequest, computed from the request limits in gateway/sizes.py)")
+                        "GenerateRequest, computed from the request limits in gateway/grpc_bounds.py)")
     g.add_argument("--scheduler-timeout", type=float, default=3.0,
                    help="seconds without any message from the scheduler (it answers a hello "
                         "sent every second) before requests in flight end UNAVAILABLE and "

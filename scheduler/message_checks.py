@@ -13,7 +13,7 @@ import math
 from proto import internal_pb2 as pb
 from proto.auth import PROTOCOL_VERSION
 from proto.columns import unpack
-from proto.sizes import MAX_ID_BYTES, MAX_LIST, MAX_LOGPROBS
+from proto.sizes import MAX_ID_BYTES, MAX_LIST, MAX_LOGPROBS, MAX_STRUCTURED_OUTPUT
 
 MAX_BLOCKS = 1 << 21          # per pool, device or CPU
 MAX_BLOCK_SIZE = 2048
@@ -104,7 +104,9 @@ def check_sampling(s: pb.SamplingConfig, vocab_size: int, max_logprobs: int = MA
         _int("sampling.prompt_logprobs", s.prompt_logprobs, 0, top)
         if s.HasField("prompt_logprobs") else None,
         _int("sampling.min_tokens", s.min_tokens, 0, MAX_LEN),
-        _tokens("sampling.stop_token_ids", s.stop_token_ids, vocab_size, MAX_LIST))
+        _tokens("sampling.stop_token_ids", s.stop_token_ids, vocab_size, MAX_LIST),
+        _int("sampling.structured_output (bytes)", s.structured_output.ByteSize(), 0,
+             MAX_STRUCTURED_OUTPUT) if s.HasField("structured_output") else None)
 
 
 def check_add(add: pb.AddRequest, vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> str | None:
@@ -157,4 +159,6 @@ def check_result(r: pb.StepResult, vocab_size: int) -> str | None:
     if len(slots) and slots.min() < 0:
         return "a negative slot"
     return _first(_int("logprobs (count)", len(r.logprobs), 0, MAX_LIST),
-                  _text("error", r.error, limit=1 << 16))
+                  _text("error", r.error, limit=1 << 16),
+                  _int("failed (count)", len(r.failed), 0, MAX_LIST),
+                  *(_text("failed[].reason", f.reason) for f in r.failed))

@@ -8,7 +8,8 @@ messages, so the largest of the three counts, plus every other field at its limi
 - prompt: max_model_len x --max-prompt-chars-per-token characters, at most 4 UTF-8 bytes each;
 - prompt_token_ids: max_model_len ids;
 - messages: the same characters as content, plus --max-messages roles;
-- stop strings, stop ids, logit_bias entries and request_id at their flags' limits;
+- stop strings, stop ids, logit_bias entries, the structured-output spec and request_id at their
+  flags' limits;
 - 1 KiB for the scalar fields.
 max_model_len is the scheduler's, learned after start-up; the bound takes CONTEXT_BOUND, the
 longest context the gateway prepares for before it knows.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.structured_check import MAX_CHOICES
 from gateway.tokenizer import ROLES, TextTokenizer
 from gateway.validate import Limits
 from proto.sizes import MAX_ID_BYTES, MAX_LIST, MAX_WORKERS
@@ -41,7 +43,9 @@ def largest_generate_request(limits: Limits, max_model_len: int = CONTEXT_BOUND)
         _field(5 * max_model_len),
         _field(_field(_LONGEST_ROLE) + _field(text))
         + (limits.max_messages - 1) * _field(_field(_LONGEST_ROLE)))
-    sampling = _field(limits.max_logit_bias * _field(1 + 5 + 1 + 4) + _SCALARS)
+    # A structured output's spec: its text, plus up to 3 bytes of framing per choice.
+    spec = _field(limits.max_structured_output_bytes + 3 * MAX_CHOICES)
+    sampling = _field(limits.max_logit_bias * _field(1 + 5 + 1 + 4) + spec + _SCALARS)
     stopping = _field(limits.max_stop_strings * _field(limits.max_stop_string_bytes)
                       + _field(5 * limits.max_stop_token_ids) + _SCALARS)
     return prompt + sampling + stopping + _field(limits.max_request_id_bytes) + _SCALARS

@@ -1,12 +1,13 @@
 """Range checks on every message the gateway receives from the scheduler, in one place (as
-scheduler/checks.py and worker/checks.py are for theirs).
+scheduler/message_checks.py and worker/plan_checks.py are for theirs).
 
 The scheduler is authenticated (proto/auth.py), but a bug there, or a frame from a wrong build,
 must not crash the gateway's one read loop, nor hang or garble a stream: each function returns
 why a message or one of its parts is unacceptable (naming the field), or None. The read loop
 (gateway/scheduler_client.py) drops a bad message whole when its envelope is bad (nothing in it
 can be trusted to belong to anyone), and otherwise drops only the bad part: a stream whose own
-delta or logprobs failed ends with INTERNAL and a short message, every other stream goes on.
+token entry, delta or logprobs failed ends with INTERNAL and a short message, every other
+stream goes on.
 """
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ import grpc
 from proto import internal_pb2 as pb
 from proto.columns import unpack, unpack_f32
 from proto.sizes import MAX_ID_BYTES, MAX_LIST, MAX_TEXT
+from proto.token_stream import Columns, Update
 
-MAX_LEN = 1 << 20          # max_model_len, positions, token counts: as scheduler/checks.py
+MAX_LEN = 1 << 20          # max_model_len, positions, token counts: as the scheduler's checks
 MAX_COUNT = 1 << 20        # preemptions
 MAX_EPOCH = 1 << 63        # the scheduler draws its epoch from [1, 2**63]
 MAX_SEQ = 1 << 62
@@ -67,13 +69,39 @@ def check_info(info: pb.ClusterInfo) -> str | None:
                   _ids("info.eos_token_ids", info.eos_token_ids, info.vocab_size))
 
 
-def check_delta(d: pb.TokenDelta, n: int, vocab_size: int, max_model_len: int) -> str | None:
-    """One stream's TokenDelta (from the columns or from `deltas`); n: the request's sequences."""
+def check_columns(columns: Columns, vocab_size: int, max_model_len: int) -> dict[int, str]:
+    """The token columns' entries that are malformed (entry -> why): negative fields, tokens
+    outside the vocabulary, counts or offsets past max_model_len. One pass over each column;
+    only a message that fails one looks for the entries to blame."""
+    bad = columns.negative()
+    if not len(columns):
+        return bad
+    tops = columns.entry_max()
+    if (vocab_size and tops.max() >= vocab_size) or columns.num_tokens.max() > max_model_len \
+            or columns.offsets.max() > max_model_len:
+        for i in range(len(columns)):
+            why = _first(_int("token_ids (count)", int(columns.num_tokens[i]), 0, max_model_len),
+                         _int("offset", int(columns.offsets[i]), 0, max_model_len),
+                         f"token_ids holds token {tops[i]}, outside the vocabulary of {vocab_size}"
+                         if vocab_size and tops[i] >= vocab_size else None)
+            if why is not None:
+                bad.setdefault(i, why)
+    return bad
+
+
+def check_update(u: Update, n: int, vocab_size: int, max_model_len: int) -> str | None:
+    """One stream's update, its tokens already checked with the columns (check_columns); n: the
+    request's sequences."""
+    return _first(_int("index", u.index, 0, n - 1),
+                  check_news(u.news, max_model_len) if u.news is not None else None)
+
+
+def check_news(d: pb.TokenDelta, max_model_len: int) -> str | None:
+    """A delta: usage, finish and error within range, and no tokens (they travel in the columns)."""
     error = d.HasField("error")
     return _first(
-        _int("index", d.index, 0, n - 1),
-        _int("token_ids (count)", len(d.token_ids), 0, max_model_len),
-        _ids("token_ids", d.token_ids, vocab_size),
+        f"a delta holds {len(d.token_ids)} token_ids: tokens travel in the columns"
+        if d.token_ids else None,
         None if d.finish in _FINISHES else f"finish = {d.finish} is not a Finish",
         _int("offset", d.offset, 0, max_model_len),
         _int("prompt_tokens", d.prompt_tokens, 0, max_model_len),

@@ -1,4 +1,4 @@
-"""One GenerateRequest's answer, assembled from what the scheduler sends: token deltas become text
+"""One GenerateRequest's answer, assembled from what the scheduler sends: token updates become text
 (through each index's Detokenizer), Logprobs messages become TokenLogprob entries beside the tokens
 they score, and each index's last message gets usage, matched_stop, seed and metrics.
 
@@ -17,6 +17,7 @@ from gateway.tokenizer import TextTokenizer
 from gateway.validate import Validated
 from proto import internal_pb2, pagoda_pb2
 from proto.columns import unpack_f32, unpack_list
+from proto.token_stream import Update
 
 _FINISH = {
     internal_pb2.LENGTH: pagoda_pb2.FINISH_REASON_LENGTH,
@@ -24,6 +25,7 @@ _FINISH = {
     internal_pb2.ABORT: pagoda_pb2.FINISH_REASON_ABORT,
 }
 _U64 = 2**64 - 1
+_NO_NEWS = internal_pb2.TokenDelta()  # read-only: an update of tokens alone reads as this
 
 
 def token_logprobs(tok: TextTokenizer, lp: internal_pb2.Logprobs) -> list[pagoda_pb2.TokenLogprob]:
@@ -48,7 +50,7 @@ class IndexState:
     seed: int
     done: bool = False
     finished_by_scheduler: bool = False
-    cached_prompt_tokens: int = 0  # the scheduler reports it on the first delta and the last
+    cached_prompt_tokens: int = 0  # the scheduler reports it with the first tokens and the last
     queue_time_s: float = 0.0
     num_preemptions: int = 0
     first_token_at: float | None = None
@@ -87,58 +89,59 @@ class ResponseBuilder:
             for i, entry in enumerate(entries):
                 self.indices[lp.index].logprobs[first + i] = entry
 
-    def on_delta(self, delta: internal_pb2.TokenDelta) -> pagoda_pb2.GenerateResponse | None:
-        ix = self.indices[delta.index]
+    def on_update(self, update: Update) -> pagoda_pb2.GenerateResponse | None:
+        news = update.news if update.news is not None else _NO_NEWS
+        ix = self.indices[update.index]
         start = len(ix.detok.token_ids)
-        text, ids = ix.detok.add_many(delta.token_ids)
+        text, ids = ix.detok.add_many(update.token_ids)
         if ids and ix.first_token_at is None:
             ix.first_token_at = time.monotonic()
-        ix.cached_prompt_tokens = delta.cached_prompt_tokens or ix.cached_prompt_tokens
-        if delta.prompt_tokens:  # the first delta and the last carry the scheduler's figures
-            ix.queue_time_s, ix.num_preemptions = delta.queue_time_s, delta.num_preemptions
+        ix.cached_prompt_tokens = news.cached_prompt_tokens or ix.cached_prompt_tokens
+        if news.prompt_tokens:  # the first news and the last carry the scheduler's figures
+            ix.queue_time_s, ix.num_preemptions = news.queue_time_s, news.num_preemptions
         reason = pagoda_pb2.FINISH_REASON_UNSPECIFIED
         if ix.detok.stopped:
             reason = pagoda_pb2.FINISH_REASON_STOP
-            ix.finished_by_scheduler = delta.finish != internal_pb2.NOT_FINISHED
-        elif delta.finish != internal_pb2.NOT_FINISHED:
+            ix.finished_by_scheduler = news.finish != internal_pb2.NOT_FINISHED
+        elif news.finish != internal_pb2.NOT_FINISHED:
             text += ix.detok.finish()
-            reason = _FINISH.get(delta.finish, pagoda_pb2.FINISH_REASON_ABORT)
+            reason = _FINISH.get(news.finish, pagoda_pb2.FINISH_REASON_ABORT)
             ix.finished_by_scheduler = True
         if reason == pagoda_pb2.FINISH_REASON_UNSPECIFIED and not text and not ids:
             return None  # nothing new to show yet
         response = pagoda_pb2.GenerateResponse(
-            request_id=self.request_id, index=delta.index, text=text, token_ids=ids,
+            request_id=self.request_id, index=update.index, text=text, token_ids=ids,
             finish_reason=reason)
         if self.v.logprobs is not None:
             response.logprobs.extend(ix.logprobs.pop(start + i) for i in range(len(ids))
                                      if start + i in ix.logprobs)
-        if delta.index == 0 and not self.sent_first:
+        if update.index == 0 and not self.sent_first:
             self.sent_first = True
             if self.v.return_prompt_token_ids:
                 response.prompt_token_ids.extend(self.v.prompt_token_ids)
             if self.v.prompt_logprobs is not None:
                 response.prompt_logprobs.extend(self.prompt_logprobs[p] for p in sorted(self.prompt_logprobs))
         if reason != pagoda_pb2.FINISH_REASON_UNSPECIFIED:
-            self._finish(ix, delta, response)
+            self._finish(ix, news, response)
         return response
 
-    def _finish(self, ix: IndexState, delta: internal_pb2.TokenDelta,
+    def _finish(self, ix: IndexState, news: internal_pb2.TokenDelta,
                 response: pagoda_pb2.GenerateResponse) -> None:
         ix.done = True
         ix.logprobs.clear()
-        # A stop-string finish comes before the scheduler's own: use what earlier deltas said.
+        # A stop-string finish comes before the scheduler's own: use what earlier news said.
         response.usage.CopyFrom(pagoda_pb2.Usage(
-            prompt_tokens=delta.prompt_tokens or self.prompt_len,
+            prompt_tokens=news.prompt_tokens or self.prompt_len,
             completion_tokens=len(ix.detok.token_ids),
             cached_prompt_tokens=ix.cached_prompt_tokens))
         if ix.detok.stopped:
             response.matched_stop_str = ix.detok.stop.matched
-        elif delta.finish == internal_pb2.STOP and ix.detok.token_ids:
+        elif news.finish == internal_pb2.STOP and ix.detok.token_ids:
             response.matched_token_id = ix.detok.token_ids[-1]  # an EOS or a stop id ended it
         if self.v.beam is None:
             response.seed = ix.seed
-        elif delta.HasField("cumulative_logprob"):
-            response.cumulative_logprob = delta.cumulative_logprob
+        elif news.HasField("cumulative_logprob"):
+            response.cumulative_logprob = news.cumulative_logprob
         now = time.monotonic()
         if ix.first_token_at is not None and len(ix.detok.token_ids) > 1:
             metrics.TIME_PER_OUTPUT_TOKEN.observe(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from gateway import validate  # its ValidationError; validate imports this module too
+from gateway.validation_error import ValidationError
 from proto import internal_pb2, pagoda_pb2
 
 MAX_BEAM_WIDTH = 16
@@ -25,30 +25,30 @@ def beam_params(req: pagoda_pb2.GenerateRequest) -> pagoda_pb2.BeamSearchParams 
         return None
     b = req.beam_search
     if not 1 <= b.beam_width <= MAX_BEAM_WIDTH:
-        raise validate.ValidationError("beam_search.beam_width", f"beam_search.beam_width must be between "
+        raise ValidationError("beam_search.beam_width", f"beam_search.beam_width must be between "
                                                         f"1 and {MAX_BEAM_WIDTH}, got {b.beam_width}")
     penalty = b.length_penalty if b.HasField("length_penalty") else 1.0
     if not math.isfinite(penalty) or abs(penalty) > 1e3:
-        raise validate.ValidationError("beam_search.length_penalty",
+        raise ValidationError("beam_search.length_penalty",
                               f"beam_search.length_penalty must be a finite number in "
                               f"[-1000, 1000], got {penalty:g}")
     early = b.early_stopping or "false"
     if early not in EARLY_STOPPING:
-        raise validate.ValidationError("beam_search.early_stopping", "beam_search.early_stopping must be "
+        raise ValidationError("beam_search.early_stopping", "beam_search.early_stopping must be "
                               f"one of {', '.join(EARLY_STOPPING)}, got {early[:32]!r}")
     s = req.sampling
     for name, neutral in _EXCLUSIVE:
         if s.HasField(name) and (neutral is None or getattr(s, name) != neutral):
-            raise validate.ValidationError(f"sampling.{name}", f"sampling.{name} cannot be used with "
+            raise ValidationError(f"sampling.{name}", f"sampling.{name} cannot be used with "
                                                       "beam_search, which does not sample")
     if s.logit_bias:
-        raise validate.ValidationError("sampling.logit_bias", "sampling.logit_bias cannot be used with "
+        raise ValidationError("sampling.logit_bias", "sampling.logit_bias cannot be used with "
                                                      "beam_search")
     if req.stopping.stop:
-        raise validate.ValidationError("stopping.stop", "stopping.stop (stop strings) cannot be used with "
+        raise ValidationError("stopping.stop", "stopping.stop (stop strings) cannot be used with "
                                                "beam_search; stop_token_ids can")
     if req.stopping.min_tokens:
-        raise validate.ValidationError("stopping.min_tokens", "stopping.min_tokens cannot be used with "
+        raise ValidationError("stopping.min_tokens", "stopping.min_tokens cannot be used with "
                                                      "beam_search")
     return pagoda_pb2.BeamSearchParams(beam_width=b.beam_width, length_penalty=penalty,
                                        early_stopping=early)

@@ -1,0 +1,11 @@
+"""The one error a request check raises, in a module of its own: gateway/validate.py and the
+checks it calls (gateway/beam_request.py) both raise it without importing each other."""
+from __future__ import annotations
+
+
+class ValidationError(ValueError):
+    """Becomes INVALID_ARGUMENT; str() is the client-facing message and starts with the field."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(message)
+        self.field = field_name

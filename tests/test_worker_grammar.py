@@ -1,0 +1,163 @@
+"""worker.grammar with the real tokenizer's vocabulary and xgrammar: answers walked through the
+real Sampler under the mask parse and validate (jsonschema) or match their regex/choice, greedy
+and sampled; a sequence added again replays to the same mask; a conflict is reported, never
+sampled; the raw logits stay untouched."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from gateway.tokenizer import load_tokenizer
+from modelfiles.resolve import resolve_model, tokenizer_json
+from proto import internal_pb2
+from structured.compiler import GrammarCache, tokenizer_info
+from structured.spec import Spec
+from worker.grammar import GrammarRows, apply_grammar_mask, why_no_token
+from worker.sampler import Sampler
+
+VOCAB = 49152
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+        "home": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
+                 "required": ["city"], "additionalProperties": False},
+        "score": {"type": "number", "minimum": -1, "maximum": 1}},
+     "required": ["tags", "home"], "additionalProperties": False},
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("")
+
+
+@pytest.fixture(scope="module")
+def cache(tok):
+    return GrammarCache(tokenizer_info(tokenizer_json(resolve_model("")), VOCAB, tok.eos_token_ids))
+
+
+def config(spec: Spec, temperature=0.0, seed=None, stop=(2,), **extra):
+    c = internal_pb2.SamplingConfig(temperature=temperature, stop_token_ids=list(stop), **extra)
+    if seed is not None:
+        c.has_seed, c.seed = True, seed
+    spec.to_proto(c.structured_output)
+    return c
+
+
+def walk(cache, cfg, seed: int, limit: int = 200) -> tuple[list[int], int]:
+    """Samples under the grammar from random logits until a token < 0 or a stop id."""
+    rows = GrammarRows(lambda: cache)
+    rows.add(0, cfg, [])
+    sampler = Sampler(torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed)
+    out: list[int] = []
+    for step in range(limit):
+        logits = torch.randn(1, VOCAB, generator=gen) * 3
+        mask = rows.mask([0], [0], VOCAB)
+        token = int(sampler(logits, [cfg], [step], [out], [0], ([0], mask))[0])
+        if token < 0 or token in cfg.stop_token_ids:
+            return out, token
+        out.append(token)
+        rows.accept(np.array([0]), np.array([token]))
+    raise AssertionError(f"no end after {limit} tokens: {out}")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("i", range(len(SCHEMAS)))
+def test_answers_under_a_json_schema_validate(tok, cache, i, temperature):
+    for seed in range(3):
+        cfg = config(Spec("json_schema", json.dumps(SCHEMAS[i])), temperature, seed=seed)
+        out, end = walk(cache, cfg, seed)
+        assert end == 2  # ended by its stop token once complete
+        jsonschema.validate(json.loads(tok.decode(out)), SCHEMAS[i])
+
+
+def test_regex_choice_and_grammar_answers_match(tok, cache):
+    cases = [(Spec("regex", r"[a-z]{2,5}@[a-z]{2,4}\.(com|org)"),
+              lambda t: re.fullmatch(r"[a-z]{2,5}@[a-z]{2,4}\.(com|org)", t)),
+             (Spec("choice", choices=("yes", "no", "a.b(c)")), lambda t: t in ("yes", "no", "a.b(c)")),
+             (Spec("grammar", 'root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'),
+              lambda t: re.fullmatch(r"\(\d+(\+\d+)*\)", t))]
+    for spec, ok in cases:
+        for seed in range(3):
+            out, end = walk(cache, config(spec, 1.0, seed=seed), seed)
+            assert end == 2 and ok(tok.decode(out)), (spec, tok.decode(out))
+
+
+def test_json_object_allows_only_an_object_to_start(tok, cache):
+    # A random walk through a free-form object need not end, so its first mask is checked.
+    rows = GrammarRows(lambda: cache)
+    rows.add(0, config(Spec("json_object")), [])
+    allowed = torch.nonzero(allowed_tokens(rows.mask([0], [0], VOCAB))[0]).flatten().tolist()
+    assert allowed and all(tok.decode([t]).startswith("{") for t in allowed)
+    assert tok.encode("{", add_special_tokens=False)[0] in allowed
+
+
+def test_a_sequence_added_again_replays_to_the_same_mask(cache):
+    cfg = config(Spec("json_schema", json.dumps(SCHEMAS[1])), 1.0, seed=4)
+    out, _ = walk(cache, cfg, 4)
+    first = GrammarRows(lambda: cache)
+    first.add(3, cfg, [])
+    again = GrammarRows(lambda: cache)
+    cut = len(out) // 2
+    first.accept(np.array([3] * cut), np.array(out[:cut]))
+    again.add(3, cfg, out[:cut])  # e.g. recomputed after preemption, or on another worker
+    assert torch.equal(first.mask([3], [0], VOCAB), again.mask([3], [0], VOCAB))
+    assert allowed_tokens(again.mask([3], [0], VOCAB)).sum() < VOCAB  # a real constraint
+
+
+def test_a_complete_answer_with_min_tokens_or_ignore_eos_is_a_conflict_not_a_sample(cache):
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    for cfg, named in [(config(Spec("choice", choices=("ok",)), min_tokens=5), "min_tokens"),
+                       (config(Spec("choice", choices=("ok",)), stop=()), "ignore_eos")]:
+        rows = GrammarRows(lambda: cache)
+        rows.add(0, cfg, [])
+        out: list[int] = []
+        for step in range(5):
+            logits = torch.zeros(1, VOCAB)
+            token = int(sampler(logits, [cfg], [step], [out], [0],
+                                ([0], rows.mask([0], [0], VOCAB)))[0])
+            if token < 0:
+                break
+            out.append(token)
+            rows.accept(np.array([0]), np.array([token]))
+        assert token == -1 and 0 < len(out) < 5
+        assert named in why_no_token(cfg, len(out))
+
+
+def allowed_tokens(bitmask: torch.Tensor) -> torch.Tensor:
+    """The bitmask unpacked by hand (bit j of word w: token 32w + j), as bool [R, V]."""
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :VOCAB].bool()
+
+
+def test_the_mask_forbids_exactly_what_the_bitmask_forbids_and_raw_logits_stay(cache):
+    rows = GrammarRows(lambda: cache)
+    cfg = config(Spec("json_schema", json.dumps(SCHEMAS[0])))
+    rows.add(0, cfg, [])
+    bitmask = rows.mask([0], [0], VOCAB)
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3))
+    raw = logits.clone()
+    masked = apply_grammar_mask(logits, [1], bitmask)
+    assert torch.equal(logits, raw)  # logprobs read the raw logits
+    assert torch.equal(masked[0], raw[0])  # an unconstrained row is untouched
+    keep = allowed_tokens(bitmask)[0]
+    assert torch.equal(masked[1][keep], raw[1][keep]) and torch.isneginf(masked[1][~keep]).all()
+
+
+def test_the_offline_api_takes_vllms_structured_outputs_params():
+    from pagoda import SamplingParams, StructuredOutputsParams
+    from launch.params import generate_request
+    req = generate_request({"prompt": "x"}, SamplingParams(
+        structured_outputs=StructuredOutputsParams(json={"type": "object"})))
+    assert Spec.from_proto(req.sampling.structured_output) == Spec("json_schema", '{"type": "object"}')
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["b"]).to_proto()
