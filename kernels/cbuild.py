@@ -43,3 +43,9 @@ def build(source: Path, flags: list[str]) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def row_major(x, w):
+    """x [M, K] and w [N, K] with contiguous rows, as the kernels read them (a column slice of a
+    wider tensor keeps its row stride)."""
+    return (x if x.stride(1) == 1 else x.contiguous()), (w if w.stride(1) == 1 else w.contiguous())

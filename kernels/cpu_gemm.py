@@ -75,10 +75,7 @@ def xwt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     after available() returned True."""
     M, K = x.shape
     N = w.shape[0]
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if w.stride(1) != 1:
-        w = w.contiguous()
+    x, w = cbuild.row_major(x, w)
     out = torch.empty(M, N, dtype=torch.float32)
     if M and N:
         _lib.cpu_gemm_xwt(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), out.data_ptr(), N,

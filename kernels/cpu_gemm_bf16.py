@@ -70,10 +70,7 @@ def xwt(x: torch.Tensor, w: torch.Tensor, isa: int | None = None) -> torch.Tenso
     after available() returned True."""
     M, K = x.shape
     N = w.shape[0]
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if w.stride(1) != 1:
-        w = w.contiguous()
+    x, w = cbuild.row_major(x, w)
     out = torch.empty(M, N, dtype=torch.bfloat16)
     if M and N:
         _lib.pagoda_bf16_xwt(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), out.data_ptr(),

@@ -62,6 +62,8 @@ class GrammarRows:
 
     def constrained(self, slots: Sequence[int]) -> list[int]:
         """Rows (indices into slots) that have a matcher."""
+        if not self.matchers:
+            return []
         return [i for i, s in enumerate(slots) if s in self.matchers]
 
     def mask(self, slots: Sequence[int], rows: list[int], vocab_size: int) -> torch.Tensor:
@@ -75,6 +77,8 @@ class GrammarRows:
 
     def accept(self, slots: np.ndarray, tokens: np.ndarray) -> None:
         """The step's sampled tokens, for the rows that have a matcher."""
+        if not self.matchers:
+            return
         for slot, token in zip(slots.tolist(), tokens.tolist()):
             matcher = self.matchers.get(slot)
             if matcher is not None and not matcher.accept_token(int(token)):

@@ -244,21 +244,26 @@ class ModelRunner:
         allowed = (rows, self.grammar.mask(slot_list, rows, logits.shape[1])) if rows else None
         sampled = self.sampler(logits, params, inputs.sample_positions, history,
                                batch.num_prompt[sampled_slots].tolist(), allowed)
-        self._fail_rows(slot_list, params, history, sampled, result)
+        self._fail_rows(slot_list, rows, params, history, sampled, result)
         self._sampled_logprobs(sampled_slots, params, logits, sampled, inputs.sample_positions,
                                result)
         return sampled.cpu().numpy()
 
-    def _fail_rows(self, slots, params, history, sampled, result) -> None:
-        """Rows whose grammar left them no token, or that have no matcher to go on with, end
-        (result.failed) instead of sampling: their token becomes -1."""
-        for i, slot in enumerate(slots):
-            why = self.grammar.failed.get(slot)
-            if why is None and sampled[i] < 0:
-                why = why_no_token(params[i], len(history[i]) - int(self.batch.num_prompt[slot]))
-            if why is not None:
-                sampled[i] = -1
-                result.failed.append(internal_pb2.SeqFailure(slot=slot, reason=why))
+    def _fail_rows(self, slots, rows, params, history, sampled, result) -> None:
+        """Rows whose grammar left them no token (only constrained rows can be), or that have no
+        matcher to go on with, end (result.failed) instead of sampling: their token becomes -1.
+        A batch without grammars pays nothing here."""
+        failed = self.grammar.failed
+        if not rows and not failed:
+            return
+        dead = torch.nonzero(sampled < 0).flatten().tolist() if rows else []
+        stuck = [i for i, s in enumerate(slots) if s in failed] if failed else []
+        for i in sorted({*dead, *stuck}):
+            slot = slots[i]
+            why = failed.get(slot) or why_no_token(
+                params[i], len(history[i]) - int(self.batch.num_prompt[slot]))
+            sampled[i] = -1
+            result.failed.append(internal_pb2.SeqFailure(slot=slot, reason=why))
 
     def _sampled_logprobs(self, slots, params, logits, sampled, positions, result) -> None:
         """Logprobs of the sampled tokens, for the sequences that asked."""
