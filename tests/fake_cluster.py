@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import pagoda_pb2_grpc
 from proto.auth import create_keys
-from tests.cluster import ROOT, free_port, read_metrics, sum_metric, wait_for
+from tests.cluster import FAST_RECONNECT, ROOT, free_port, read_metrics, sum_metric, wait_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -41,7 +41,7 @@ class FakeCluster:
         self.scheduler: subprocess.Popen | None = None
         self.gateway: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen] = []
-        self.channel = grpc.insecure_channel(self.target)
+        self.channel = grpc.insecure_channel(self.target, options=FAST_RECONNECT)
         self.stub = pagoda_pb2_grpc.GenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 

@@ -54,7 +54,7 @@ def stack(tmp_path_factory):
     c.stop()
 
 
-def victim(stack, i: int, max_tokens: int = 150) -> Stream:
+def victim(stack, i: int, max_tokens: int = 60) -> Stream:
     """Tenant B's greedy stream, checked against the fake model's reference when it ends."""
     req = pb.GenerateRequest(prompt_token_ids=[7, 8, 9, 100 + i], sampling=pb.SamplingParams(seed=i),
                              stopping=pb.StoppingCriteria(max_tokens=max_tokens))
@@ -63,7 +63,7 @@ def victim(stack, i: int, max_tokens: int = 150) -> Stream:
     return stream
 
 
-def check_undisturbed(stack, stream: Stream, i: int, max_tokens: int = 150) -> None:
+def check_undisturbed(stack, stream: Stream, i: int, max_tokens: int = 60) -> None:
     stream.join(60)
     assert stream.code == grpc.StatusCode.OK, stream.details
     assert stream.tokens == reference_output([7, 8, 9, 100 + i], max_tokens, seed=i)
@@ -133,7 +133,7 @@ def test_a_burst_past_what_the_scheduler_holds_is_refused_with_429(stack):
     assert "the scheduler is full" in body["error"]["message"] and took < 2.0
     # A burst of gRPC streams: each is served token-exact or refused RESOURCE_EXHAUSTED.
     reqs = [pb.GenerateRequest(prompt_token_ids=[11, 12, i], sampling=pb.SamplingParams(seed=i),
-                               stopping=pb.StoppingCriteria(max_tokens=100)) for i in range(60)]
+                               stopping=pb.StoppingCriteria(max_tokens=60)) for i in range(60)]
     channels = [grpc.insecure_channel(stack.target) for _ in range(6)]  # 10 streams on each
     burst = [Stream(pagoda_pb2_grpc.GenerationStub(channels[i % 6]), r, metadata=AUTH_A)
              for i, r in enumerate(reqs)]
@@ -148,7 +148,7 @@ def test_a_burst_past_what_the_scheduler_holds_is_refused_with_429(stack):
     print(f"\nburst of 60 streams: {len(served)} served, {len(refused)} refused")
     assert others == [] and refused and served
     for i in served:
-        assert burst[i].tokens == reference_output([11, 12, i], 100, seed=i)
+        assert burst[i].tokens == reference_output([11, 12, i], 60, seed=i)
     check_undisturbed(stack, stream, 3)
 
 
@@ -182,7 +182,7 @@ def test_one_tenant_can_neither_fill_the_queue_nor_jump_it(stack):
     def stream(i: int, metadata, priority: int = 0) -> Stream:
         return Stream(stack.stub, pb.GenerateRequest(
             prompt_token_ids=[60, 61, i], sampling=pb.SamplingParams(seed=i), priority=priority,
-            stopping=pb.StoppingCriteria(max_tokens=150)), metadata=metadata)
+            stopping=pb.StoppingCriteria(max_tokens=60)), metadata=metadata)
     hog = [stream(i, AUTH_A) for i in range(20)]
     assert wait_for(lambda: sum(s.code == grpc.StatusCode.RESOURCE_EXHAUSTED for s in hog) == 8, 20)
     # Tenant A holds its whole quota; tenant B is admitted beside it, ahead of it if it asks.
@@ -191,7 +191,7 @@ def test_one_tenant_can_neither_fill_the_queue_nor_jump_it(stack):
         s.join(60)
     assert [s.code for s in others] == [grpc.StatusCode.OK] * 8
     for i, s in enumerate(others):
-        assert s.tokens == reference_output([60, 61, 100 + i], 150, seed=100 + i)
+        assert s.tokens == reference_output([60, 61, 100 + i], 60, seed=100 + i)
     served = [i for i, s in enumerate(hog) if s.code == grpc.StatusCode.OK]
     refused = [s for s in hog if s.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
     assert len(served) == TENANT_QUOTA and len(refused) == 8
@@ -286,26 +286,65 @@ def test_connections_past_the_limit_get_503_until_they_close(stack):
         "model": MODEL, "prompt": [1, 2], "max_tokens": 1})[0] == 200, 5)
 
 
-def test_a_client_that_reads_nothing_frees_its_rpc_slots_and_cannot_open_every_connection(tmp_path):
+# ---------------------------------------------------------------------------- drain (last: it stops the gateway)
+
+def test_sigterm_lets_an_http_stream_finish_as_grpc_streams_do(stack):
+    """uvicorn's own default cut streams after 5 s; the gateway's grace (30 s) holds for both."""
+    conn = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({
+        "model": MODEL, "prompt": [21, 22, 23], "max_tokens": 600, "ignore_eos": True,
+        "stream": True, "seed": 5}), {"Content-Type": "application/json",
+                                      "Authorization": f"Bearer {KEY_A}"})
+    response = conn.getresponse()
+    assert response.status == 200
+    grpc_stream = Stream(stack.stub, pb.GenerateRequest(
+        prompt_token_ids=[24, 25], sampling=pb.SamplingParams(seed=6),
+        stopping=pb.StoppingCriteria(max_tokens=600, ignore_eos=True)), metadata=AUTH_B)
+    events = [response.readline()]
+    assert wait_for(lambda: grpc_stream.tokens, 10)  # both streams are in flight
+    stack.gateway.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    for line in response:
+        events.append(line)
+    took = time.monotonic() - signalled
+    data = [e[len(b"data: "):].strip() for e in events if e.startswith(b"data: ")]
+    assert data[-1] == b"[DONE]"
+    text = "".join(json.loads(d)["choices"][0]["text"] for d in data[:-1])
+    assert json.loads(data[-2])["choices"][0]["finish_reason"] == "length"
+    grpc_stream.join(60)
+    assert grpc_stream.code == grpc.StatusCode.OK
+    assert grpc_stream.tokens == reference_output([24, 25], 600, seed=6, ignore_eos=True)
+    assert stack.gateway.wait(30) == 0
+    print(f"\nafter SIGTERM the HTTP stream went on for {took:.1f} s ({len(text)} characters)")
+    assert took > 5.0  # past uvicorn's old cut
+
+
+# ---------------------------------------------------------------------------- connection age (last: a gateway of its own)
+
+def test_a_client_that_reads_nothing_frees_its_rpc_slots_and_cannot_open_every_connection(stack):
     """Streams whose client reads nothing are aborted for --max-unread-deltas (their work and
     blocks freed at once), but grpc.aio cannot end their calls: each holds its
     --max-concurrent-rpcs slot. The connection's age frees them: past --max-connection-age it
     gets GOAWAY, past the grace it is closed, and another client is served again. Connections
-    are bounded too (--max-grpc-connections): one past the limit is refused. (A stack of its
-    own: the short age would recycle every other test's connections.)"""
-    age, grace, connections = 4.0, 1.0, 3
-    stack = FakeCluster(tmp_path, gateway_flags=[
-        "--api-key", KEY_A, "--api-key", KEY_B, "--max-concurrent-rpcs", str(MAX_RPCS),
-        "--max-unread-deltas", "16", "--max-connection-age", str(age),
-        "--max-connection-age-grace", str(grace), "--max-grpc-connections", str(connections)],
-        worker_flags=["--num-gpu-blocks-override", "20000", "--step-delay", "0.01"]).start()
+    are bounded too (--max-grpc-connections): one past the limit is refused. (Last, with the
+    module's gateway restarted with a short age: it would recycle every other test's
+    connections.)"""
+    age, grace, connections = 3.0, 0.5, 3
+    if stack.gateway.poll() is None:  # run alone: the SIGTERM test has not stopped it
+        stack.gateway.send_signal(signal.SIGTERM)
+        stack.gateway.wait(30)
+    stack.gateway_flags = [*stack.gateway_flags, "--max-connection-age", str(age),
+                           "--max-connection-age-grace", str(grace),
+                           "--max-grpc-connections", str(connections)]
+    stack.start_gateway()
+    assert stack.wait_health(SERVING, 30), stack.log_tail()
     small = pb.GenerateRequest(prompt_token_ids=[1, 2, 3], stopping=pb.StoppingCriteria(max_tokens=2))
     slow = grpc.insecure_channel(stack.target, options=[
         ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)])
     opened = time.monotonic()
     unread = [pagoda_pb2_grpc.GenerationStub(slow).GenerateStream(pb.GenerateRequest(
         prompt_token_ids=[40, 41, i], stopping=pb.StoppingCriteria(max_tokens=4000, ignore_eos=True)),
-        metadata=AUTH_A, timeout=120) for i in range(MAX_RPCS)]
+        metadata=(AUTH_A, AUTH_B)[i % 2], timeout=120) for i in range(MAX_RPCS)]  # within quotas
     others: list[grpc.Channel] = []
     try:
         assert wait_for(lambda: not stack.idle_and_free(), 10)  # they run
@@ -321,6 +360,8 @@ def test_a_client_that_reads_nothing_frees_its_rpc_slots_and_cannot_open_every_c
         with pytest.raises(grpc.RpcError) as refused:
             pagoda_pb2_grpc.GenerationStub(others[1]).Generate(small, metadata=AUTH_B, timeout=3)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        for channel in others:  # stack.channel, aged too, reconnects within the limit
+            channel.close()
         # Past age + grace (+10% jitter) the reading-nothing connection is closed. (Its client
         # learns only when it reads: its transport stopped reading the socket when it was full.)
         def served() -> bool:
@@ -338,39 +379,3 @@ def test_a_client_that_reads_nothing_frees_its_rpc_slots_and_cannot_open_every_c
             call.cancel()
         for channel in (slow, *others):
             channel.close()
-        stack.stop()
-
-
-# ---------------------------------------------------------------------------- drain (last: it stops the gateway)
-
-def test_sigterm_lets_an_http_stream_finish_as_grpc_streams_do(stack):
-    """uvicorn's own default cut streams after 5 s; the gateway's grace (30 s) holds for both."""
-    conn = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps({
-        "model": MODEL, "prompt": [21, 22, 23], "max_tokens": 700, "ignore_eos": True,
-        "stream": True, "seed": 5}), {"Content-Type": "application/json",
-                                      "Authorization": f"Bearer {KEY_A}"})
-    response = conn.getresponse()
-    assert response.status == 200
-    grpc_stream = Stream(stack.stub, pb.GenerateRequest(
-        prompt_token_ids=[24, 25], sampling=pb.SamplingParams(seed=6),
-        stopping=pb.StoppingCriteria(max_tokens=700, ignore_eos=True)), metadata=AUTH_B)
-    events = [response.readline()]
-    assert wait_for(lambda: grpc_stream.tokens, 10)  # both streams are in flight
-    stack.gateway.send_signal(signal.SIGTERM)
-    signalled = time.monotonic()
-    for line in response:
-        events.append(line)
-    took = time.monotonic() - signalled
-    data = [e[len(b"data: "):].strip() for e in events if e.startswith(b"data: ")]
-    assert data[-1] == b"[DONE]"
-    text = "".join(json.loads(d)["choices"][0]["text"] for d in data[:-1])
-    assert json.loads(data[-2])["choices"][0]["finish_reason"] == "length"
-    grpc_stream.join(60)
-    assert grpc_stream.code == grpc.StatusCode.OK
-    assert grpc_stream.tokens == reference_output([24, 25], 700, seed=6, ignore_eos=True)
-    assert stack.gateway.wait(30) == 0
-    print(f"\nafter SIGTERM the HTTP stream went on for {took:.1f} s ({len(text)} characters)")
-    assert took > 5.0  # past uvicorn's old cut
-    stack.start_gateway()
-    assert stack.wait_health(SERVING, 30)

@@ -28,7 +28,7 @@ from proto.auth import check_auth_args, secure_client
 from proto.polling import receive, resolve_busy_poll_us
 from proto.sizes import largest_step_plan
 from worker.heartbeat import heartbeats, main_routing_id
-from worker.parallel import GroupLost
+from worker.group_lost import GroupLost
 from worker.worker_flags import add_worker_args
 
 logger = logging.getLogger("pagoda.worker")

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from worker.config import ModelConfig
+from worker.group_lost import GroupLost
 from worker.layers import Linear, linear
 
 # Control messages from rank 0: the plan to run, "forget every sequence", "still here" (sent
@@ -37,11 +38,6 @@ FLAG = "--tensor-parallel-size"
 # Checkpoint tensors split by rows (output features) and by columns (input features).
 _COLUMN_PARALLEL = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
 _ROW_PARALLEL = {"o_proj", "down_proj"}
-
-
-class GroupLost(BaseException):
-    """A collective failed. A BaseException, so that the runner's per-step `except Exception`
-    cannot turn it into one failed step: with a rank gone, the whole worker must go."""
 
 
 def refusal(config: ModelConfig, size: int) -> str | None:
