@@ -57,7 +57,10 @@ class Step:
             self.new.append((req, n))
 
     def is_empty(self) -> bool:
-        return not (self.new or self.held or self.dropped or self.swap_out or self.copy)
+        # Block moves alone make a step: a group may swap in and compute only in a later step
+        # (a fork that waits for room), and its blocks must still be moved in this one.
+        return not (self.new or self.held or self.dropped or self.swap_out or self.swap_in
+                    or self.copy or self.next_token_slots)
 
     def plan(self) -> pb.StepPlan:
         """The StepPlan of this step; new sequences must have their slots by now."""
