@@ -68,3 +68,12 @@ def check_admission(router: Cluster, add: pb.AddRequest) -> int:
     if why := router.tenants.refusal(add.tenant, 1 if width else n):
         raise Rejected("RESOURCE_EXHAUSTED", why)
     return copies
+
+
+def seeded_sampling(add: pb.AddRequest, index: int) -> pb.SamplingConfig:
+    """Sequence `index`'s own sampling: n seeded draws are distinct."""
+    sampling = pb.SamplingConfig()
+    sampling.CopyFrom(add.sampling)
+    if sampling.has_seed:
+        sampling.seed = (sampling.seed + index) & (2 ** 64 - 1)
+    return sampling

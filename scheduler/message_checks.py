@@ -146,6 +146,15 @@ def check_call(call: pb.Call) -> str | None:
     return None
 
 
+def check_compiled(c: pb.GrammarsCompiled) -> str | None:
+    """A worker's answer about grammars: keys are Spec.key() hex digests."""
+    return _first(_int("ready (count)", len(c.ready), 0, MAX_LIST),
+                  _int("failed (count)", len(c.failed), 0, MAX_LIST),
+                  *(_text("ready[]", k) for k in c.ready),
+                  *(_text("failed[].key", f.key) for f in c.failed),
+                  *(_text("failed[].reason", f.reason) for f in c.failed))
+
+
 def check_result(r: pb.StepResult, vocab_size: int) -> str | None:
     """Tokens a worker samples go straight into users' streams: each must be in the vocabulary."""
     try:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from proto import internal_pb2 as pb
 from proto.columns import unpack_list
-from scheduler.outbox import Outbox
+from scheduler.outbox import Outboxes
 from scheduler.request import FinishReason, Request, Status
 from scheduler.step import Step
 
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 def apply_result(sched: Batch, step: Step, result: pb.StepResult,
-                 outboxes: dict[bytes, Outbox]) -> list[Request]:
+                 outboxes: Outboxes) -> list[Request]:
     """Append the step's sampled tokens, check stops, and stream each plain one-token step into
     its gateway's outbox. Returns the sequences with other news (first tokens, which carry
     usage, and finishes) for the caller to emit.
@@ -57,9 +57,7 @@ def apply_result(sched: Batch, step: Step, result: pb.StepResult,
         elif req.stream_started and not req.num_unstreamed:
             appends = streams.get(req.gateway)
             if appends is None:
-                box = outboxes.get(req.gateway)
-                if box is None:
-                    box = outboxes[req.gateway] = Outbox()
+                box = outboxes[req.gateway]
                 appends = streams[req.gateway] = box.appends()
             add_id, add_index, add_count, add_offset, add_token = appends
             add_id(req.request_id)
@@ -90,7 +88,7 @@ def pick_tokens(sched: Batch, picked: list[tuple[Request, int]],
     return [group.handle for group in groups if group.on_result(sched)]
 
 
-def forward_logprobs(step: Step, logprobs, outboxes: dict[bytes, Outbox]) -> dict[int, pb.Logprobs]:
+def forward_logprobs(step: Step, logprobs, outboxes: Outboxes) -> dict[int, pb.Logprobs]:
     """Logprobs go to the gateway as the worker computed them, named by request rather than
     slot (the step's own entries say whose slot it was when the plan went out). Those of a group
     that picks its tokens (a beam search) are its candidates: they are returned by slot."""
@@ -105,8 +103,6 @@ def forward_logprobs(step: Step, logprobs, outboxes: dict[bytes, Outbox]) -> dic
                 candidates[lp.slot] = lp
             continue
         lp.request_id, lp.index, lp.slot = req.request_id, req.index, 0
-        box = outboxes.get(req.gateway)
-        if box is None:
-            box = outboxes[req.gateway] = Outbox()
+        box = outboxes[req.gateway]
         box.logprobs.append(lp)
     return candidates

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from proto import internal_pb2 as pb, pagoda_pb2
 from proto.auth import PROTOCOL_VERSION
 from scheduler import lost_steps
-from scheduler.admission import Rejected, check_admission  # noqa: F401 - Rejected: the API
+from scheduler.admission import Rejected, check_admission, seeded_sampling  # noqa: F401 - Rejected: the API
 from scheduler.beam_search import BeamSearch
 from scheduler.config import RouterConfig, SchedulerConfig  # noqa: F401 - RouterConfig: the API
 from scheduler.forks import Forks
-from scheduler.outbox import Outbox
+from scheduler.outbox import Outboxes
 from scheduler.reports import loads_of
 from scheduler.request import FinishReason, Request, Status
 from scheduler.scheduler import Scheduler
@@ -55,7 +55,7 @@ class Router:
         # Every registration's step ids start at its epoch << 32: ids never repeat across
         # registrations, so a late result of an earlier one is recognised and dropped.
         self.epochs = itertools.count(1)
-        self.outbox: dict[bytes, Outbox] = {}
+        self.outbox = Outboxes()
 
     # -- workers ------------------------------------------------------------------------------
     def refusal(self, worker_id: bytes, hello: pb.WorkerHello) -> str | None:
@@ -147,13 +147,13 @@ class Router:
         n = 1 if width else max(1, add.n)  # a beam search is one handle (scheduler/beam_search.py)
         reqs = [Request(seq_id=f"{add.request_id}#0", request_id=add.request_id, index=0,
                         gateway=gateway, prompt_token_ids=list(add.prompt_token_ids),
-                        sampling=_seeded(add, 0), max_tokens=add.max_tokens,
+                        sampling=seeded_sampling(add, 0), max_tokens=add.max_tokens,
                         ignore_eos=add.ignore_eos, stop_token_ids=frozenset(add.stop_token_ids),
                         priority=add.priority, arrival=next(self.arrivals),
                         public_id=add.public_id, arrival_time=time.monotonic(),
                         cache_salt=add.cache_salt, tenant=add.tenant)]
-        reqs += [reqs[0].derive(seq_id=f"{add.request_id}#{i}", index=i, sampling=_seeded(add, i))
-                 for i in range(1, n)]
+        reqs += [reqs[0].derive(seq_id=f"{add.request_id}#{i}", index=i,
+                                sampling=seeded_sampling(add, i)) for i in range(1, n)]
         for req in reqs:
             req.group = Single(req)  # each alone, unless they fork on one worker (below)
         if width:
@@ -210,10 +210,8 @@ class Router:
     def refuse(self, gateway: bytes, request_id: str, error: pb.Error) -> None:
         """The answer to an add that never became a request. It waits in the gateway's outbox
         with the rest, so a burst of refusals leaves in a few messages, not one send each."""
-        box = self.outbox.get(gateway)
-        if box is None:
-            box = self.outbox[gateway] = Outbox()
-        box.deltas.append(pb.TokenDelta(request_id=request_id, finish=pb.ERROR, error=error))
+        self.outbox[gateway].deltas.append(pb.TokenDelta(request_id=request_id, finish=pb.ERROR,
+                                                         error=error))
 
     def fail_pending(self, code: str, message: str) -> int:
         """End the sequences no worker has taken (none is left to take them)."""
@@ -291,6 +289,17 @@ class Router:
             return state
         return None
 
+    # -- grammars (structured outputs; scheduler/grammar_waits.py) ------------------------------
+    def grammar_requests(self) -> list[tuple[bytes, pb.CompileGrammars]]:
+        """The grammars each worker must compile before its waiting sequences may run."""
+        return [(w.worker_id, m) for w in self.workers.values() for m in w.scheduler.grammar_requests()]
+
+    def on_compiled(self, worker_id: bytes, msg: pb.GrammarsCompiled) -> None:
+        state = self.workers.get(worker_id)
+        if state is not None:
+            for req, why in state.scheduler.grammars_compiled(msg):
+                self._emit(req, error=pb.Error(code="INVALID_ARGUMENT", message=why))
+
     # -- steps --------------------------------------------------------------------------------
     def plans(self) -> list[tuple[bytes, pb.StepPlan]]:
         """A plan for every worker that has work and room for one more plan in flight."""
@@ -349,9 +358,7 @@ class Router:
             self._emit(req, error=pb.Error(code="INVALID_ARGUMENT", message=why))
 
     def _emit(self, req: Request, error: pb.Error | None = None) -> None:
-        box = self.outbox.get(req.gateway)
-        if box is None:
-            box = self.outbox[req.gateway] = Outbox()
+        box = self.outbox[req.gateway]
         if req.group.picks_tokens:  # a beam search says nothing until it ends
             box.deltas += req.group.final_deltas(error)
             return self._forget(req.request_id)
@@ -380,14 +387,5 @@ class Router:
     def take_outbox(self) -> dict[bytes, pb.SchedulerMessage]:
         """One message per gateway with everything since the last call."""
         out = {gw: box.to_message() for gw, box in self.outbox.items()}
-        self.outbox = {}
+        self.outbox = Outboxes()
         return out
-
-
-def _seeded(add: pb.AddRequest, index: int) -> pb.SamplingConfig:
-    """Sequence `index`'s own sampling: n seeded draws are distinct."""
-    sampling = pb.SamplingConfig()
-    sampling.CopyFrom(add.sampling)
-    if sampling.has_seed:
-        sampling.seed = (sampling.seed + index) & (2 ** 64 - 1)
-    return sampling

@@ -27,8 +27,9 @@ from operator import attrgetter
 
 from proto import internal_pb2 as pb
 from scheduler.config import SchedulerConfig
+from scheduler.grammar_waits import GrammarWaits
 from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.outbox import Outbox
+from scheduler.outbox import Outboxes
 from scheduler.preemption import PreemptionPolicy
 from scheduler.queues import Queues
 from scheduler.request import FinishReason, Request, Status
@@ -47,6 +48,7 @@ class Scheduler:
                                  config.num_cpu_blocks)
         self.preemption = PreemptionPolicy(config, self.kv)
         self.queues = Queues()
+        self.grammars = GrammarWaits()  # groups not ready until their grammar is compiled
         self.slots = Slots()
         self.in_flight: deque[Step] = deque()  # plans sent, results not yet back
         self.last_result_at = 0.0  # monotonic: the worker starts the next plan in flight then
@@ -107,11 +109,30 @@ class Scheduler:
 
     # -- intake -------------------------------------------------------------------------------
     def add(self, group: SequenceGroup, ready: bool = True) -> None:
-        """A request arrives, as a group. One not ready (structured outputs: its grammar still
-        compiling) waits apart, never admitted, until mark_ready."""
+        """A request arrives, as a group. One not ready waits apart, never admitted, until
+        mark_ready; one with a grammar is not ready until the worker has compiled it."""
         group.start(self)
         self.queues.track(group)
-        self.queues.enqueue(group, ready)
+        handle = group.handle
+        self.queues.enqueue(group, ready and not self.grammars.need(handle.seq_id, handle.sampling))
+
+    def grammar_requests(self) -> list[pb.CompileGrammars]:
+        """The grammars to ask the worker for, once each (nothing, most of the time)."""
+        return self.grammars.take_requests()
+
+    def grammars_compiled(self, msg: pb.GrammarsCompiled) -> list[tuple[Request, str]]:
+        """The worker's answer: the groups whose grammar is ready may run; those whose grammar
+        does not compile end (returned with the reason, for the router to tell their clients)."""
+        ready, failed = self.grammars.compiled(msg)
+        for seq_id in ready:
+            self.mark_ready(seq_id)
+        ended = []
+        for seq_id, why in failed:
+            group = self.queues.groups.get(seq_id)
+            for seq in (group.seqs() if group is not None else []):
+                self.finish(seq, FinishReason.ERROR)
+                ended.append((seq, f"structured_output does not compile: {why}"))
+        return ended
 
     def add_sequence(self, seq: Request) -> None:
         """A sequence new to this worker (its group's start): its stop rule, and it waits."""
@@ -221,7 +242,7 @@ class Scheduler:
         return victim is not group
 
     # -- results ------------------------------------------------------------------------------
-    def update(self, result: pb.StepResult, outboxes: dict[bytes, Outbox]) -> list[Request]:
+    def update(self, result: pb.StepResult, outboxes: Outboxes) -> list[Request]:
         """The result of the oldest plan in flight (results.py). Returns the sequences with news
         other than a plain token (first tokens, finishes)."""
         if not self.in_flight or result.step_id != self.in_flight[0].step_id:

@@ -282,6 +282,13 @@ class SchedulerServer:
                 self._broadcast_info()
                 return
             self.router.on_result(ident, msg.result)
+        elif kind == "compiled":
+            if why := message_checks.check_compiled(msg.compiled):
+                log.error("bad grammar answer from worker %s: %s", state.hello.worker_id, why)
+                self.router.remove(ident, why)
+                self._broadcast_info()
+                return
+            self.router.on_compiled(ident, msg.compiled)
 
     def _beyond_bounds(self, ident: bytes, hello: pb.WorkerHello) -> str | None:
         """What the message size bounds of this scheduler (and its gateways) cannot carry."""
@@ -319,6 +326,11 @@ class SchedulerServer:
             log.error("no worker for %.1f s: %d waiting sequences failed", now - self.no_workers_since, n)
 
     def _send_plans(self) -> None:
+        # Grammars first: a worker compiles them while it runs the plans.
+        for ident, request in self.router.grammar_requests():
+            if not self._send(self.workers, ident, pb.SchedulerToWorker(compile=request)):
+                self.router.remove(ident, "unreachable")
+                self._broadcast_info()
         # Again until no worker takes one more: a worker with no plan out gets the plan after
         # too, so the pipeline fills at once rather than one result later.
         while plans := self.router.plans():

@@ -3,6 +3,7 @@ keep their own). xgrammar precomputes each grammar's token masks at compile time
 costs a mask lookup (bench/grammar_backends.py; docs/design.md says why xgrammar)."""
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from pathlib import Path
 
@@ -30,18 +31,23 @@ class GrammarCache:
         self.vocab_size = info.vocab_size
         self.max_entries = max_entries
         self._compiled: OrderedDict[str, object] = OrderedDict()
+        # A worker compiles on a thread of its own while its loop reads hits (worker/grammar.py):
+        # the lock covers the entries, never a compile.
+        self._lock = threading.Lock()
 
     def get(self, spec: Spec):
         """The spec's CompiledGrammar; SpecError when it does not compile."""
         key = spec.key()
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            compiled = spec.compile(self.compiler)
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+                return compiled
+        compiled = spec.compile(self.compiler)
+        with self._lock:
             self._compiled[key] = compiled
             if len(self._compiled) > self.max_entries:
                 self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(key)
         return compiled
 
     def __len__(self) -> int:

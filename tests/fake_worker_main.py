@@ -15,6 +15,10 @@ that streams last long enough to be disturbed. --hang-on-mark S makes the first 
 computes a HANG_MARK prompt (tests/fake_worker.py) take S more seconds ("inf": forever) while
 the heartbeat thread beats on; a worker hangs once per process. --die-on-mark makes the step
 that computes a DIE_MARK prompt end the process at once (exit status 1), heartbeats and all.
+
+Grammars (structured outputs) are not compiled, but answered as the real worker answers: each
+is ready --grammar-compile-delay seconds after it was asked for, or fails (the compiler's
+refusal) when its text holds GRAMMAR_FAILS. The fake's tokens ignore them.
 """
 from __future__ import annotations
 
@@ -35,8 +39,13 @@ from worker.main import Link, main_socket, serve
 from worker.worker_flags import add_worker_args, default_worker_id
 
 
+GRAMMAR_FAILS = "fake-worker: does not compile"
+
+
 class FakeRunner:
     def __init__(self, args) -> None:
+        self.compile_s = args.grammar_compile_delay
+        self._compiling: dict[str, tuple[float, str]] = {}  # key -> (when done, spec text)
         self.worker_id = args.worker_id or default_worker_id()
         self.fake = FakeWorker(args.num_gpu_blocks_override or 256, args.block_size, self.worker_id)
         self.max_model_len = args.max_model_len or 4096
@@ -53,6 +62,28 @@ class FakeRunner:
 
     def forget_all(self) -> None:
         self.fake.forget_all()
+
+    def compile_grammars(self, msg: pb.CompileGrammars) -> None:
+        for g in msg.grammars:
+            self._compiling.setdefault(g.key, (time.monotonic() + self.compile_s, str(g.structured_output)))
+
+    @property
+    def compiling(self) -> bool:
+        return bool(self._compiling)
+
+    def grammars_finished(self) -> pb.GrammarsCompiled | None:
+        now = time.monotonic()
+        done = [(key, text) for key, (at, text) in self._compiling.items() if at <= now]
+        if not done:
+            return None
+        msg = pb.GrammarsCompiled()
+        for key, text in done:
+            del self._compiling[key]
+            if GRAMMAR_FAILS in text:
+                msg.failed.add(key=key, reason="the fake worker refuses it")
+            else:
+                msg.ready.append(key)
+        return msg
 
     def execute(self, plan: pb.StepPlan) -> pb.StepResult:
         start = time.perf_counter()
@@ -76,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                         default=float(os.environ.get("PAGODA_FAKE_STEP_S", "0")))
     parser.add_argument("--hang-on-mark", type=float, default=None)
     parser.add_argument("--die-on-mark", action="store_true")
+    parser.add_argument("--grammar-compile-delay", type=float, default=0.0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

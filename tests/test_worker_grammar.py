@@ -16,7 +16,7 @@ from gateway.tokenizer import load_tokenizer
 from modelfiles.resolve import resolve_model, tokenizer_json
 from proto import internal_pb2
 from structured.compiler import GrammarCache, tokenizer_info
-from structured.spec import Spec
+from structured.spec import Spec, SpecError
 from worker.grammar import GrammarRows, apply_grammar_mask, why_no_token
 from worker.sampler import Sampler
 
@@ -161,3 +161,39 @@ def test_the_offline_api_takes_vllms_structured_outputs_params():
     assert Spec.from_proto(req.sampling.structured_output) == Spec("json_schema", '{"type": "object"}')
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams(regex="a", choice=["b"]).to_proto()
+
+
+def _grammar_spec(spec: Spec) -> internal_pb2.GrammarSpec:
+    g = internal_pb2.GrammarSpec(key=spec.key())
+    spec.to_proto(g.structured_output)
+    return g
+
+
+def test_compiling_happens_off_the_loop_and_is_answered_once_done(cache):
+    """The worker's loop asks for compiles and polls; it never waits for one. The cache is
+    built on the compile thread too (the real one loads the vocabulary for seconds): held here
+    until the test lets it go, so nothing depends on timing."""
+    import threading
+    built = threading.Event()
+    rows = GrammarRows(lambda: (built.wait(30), cache)[1])
+    good, bad = Spec("regex", "[a-c]{2}"), Spec("regex", "(unclosed")
+    rows.compile([_grammar_spec(good), _grammar_spec(bad), _grammar_spec(good)])
+    assert rows.compiling and rows.finished() is None  # the loop goes on meanwhile
+    built.set()
+    answers = internal_pb2.GrammarsCompiled()
+    for _ in range(300):
+        if (msg := rows.finished()) is not None:
+            answers.MergeFrom(msg)
+        if not rows.compiling:
+            break
+        threading.Event().wait(0.05)
+    assert list(answers.ready) == [good.key()]
+    assert [f.key for f in answers.failed] == [bad.key()]
+    with pytest.raises(SpecError) as refused:  # the compiler's own reason travels
+        cache.get(bad)
+    assert answers.failed[0].reason == str(refused.value)
+    assert rows.finished() is None
+    # A sequence of the compiled grammar is added with no compile on the loop: a cache hit.
+    before = len(cache)
+    rows.add(0, config(good, stop=()), [])
+    assert 0 in rows.matchers and len(cache) == before

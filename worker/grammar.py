@@ -6,29 +6,82 @@ round trip for it), so the matcher advances here, after the step that sampled th
 A matcher is always where its sequence's output tokens say: a sequence added to the batch
 (first placement, recompute after preemption, another worker's sequence after a loss) replays
 its output tokens into a fresh matcher, and a dropped or failed step advances nothing.
+
+Compiling happens off the worker's loop: the scheduler asks for a grammar before it admits the
+sequences that need it (scheduler/grammar_waits.py), one background thread compiles it (the
+first also loads the vocabulary, seconds), and the loop answers between steps once it is done
+(compile, finished). A sequence whose grammar the cache has since evicted compiles it when it
+is added, on the loop: the cache holds far more grammars than a batch.
 """
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
+from proto import internal_pb2
 from structured.spec import Spec, SpecError
+
+MAX_REASON_BYTES = 1000  # a compiler's reason, cut to what the scheduler accepts
+MAX_ANSWERS = 256  # per message: well inside the scheduler's bound on a worker's message
 
 
 class GrammarRows:
     def __init__(self, make_cache: Callable[[], object]) -> None:
         self._make_cache = make_cache  # built on first use: loading the vocabulary takes seconds
         self._cache = None
+        self._cache_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._compiling: dict[str, Future] = {}  # key -> its compile, until finished() says
         self.matchers: dict[int, object] = {}  # slot -> xgrammar GrammarMatcher
         self.failed: dict[int, str] = {}       # slot -> why it cannot go on
 
     @property
     def cache(self):
-        if self._cache is None:
-            self._cache = self._make_cache()
-        return self._cache
+        with self._cache_lock:  # the compile thread may be building it
+            if self._cache is None:
+                self._cache = self._make_cache()
+            return self._cache
+
+    # ---------------------------------------------------------------- compiling, off the loop
+
+    def compile(self, grammars: Sequence[internal_pb2.GrammarSpec]) -> None:
+        """Start compiling what the scheduler asks for (each key once)."""
+        for g in grammars:
+            if g.key in self._compiling:
+                continue
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+            spec = Spec.from_proto(g.structured_output)
+            self._compiling[g.key] = self._pool.submit(self._compile_one, spec)
+
+    def _compile_one(self, spec: Spec | None) -> None:
+        if spec is None:
+            raise SpecError("it names no kind")
+        self.cache.get(spec)
+
+    @property
+    def compiling(self) -> bool:
+        return bool(self._compiling)
+
+    def finished(self) -> internal_pb2.GrammarsCompiled | None:
+        """The compiles done since the last call, as the answer to the scheduler; None if none."""
+        done = [key for key, f in self._compiling.items() if f.done()][:MAX_ANSWERS]
+        if not done:
+            return None
+        msg = internal_pb2.GrammarsCompiled()
+        for key in done:
+            error = self._compiling.pop(key).exception()
+            if error is None:
+                msg.ready.append(key)
+            else:
+                why = str(error) if isinstance(error, SpecError) else f"{type(error).__name__}: {error}"
+                why = why.encode()[:MAX_REASON_BYTES].decode(errors="ignore")
+                msg.failed.add(key=key, reason=why)
+        return msg
 
     def add(self, slot: int, sampling, output_tokens: Sequence[int]) -> None:
         """A sequence enters the batch: a matcher replayed to its output so far."""

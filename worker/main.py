@@ -36,6 +36,7 @@ logger = logging.getLogger("pagoda.worker")
 HEARTBEAT_S = 1.0
 DRAIN_S = 5.0  # after SIGTERM, for the step in hand and the goodbye (launch/lifetime.py)
 STOP_CHECK_S = 0.2  # the longest an idle worker takes to notice SIGTERM
+COMPILE_CHECK_MS = 2  # while grammars compile: how soon an idle worker says one is done
 # libzmq retries a dropped connection every 100 ms by itself, except after a protocol error (an
 # oversized frame), when it gives up for good: a connection down this long with no retry is
 # rebuilt on a new socket.
@@ -120,7 +121,12 @@ def _serve(runner, link, send, goodbye, stop, busy_poll_us, ranks) -> int:
             runner.forget_all()
             send(internal_pb2.WorkerMessage(hello=runner.hello()))
             last_sent = time.monotonic()
+        if (compiled := runner.grammars_finished()) is not None:
+            send(internal_pb2.WorkerMessage(compiled=compiled))
+            last_sent = time.monotonic()
         wait_ms = max(0, int(min(STOP_CHECK_S, HEARTBEAT_S - (time.monotonic() - last_sent)) * 1000))
+        if runner.compiling:  # say it is done soon after it is: sequences wait for it
+            wait_ms = min(wait_ms, COMPILE_CHECK_MS)
         frames = receive(sock, wait_ms, busy_us)
         busy_us = 0.0
         if frames is not None:
@@ -135,6 +141,8 @@ def _serve(runner, link, send, goodbye, stop, busy_poll_us, ranks) -> int:
                 send(internal_pb2.WorkerMessage(result=runner.execute(msg.plan)))
                 last_sent = time.monotonic()
                 busy_us = busy_poll_us
+            elif kind == "compile":
+                runner.compile_grammars(msg.compile)
             elif kind == "shutdown":
                 logger.info("shutdown requested by the scheduler")
                 return 0

@@ -11,6 +11,7 @@ import numpy as np
 
 from proto import internal_pb2
 from proto.columns import unpack
+from proto.sizes import MAX_LIST, MAX_STRUCTURED_OUTPUT
 
 
 def _ids_below(name: str, ids, limit: int) -> str | None:
@@ -52,3 +53,16 @@ def check_plan(plan: internal_pb2.StepPlan, num_blocks: int, num_cpu_blocks: int
         if s.num_computed_tokens + s.num_new_tokens > len(s.token_ids):
             checks.append(f"new_seqs[{s.seq_id[:64]}] computes past its {len(s.token_ids)} tokens")
     return next((c for c in checks if c is not None), None)
+
+
+def check_compile(msg: internal_pb2.CompileGrammars) -> str | None:
+    """What the scheduler asks a worker to compile: few, small, named by a digest."""
+    if len(msg.grammars) > MAX_LIST:
+        return f"{len(msg.grammars)} grammars in one message (at most {MAX_LIST})"
+    for g in msg.grammars:
+        if not 0 < len(g.key) <= 128:
+            return f"a grammar key of {len(g.key)} characters"
+        if g.structured_output.ByteSize() > MAX_STRUCTURED_OUTPUT:
+            return (f"grammar {g.key[:16]} is {g.structured_output.ByteSize()} bytes "
+                    f"(at most {MAX_STRUCTURED_OUTPUT})")
+    return None

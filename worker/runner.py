@@ -29,7 +29,7 @@ from worker.loader import load_weights
 from worker.logits import compute_logprobs
 from worker.model import build_model
 from worker.parallel import FORGET, PLAN, TensorParallel, shard_config
-from worker.plan_checks import check_plan
+from worker.plan_checks import check_compile, check_plan
 from worker.platform import resolve_device, resolve_dtype
 from worker.sampler import Sampler
 from worker.worker_flags import default_worker_id
@@ -146,6 +146,21 @@ class ModelRunner:
             self.tp.send(FORGET)
         self.batch = InputBatch(self.max_model_len, self.block_size)
         self.grammar.drop(list(self.grammar.matchers) + list(self.grammar.failed))
+
+    def compile_grammars(self, msg: internal_pb2.CompileGrammars) -> None:
+        """Start compiling, in the background, the grammars of sequences the scheduler holds
+        back until grammars_finished() says they are ready (worker/grammar.py)."""
+        if why := check_compile(msg):
+            logger.error("refused a grammar request: %s", why)
+            return
+        self.grammar.compile(msg.grammars)
+
+    def grammars_finished(self) -> internal_pb2.GrammarsCompiled | None:
+        return self.grammar.finished()
+
+    @property
+    def compiling(self) -> bool:
+        return self.grammar.compiling
 
     def execute(self, plan: internal_pb2.StepPlan) -> internal_pb2.StepResult:
         result = internal_pb2.StepResult(step_id=plan.step_id)
