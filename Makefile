@@ -12,7 +12,7 @@ BENCH_ARGS ?= --json .cache/bench/offline.json
 
 install: $(VENV)/.installed proto kernels
 
-# The CPU matmul kernel (kernels/cpu_gemm.py): skipped with a line saying why where it cannot build.
+# The CPU kernels (kernels/cpu_gemm.py --build: matmuls, the grammar mask): each skipped with a line saying why where it cannot build.
 kernels: $(VENV)/.installed
 	$(PY) -m kernels.cpu_gemm --build
 

@@ -98,3 +98,8 @@ if __name__ == "__main__":
         print(f"kernels/cpu_gemm_bf16: {cbuild.build(cpu_gemm_bf16.SOURCE, cpu_gemm_bf16.FLAGS)}")
     except RuntimeError as e:
         print(f"kernels/cpu_gemm_bf16: not built ({e}); the worker uses torch's bf16 matmul")
+    from kernels import grammar_mask  # plain C: any CPU
+    try:
+        print(f"kernels/grammar_mask: {cbuild.build(grammar_mask.SOURCE, grammar_mask.FLAGS)}")
+    except RuntimeError as e:
+        print(f"kernels/grammar_mask: not built ({e}); the worker uses xgrammar's mask kernel")

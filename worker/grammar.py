@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from kernels import grammar_mask
 from proto import internal_pb2
 from structured.spec import Spec, SpecError
 
@@ -142,14 +143,10 @@ class GrammarRows:
 
 def apply_grammar_mask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
     """-inf on the tokens each constrained row's grammar forbids (a new tensor: the raw logits
-    stay as they were, for logprobs). xgrammar's own kernel reads the bitmask as it is."""
+    stay as they were, for logprobs); kernels/grammar_mask.py on the CPU, xgrammar's elsewhere."""
     if not rows:
         return logits
-    import xgrammar as xgr
-    index = torch.tensor(rows, device=logits.device)
-    x = logits[index]
-    xgr.apply_token_bitmask_inplace(x, bitmask.to(logits.device), vocab_size=logits.shape[1])
-    return logits.index_copy(0, index, x)
+    return grammar_mask.masked(logits, rows, bitmask)
 
 
 def why_no_token(sampling, num_output_tokens: int) -> str:

@@ -57,12 +57,15 @@ class Sampler:
         logits = apply_min_tokens(logits, params, [len(t) - n for t, n in zip(token_ids, num_prompt_tokens)])
         logits = apply_logit_bias(logits, params)
         logits = apply_penalties(logits, params, token_ids, num_prompt_tokens)
-        dead = None
-        if allowed is not None and allowed[0]:
+        masked = allowed is not None and bool(allowed[0])
+        if masked:
             logits = apply_grammar_mask(logits, *allowed)
-            dead = torch.isneginf(logits).all(dim=-1)
         out = self._sample(logits, params, positions)
-        return out if dead is None else out.masked_fill_(dead, -1)
+        if not masked:
+            return out
+        # A row with any token left samples one of them; only an all-masked row picks a -inf.
+        dead = torch.isneginf(logits.gather(1, out.unsqueeze(1))).squeeze(1)
+        return out.masked_fill_(dead, -1)
 
     def _sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                 positions: Sequence[int]) -> torch.Tensor:
