@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import jsonschema
 import pytest
 
 from proto import pagoda_pb2 as pb
@@ -33,7 +34,7 @@ def alive(pid: int) -> bool:
 
 
 def test_llm_generate_and_chat_equal_transformers(smollm2_hf, hf_tokenizer):
-    from pagoda import LLM, BeamSearchParams, SamplingParams
+    from pagoda import LLM, BeamSearchParams, GenerationError, SamplingParams, StructuredOutputsParams
 
     prompts = ["The three primary colors are", "def fibonacci(n):"]
     with LLM(**FLAGS) as llm:
@@ -62,6 +63,21 @@ def test_llm_generate_and_chat_equal_transformers(smollm2_hf, hf_tokenizer):
         expected = hf_beams(smollm2_hf, ids, 2, 1.0, "false")
         assert [c.token_ids for c in beams.outputs] == [tokens for tokens, _ in expected]
         assert beams.outputs[0].cumulative_logprob == pytest.approx(expected[0][1], abs=0.05)
+
+        # Structured outputs, as vLLM's offline API takes them: the answer validates.
+        schema = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
+                  "properties": {"city": {"type": "string", "maxLength": 16},
+                                 "country": {"type": "string", "maxLength": 16}}}
+        shaped = llm.chat([{"role": "user", "content": "Name a city and its country as JSON."}],
+                          SamplingParams(temperature=0, max_tokens=60, structured_outputs=
+                                         StructuredOutputsParams(json=schema)), use_tqdm=False)[0]
+        assert shaped.outputs[0].finish_reason == "stop", shaped.outputs[0].text
+        jsonschema.validate(json.loads(shaped.outputs[0].text), schema)
+        with pytest.raises(GenerationError) as refused:
+            llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(regex="(")),
+                         use_tqdm=False)
+        assert refused.value.code == "INVALID_ARGUMENT"
+        assert str(refused.value).startswith("INVALID_ARGUMENT: sampling.structured_output.regex: ")
     assert wait_for(lambda: not any(alive(p) for p in pids), timeout=15)
 
 
