@@ -3,8 +3,9 @@
 
     .venv/bin/python bench/profile_cpu.py [--tree DIR] [--profile] [-- worker flags]
 
-Scenarios: steady decode of 32 and of 64 sequences with contexts drawn from 200-600 tokens, and
-32 decodes plus a 256-token prefill in the same step. The KV cache is filled with noise instead
+Scenarios: steady decode of 1, 32 and 64 sequences with contexts drawn from 200-600 tokens, and
+32 decodes plus a 256-token prefill in the same step. --profile-seqs picks the decode profiled
+(1: a single stream's step, where everything that is not a weight read shows). The KV cache is filled with noise instead
 of being prefilled (attention costs the same whatever the keys hold), so a run takes seconds.
 --tree imports pagoda from another checkout, e.g. an exported older commit
 (`git archive HEAD | tar -x -C /tmp/before`), so that before and after run on the same machine
@@ -27,7 +28,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tree", default=str(Path(__file__).resolve().parents[1]))
     p.add_argument("--steps", type=int, default=10, help="timed steps per scenario")
-    p.add_argument("--profile", action="store_true", help="torch.profiler table of 64-decode steps")
+    p.add_argument("--profile", action="store_true", help="torch.profiler table of decode steps")
+    p.add_argument("--profile-seqs", type=int, default=64, help="sequences in the profiled decode")
     p.add_argument("--threads", type=int, default=0, help="torch threads, 0 = torch's default")
     p.add_argument("worker_flags", nargs="*")
     args = p.parse_args()
@@ -47,7 +49,7 @@ def main() -> None:
     print(f"tree {args.tree} flags {args.worker_flags} start-up {time.perf_counter() - start:.1f} s, "
           f"{torch.get_num_threads()} threads, {runner.dtype}")
     runner.cache.device_cache.normal_(generator=torch.Generator().manual_seed(0))
-    for name, seqs, prefill in (("decode 32", 32, False), ("decode 64", 64, False),
+    for name, seqs, prefill in (("decode 1", 1, False), ("decode 32", 32, False), ("decode 64", 64, False),
                                 ("32 decodes + 256-token prefill", 32, True)):
         times = run_scenario(runner, seqs, prefill, args.steps, blocks_per_seq)
         print(f"{name:32s} median {statistics.median(times) * 1e3:7.1f} ms  "
@@ -55,7 +57,8 @@ def main() -> None:
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            run_scenario(runner, 64, False, 3, blocks_per_seq, warmup=0)
+            run_scenario(runner, args.profile_seqs, False, 10 if args.profile_seqs < 8 else 3,
+                         blocks_per_seq, warmup=0)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18,
                                         max_name_column_width=48))
 

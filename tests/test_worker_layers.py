@@ -119,6 +119,33 @@ def test_cpu_logits_equal_float64(rows, kernel, monkeypatch):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 4, 5])
+def test_bf16_logits_of_a_few_rows_go_through_the_bf16_kernel_and_equal_float64(rows, monkeypatch):
+    """A bf16 decode step's vocabulary projection, the largest matmul of a single stream's step:
+    through kernels/cpu_gemm_bf16.c up to BF16_KERNEL_MAX_ROWS rows, else torch's slices; within
+    bf16's rounding of the float64 product either way."""
+    from kernels import cpu_gemm_bf16
+    from worker.layers import BF16_KERNEL_MAX_ROWS
+    from worker.model import LlamaForCausalLM
+    if not cpu_gemm_bf16.available():
+        pytest.skip(f"no bf16 kernel on this CPU ({torch.backends.cpu.get_cpu_capability()})")
+    monkeypatch.setattr("worker.layers._bf16_kernel", True)
+    calls = []
+    real = cpu_gemm_bf16.xwt
+    monkeypatch.setattr(cpu_gemm_bf16, "xwt", lambda x, w: calls.append(x.shape) or real(x, w))
+    vocab, hidden = 1000, 64
+    weight = torch.randn(vocab, hidden, generator=GEN).bfloat16()
+    h = torch.randn(rows, hidden, generator=GEN).bfloat16()
+    model = LlamaForCausalLM.__new__(LlamaForCausalLM)
+    model.config = type("C", (), {"tie_word_embeddings": False})()
+    model.lm_head = type("L", (), {"weight": weight})()
+    got = LlamaForCausalLM.compute_logits(model, h)
+    assert (len(calls) == 1) == (rows <= BF16_KERNEL_MAX_ROWS)
+    want = h.double() @ weight.double().t()
+    scale = h.double().abs() @ weight.double().abs().t()
+    assert got.dtype == torch.float32 and bool(((got.double() - want).abs() <= 2.0 ** -7 * scale + 1e-6).all())
+
+
 @pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
 @pytest.mark.parametrize("rows", [1, 2, 9, 64, 1024, 1025])
 @pytest.mark.parametrize("bias", [False, True])

@@ -56,7 +56,7 @@ def kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.dtype == weight.dtype == torch.float32)
 
 
-def _bf16_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def bf16_kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (_bf16_kernel and x.device.type == "cpu" and x.dim() == 2
             and x.shape[0] <= BF16_KERNEL_MAX_ROWS and x.dtype == weight.dtype == torch.bfloat16)
 
@@ -65,7 +65,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear, through kernels/cpu_gemm.c or cpu_gemm_bf16.c where they fit."""
     if kernel_fits(x, weight):
         out = cpu_gemm.xwt(x, weight)
-    elif _bf16_fits(x, weight):
+    elif bf16_kernel_fits(x, weight):
         out = cpu_gemm_bf16.xwt(x, weight)
     else:
         return F.linear(x, weight, bias)

@@ -12,7 +12,8 @@ from torch import nn
 from worker.attention_backends import AttentionBackend
 from worker.attention import AttentionMetadata, PagedAttention
 from worker.config import ModelConfig
-from worker.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary, kernel_fits, linear
+from worker.layers import (Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary, bf16_kernel_fits,
+                           kernel_fits, linear)
 from worker.parallel import TensorParallel, row_parallel_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -128,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Only for the rows that sample: the vocab projection is the largest matmul per token."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        if hidden.device.type != "cpu" or kernel_fits(hidden, weight):
+        if hidden.device.type != "cpu" or kernel_fits(hidden, weight) or bf16_kernel_fits(hidden, weight):
             return linear(hidden, weight).float()
         # Without pagoda's kernel, on a CPU one [rows, hidden] x [hidden, vocab] product runs at a third to a half of the
         # GEMM rate of the layers' (BLAS blocks it badly for so wide an output); the same product
