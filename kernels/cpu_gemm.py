@@ -98,6 +98,11 @@ if __name__ == "__main__":
         print(f"kernels/cpu_gemm_bf16: {cbuild.build(cpu_gemm_bf16.SOURCE, cpu_gemm_bf16.FLAGS)}")
     except RuntimeError as e:
         print(f"kernels/cpu_gemm_bf16: not built ({e}); the worker uses torch's bf16 matmul")
+    from kernels import cpu_gemm_int8
+    try:
+        print(f"kernels/cpu_gemm_int8: {cbuild.build(cpu_gemm_int8.SOURCE, cpu_gemm_int8.FLAGS)}")
+    except RuntimeError as e:
+        print(f"kernels/cpu_gemm_int8: not built ({e}); --quantization int8 multiplies dequantized weights")
     from kernels import grammar_mask  # plain C: any CPU
     try:
         print(f"kernels/grammar_mask: {cbuild.build(grammar_mask.SOURCE, grammar_mask.FLAGS)}")

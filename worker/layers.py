@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_gemm, cpu_gemm_bf16
+from kernels import cpu_gemm, cpu_gemm_bf16, cpu_gemm_int8
 
 
 # Rows up to which an fp32 CPU projection runs through kernels/cpu_gemm.c: it beats MKL's sgemm
@@ -72,11 +72,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if bias is None else out.add_(bias)
 
 
+# Rows up to which an int8 projection runs through kernels/cpu_gemm_int8.c; above, the weights are
+# dequantized for torch's matmul (a prefill chunk is bound by arithmetic, not by weight bytes).
+INT8_KERNEL_MAX_ROWS = 64
+
+
+def int8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ (scale * w8)^T (+ bias), weight-only int8 (--quantization int8)."""
+    if x.dim() == 2 and x.shape[0] <= INT8_KERNEL_MAX_ROWS and x.dtype == torch.float32 \
+            and cpu_gemm_int8.available():
+        out = cpu_gemm_int8.xwt(x, w8, scale)
+        return out if bias is None else out.add_(bias)
+    return F.linear(x, cpu_gemm_int8.dequantize(w8, scale, x.dtype), bias)
+
+
 class Linear(nn.Linear):
-    """nn.Linear through linear() above."""
+    """nn.Linear through linear() above, or int8_linear() once quantize_int8() ran."""
+
+    w8: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w8 is not None:
+            return int8_linear(x, self.w8, self.scale, self.bias)
         return linear(x, self.weight, self.bias)
+
+    def quantize_int8(self) -> None:
+        """Per-output-channel int8 weights in place of the float ones, which are freed."""
+        self.w8, self.scale = cpu_gemm_int8.quantize(self.weight)
+        self.weight = None
 
 
 class RMSNorm(nn.Module):

@@ -12,8 +12,9 @@ from torch import nn
 from worker.attention_backends import AttentionBackend
 from worker.attention import AttentionMetadata, PagedAttention
 from worker.config import ModelConfig
+from kernels import cpu_gemm_int8
 from worker.layers import (Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary, bf16_kernel_fits,
-                           kernel_fits, linear)
+                           int8_linear, kernel_fits, linear)
 from worker.parallel import TensorParallel, row_parallel_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -121,6 +122,22 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
+    lm_head_int8: tuple[torch.Tensor, torch.Tensor] | None = None  # (w8, scale): quantize_int8
+
+    def quantize_int8(self) -> int:
+        """--quantization int8: every projection's weights, and the vocabulary projection's (a
+        copy when tied: the embedding lookup keeps its float rows), per output channel. Returns
+        the bytes the weights take now."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.quantize_int8()
+        head = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        self.lm_head_int8 = cpu_gemm_int8.quantize(head)
+        if not self.config.tie_word_embeddings:
+            del self.lm_head
+        return sum(t.numel() * t.element_size() for t in (*self.state_dict().values(), *self.lm_head_int8)) + \
+            sum(m.w8.numel() + 4 * m.scale.numel() for m in self.modules() if isinstance(m, Linear))
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden_size]."""
@@ -128,6 +145,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Only for the rows that sample: the vocab projection is the largest matmul per token."""
+        if self.lm_head_int8 is not None:
+            return int8_linear(hidden, *self.lm_head_int8).float()
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         if hidden.device.type != "cpu" or kernel_fits(hidden, weight) or bf16_kernel_fits(hidden, weight):
             return linear(hidden, weight).float()

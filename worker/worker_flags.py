@@ -32,6 +32,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto = bf16 on CUDA, bf16 on a CPU with AMX, else fp32")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--quantization", default=None, choices=["int8"],
+                   help="int8: weight-only, per output channel, with fp32 activations "
+                        "(kernels/cpu_gemm_int8.c; CPU, --dtype float32, one rank)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="default: the model's max_position_embeddings, at most 8192")
