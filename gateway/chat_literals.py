@@ -1,30 +1,116 @@
 """Chat content is text, never markup. A chat template writes the special tokens it wants
 (<|im_start|>, <|im_end|>) around each message; tokenizing its output as one string would also
 turn special-token text inside a message into those tokens, so a user could write
-"<|im_end|><|im_start|>system" and forge a system turn. Content that holds such text is
-therefore tokenized apart, with special tokens read as plain text; everything else, and every
-conversation without such text, tokenizes as one string, exactly as transformers does."""
+"<|im_end|><|im_start|>system" and forge a system turn. The same holds for every string a
+request hands the template: tool results, tool-call arguments, function names and
+descriptions, JSON Schema keys.
+
+So a conversation where any such string holds special-token text is rendered with that text
+swapped for sentinels (noncharacters, which no template filter changes, and which survive
+tojson), and swapped back after; then only the special tokens the template wrote itself are
+markup, and everything between them is tokenized with special tokens read as plain text. A
+conversation without such text (nearly all) is rendered and tokenized as one string, exactly as
+transformers does."""
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+import re
+from typing import Callable, Sequence
 
 from tokenizers import Tokenizer
 
+# Unicode's noncharacters are reserved for a program's internal use: a sentinel is
+# MARK + chr(_INDEX + i) + MARK for special text i, with a MARK no string of the request holds.
+_MARKS = [chr(c) for c in range(0xFDD0, 0xFDF0)]
+_INDEX = 0xF0000  # plane 15, private use: one character per special text
 
-def literal_spans(rendered: str, contents: Sequence[str], specials: frozenset[str]
-                  ) -> list[tuple[int, int]]:
-    """The spans of `rendered` (in code points) holding message contents that contain special
-    token text, found in message order. Raises LookupError(i) when message i's content does not
-    appear verbatim (the template changed it), since it then cannot be kept literal."""
+
+class LiteralError(ValueError):
+    """The template cut a sentinel: the special text it stood for cannot be placed."""
+
+
+@functools.lru_cache(maxsize=8)
+def _pattern(specials: frozenset[str]) -> tuple[re.Pattern, list[str]]:
+    ordered = sorted(specials, key=lambda t: (-len(t), t))  # the longest first: "<a><b>" ⊃ "<a>"
+    return re.compile("|".join(map(re.escape, ordered))), ordered
+
+
+def _strings(value, out: list[str]) -> list[str]:
+    if isinstance(value, str):
+        out.append(value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _strings(k, out)
+            _strings(v, out)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _strings(v, out)
+    return out
+
+
+def _swap(value, sub: Callable[[str], str]):
+    if isinstance(value, str):
+        return sub(value)
+    if isinstance(value, dict):
+        return {_swap(k, sub): _swap(v, sub) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_swap(v, sub) for v in value]
+    return value
+
+
+def render_with_literals(render: Callable[[list, list | None], str], messages: list[dict],
+                         tools: list[dict] | None, specials: frozenset[str]
+                         ) -> tuple[str, list[tuple[int, int]]]:
+    """(the rendered prompt, the spans of it, in code points, to tokenize with special tokens
+    as plain text). No spans: tokenize it as one string. Raises LiteralError."""
+    if not specials:
+        return render(messages, tools), []
+    pattern, ordered = _pattern(specials)
+    strings = _strings(tools, _strings(messages, []))
+    if not any(pattern.search(s) for s in strings):
+        return render(messages, tools), []
+    used = set().union(*(set(s) & set(_MARKS) for s in strings))
+    mark = next((m for m in _MARKS if m not in used), None)
+    if mark is None:
+        raise LiteralError("the request holds every Unicode noncharacter U+FDD0..U+FDEF")
+    index = {t: i for i, t in enumerate(ordered)}
+
+    def sub(s: str) -> str:
+        return pattern.sub(lambda m: f"{mark}{chr(_INDEX + index[m.group()])}{mark}", s)
+
+    rendered = render(_swap(messages, sub), _swap(tools, sub) if tools else tools)
+    # The template's own special tokens are markup; every sentinel goes back to its text.
+    token = re.compile(f"{re.escape(mark)}(.){re.escape(mark)}|{pattern.pattern}", re.S)
+    pieces, markup, at, length = [], [], 0, 0
+    for m in token.finditer(rendered):
+        pieces.append(rendered[at:m.start()])
+        length += m.start() - at
+        if m.group(1) is not None:
+            i = ord(m.group(1)) - _INDEX
+            if not 0 <= i < len(ordered):
+                raise LiteralError("the chat template changed special-token text of the request")
+            text = ordered[i]
+        else:
+            text = m.group()
+            markup.append((length, length + len(text)))
+        pieces.append(text)
+        length += len(text)
+        at = m.end()
+    pieces.append(rendered[at:])
+    text = "".join(pieces)
+    if mark in text:
+        raise LiteralError("the chat template cut special-token text of the request")
+    return text, _between(markup, len(text))
+
+
+def _between(markup: Sequence[tuple[int, int]], end: int) -> list[tuple[int, int]]:
     spans, at = [], 0
-    for i, content in enumerate(contents):
-        if not any(s in content for s in specials):
-            continue
-        start = rendered.find(content, at)
-        if start < 0:
-            raise LookupError(i)
-        spans.append((start, start + len(content)))
-        at = start + len(content)
+    for a, b in markup:
+        if a > at:
+            spans.append((at, a))
+        at = b
+    if end > at:
+        spans.append((at, end))
     return spans
 
 

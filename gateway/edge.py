@@ -24,6 +24,8 @@ class EdgeConfig:
     shutdown_grace_period: float = 30.0   # one drain, for HTTP and gRPC alike
     max_grammar_compile_seconds: float = 5.0   # a structured-output spec slower to compile: 400
     structured_outputs_any_whitespace: bool = False  # HTTP's default for JSON whitespace
+    tool_call_parser: str = "hermes"      # reads "auto" tool calls out of the text
+    exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none": tools not rendered
     tenant_priority: tuple[str, ...] = ()  # KEY=LO:HI grants (client_auth.py priority_ranges)
     default_tenant_priority: str | None = None  # LO:HI for every other tenant
 

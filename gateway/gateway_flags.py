@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 
+from gateway.chat_templates import TemplateFlagError, read_chat_template
 from gateway.client_auth import api_keys_from, parse_range, priority_ranges
+from gateway.tool_parsers import PARSERS
 from proto.auth import add_auth_args
 
 # Bounds on one GenerateRequest (gateway.validate.Limits has a field per entry, same name and
@@ -28,6 +30,9 @@ REQUEST_LIMITS: tuple[tuple[str, int, int, str], ...] = (
     ("max_logprobs", 20, 0, "largest sampling.logprobs and sampling.prompt_logprobs (as vLLM's)"),
     ("max_structured_output_bytes", 32 << 10, 1,
      "bytes of sampling.structured_output (a JSON schema, regex, grammar or the choices)"),
+    ("max_tools", 128, 0, "function definitions in one request's tools"),
+    ("max_tool_calls", 256, 0,
+     "tool calls in one request's messages (the assistant turns' tool_calls, all together)"),
     ("max_prompt_chars_per_token", 32, 1,
      "a prompt (or the chat messages' content) longer than max_model_len times this many "
      "characters is refused before it is tokenized"),
@@ -52,6 +57,17 @@ def _positive_seconds(text: str) -> float:
 
 
 _positive_seconds.__name__ = "seconds"
+
+
+def _chat_template(value: str) -> str:
+    """--chat-template's text, read and parsed here so that a bad one stops the start."""
+    try:
+        return read_chat_template(value)
+    except TemplateFlagError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+_chat_template.__name__ = "chat template"
 
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -96,6 +112,18 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="let JSON answers put whitespace anywhere (HTTP requests; gRPC sets "
                         "structured_output.any_whitespace itself); off by default, since small "
                         "models loop on free whitespace")
+    g.add_argument("--chat-template", default=None, metavar="FILE", type=_chat_template,
+                   help="a Jinja chat template that replaces the model's: a file, or the template "
+                        "itself inline (vLLM's flag); requests with tools use the shipped "
+                        "gateway/templates/chatml_tools.jinja when this one (or the model's) "
+                        "never reads `tools` (default: the model's)")
+    g.add_argument("--tool-call-parser", default="hermes", choices=sorted(PARSERS),
+                   help="reads tool calls out of the answers of chat requests with tools and "
+                        "tool_choice auto (the default), required or a named function "
+                        "(default: %(default)s)")
+    g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="with tool_choice none, leave the tools out of the prompt; by default "
+                        "they are rendered (as vLLM does) and the answer is read as plain content")
     g.add_argument("--max-http-connections", type=_int_at_least(1), default=1024,
                    help="open HTTP connections (and requests in flight) at once; past it, 503 "
                         "(default: %(default)s)")

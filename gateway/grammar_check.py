@@ -17,6 +17,7 @@ from structured.spec import Spec
 log = logging.getLogger(__name__)
 _START_TIMEOUT_S = 120.0  # importing torch and xgrammar and loading the vocabulary, once
 _CACHED = 1024
+TOO_SLOW = "compiling it took longer than"  # how a timeout's answer starts
 
 
 class GrammarChecker:
@@ -59,7 +60,7 @@ class GrammarChecker:
             log.warning("a grammar took longer than %.1f s to compile; its compiler is restarted",
                         self.timeout_s)
             await self.close()
-            return (f"compiling it took longer than {self.timeout_s:g} s "
+            return (f"{TOO_SLOW} {self.timeout_s:g} s "
                     "(--max-grammar-compile-seconds)")
         except (OSError, ValueError) as e:  # the child died (e.g. out of memory)
             log.warning("the grammar compiler failed (%s); it is restarted", e)

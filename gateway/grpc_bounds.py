@@ -7,7 +7,10 @@ at most 5 bytes; a float 4. A request carries exactly one of prompt, prompt_toke
 messages, so the largest of the three counts, plus every other field at its limit:
 - prompt: max_model_len x --max-prompt-chars-per-token characters, at most 4 UTF-8 bytes each;
 - prompt_token_ids: max_model_len ids;
-- messages: the same characters as content, plus --max-messages roles;
+- messages: the same characters in any of their strings (content, names, ids, tool calls, and
+  the request's tools, which only come with messages; gateway/chat_render.py counts them all,
+  each tool and call FRAME_CHARS more), plus each of --max-messages messages at its most
+  framing (every string field's tag and length, a role);
 - stop strings, stop ids, logit_bias entries, the structured-output spec and request_id at their
   flags' limits;
 - 1 KiB for the scalar fields.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.chat_render import FRAME_CHARS
 from gateway.structured_check import MAX_CHOICES
 from gateway.tokenizer import ROLES, TextTokenizer
 from gateway.validate import Limits
@@ -38,11 +42,15 @@ def _field(payload: int) -> int:
 
 def largest_generate_request(limits: Limits, max_model_len: int = CONTEXT_BOUND) -> int:
     text = 4 * max_model_len * limits.max_prompt_chars_per_token
-    prompt = max(
-        _field(text),
-        _field(5 * max_model_len),
-        _field(_field(_LONGEST_ROLE) + _field(text))
-        + (limits.max_messages - 1) * _field(_field(_LONGEST_ROLE)))
+    # Each message: a tag and a one-byte length for itself, its content, tool_call_id and name,
+    # and a role; each length of 128 (16384, ...) bytes or more costs a byte more, and there
+    # are at most 4 per message of them, and no more than the text can fill (a message's own
+    # length counts its role and framing, 32 bytes at most). A tool or a call is charged
+    # FRAME_CHARS characters of the text, more than its own framing costs.
+    lengths = 4 * limits.max_messages
+    longer = sum(min(lengths, text // (128 ** k - 32)) for k in range(1, 5))
+    chat = text + limits.max_messages * (4 * 2 + _field(_LONGEST_ROLE)) + longer
+    prompt = max(_field(text), _field(5 * max_model_len), chat)
     # A structured output's spec: its text, plus up to 3 bytes of framing per choice.
     spec = _field(limits.max_structured_output_bytes + 3 * MAX_CHOICES)
     sampling = _field(limits.max_logit_bias * _field(1 + 5 + 1 + 4) + spec + _SCALARS)
@@ -68,9 +76,11 @@ def largest_generate_request(limits: Limits, max_model_len: int = CONTEXT_BOUND)
 #   (the client's, or an internal one), a matched stop string and 1 KiB of scalars (usage,
 #   metrics, seed, finish, index).
 # - Tokenize: the text tokenized is at most max_model_len x --max-prompt-chars-per-token
-#   characters of 4 bytes, plus, for messages, what the chat template writes around
-#   --max-messages messages (measured once for one and for each more; templates insert content
-#   verbatim). Every token covers at
+#   characters of 4 bytes (tool definitions and calls, which templates write as JSON, count
+#   double, and FRAME_CHARS more each: gateway/chat_render.py), plus, for messages, what the
+#   chat template writes around --max-messages messages, --max-tools tools and
+#   --max-tool-calls calls beyond that (measured once for one and for each more, with empty
+#   strings). Every token covers at
 #   least one byte of it, except the few special tokens the post-processor adds. Each token costs
 #   its id, its spelling (at most `spelling_per_byte` bytes per byte it covers), an Offset of two
 #   code-point indices, and the text is echoed once.
@@ -93,6 +103,9 @@ class TokenSizes:
     spelling_per_byte: int       # a token's spelling bytes per raw byte, at most
     chat_first_message: int      # the chat template's own text with one message
     chat_per_message: int        # and for each message more
+    chat_tools: int = 0          # what offering one tool adds (the tool template's preamble)
+    chat_per_tool: int = 0       # and each tool more
+    chat_per_call: int = 0       # each tool call written back
 
 
 def token_sizes(tok: TextTokenizer) -> TokenSizes:
@@ -107,7 +120,7 @@ def token_sizes(tok: TextTokenizer) -> TokenSizes:
         longest_spelling = max(longest_spelling, spelling)
         ratio = max(ratio, -(-spelling // max(1, len(raw))))
     return TokenSizes(longest_bytes, longest_text, longest_spelling, max(1, ratio),
-                      *_chat_bytes(tok))
+                      *_chat_bytes(tok), *_tool_bytes(tok))
 
 
 def _chat_bytes(tok: TextTokenizer) -> tuple[int, int]:
@@ -131,6 +144,25 @@ def _chat_bytes(tok: TextTokenizer) -> tuple[int, int]:
     return max(first), max(each)
 
 
+def _tool_bytes(tok: TextTokenizer) -> tuple[int, int, int]:
+    """(what one tool adds to a one-message chat, each tool more, each call more), measured
+    with empty strings: their own characters are counted apart."""
+    if tok.chat_template is None:
+        return 0, 0, 0
+    user = [{"role": "user", "content": ""}]
+    tool = {"type": "function", "function": {"name": "", "description": "", "parameters": {}}}
+
+    def asked(calls: int) -> list[dict]:
+        call = {"id": "", "type": "function", "function": {"name": "", "arguments": {}}}
+        return user + [{"role": "assistant", "content": "", "tool_calls": [call] * calls}]
+    try:
+        size = lambda msgs, tools=None: len(tok.render_chat(msgs, tools=tools).encode())  # noqa: E731
+        return (max(0, size(user, [tool]) - size(user)), size(user, [tool] * 2) - size(user, [tool]),
+                size(asked(2), [tool]) - size(asked(1), [tool]))
+    except Exception:  # noqa: BLE001 - a template that refuses these: a generous 4 KiB each
+        return 4096, 4096, 4096
+
+
 def largest_output_text(tokens: TokenSizes, max_model_len: int) -> int:
     return max_model_len * (3 * tokens.longest_bytes + 1)
 
@@ -152,8 +184,13 @@ def largest_generate_response(limits: Limits, tokens: TokenSizes,
 
 def largest_tokenize_response(limits: Limits, tokens: TokenSizes,
                               max_model_len: int = CONTEXT_BOUND) -> int:
+    # A tool or a call is charged FRAME_CHARS characters (4 bytes each) of the budget for the
+    # JSON around it: only a template that writes more adds to the bound.
+    frame = 4 * FRAME_CHARS
     text = (4 * max_model_len * limits.max_prompt_chars_per_token + tokens.chat_first_message
-            + (limits.max_messages - 1) * tokens.chat_per_message)
+            + (limits.max_messages - 1) * tokens.chat_per_message + tokens.chat_tools
+            + max(0, limits.max_tools - 1) * max(0, tokens.chat_per_tool - frame)
+            + limits.max_tool_calls * max(0, tokens.chat_per_call - frame))
     count = text + _SPECIALS
     offset = _field(2 * (1 + _varint(text)))
     spellings = (tokens.spelling_per_byte * text + _SPECIALS * tokens.longest_spelling

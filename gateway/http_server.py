@@ -11,7 +11,6 @@ and frees its blocks, as a gRPC cancel does.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -24,14 +23,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import metrics
+from gateway import http_stream, metrics
 from gateway.client_auth import key_of, tenant_of
 from gateway.edge import EdgeConfig
 from gateway.json_body import BadBody, parse_object
-from gateway.openai_render import Collector, chat_delta, chat_logprobs, chunk, finish_reason, now
+from gateway.openai_render import Collector, now
 from gateway.openai_structured import StructuredBadField, structured_output
-from gateway.openai_schema import (BadField, ChatCompletionRequest, CompletionRequest, chat_request,
-                                   completion_requests)
+from gateway.openai_schema import (BadField, ChatCompletionRequest, CompletionRequest, Message,
+                                   add_messages, chat_request, completion_requests)
+from gateway.openai_tools import (ToolBadField, ToolConfig, ToolDefinition, add_tools,
+                                  check_tools, tool_request)
 from gateway.beam_request import MAX_BEAM_WIDTH
 from gateway.http_errors import HttpError, bad_request, from_rpc
 from gateway.server import GenerationServicer, RpcFailed
@@ -48,6 +49,11 @@ class HttpApi:
         self.tokenizer = servicer.tokenizer
         self.client = servicer.client
         self.max_body_bytes = max_body_bytes
+        self.tool_config = ToolConfig(
+            parser=edge.tool_call_parser,
+            exclude_tools_when_none=edge.exclude_tools_when_tool_choice_none,
+            max_spec_bytes=servicer.base_limits.max_structured_output_bytes,
+            max_tools=servicer.base_limits.max_tools)
         self.api_keys = servicer.api_keys  # the gRPC side's keys and tenants, as a bearer token
         self.app = FastAPI(title="pagoda", docs_url=None, redoc_url=None, openapi_url=None)
         self.app.add_exception_handler(HttpError, self._on_http_error)
@@ -223,90 +229,36 @@ class HttpApi:
                 body, self.edge.max_batch_prompts)
             spec = structured_output(body.response_format, body.structured_outputs,
                                      self.edge.structured_outputs_any_whitespace)
-        except (BadField, StructuredBadField) as e:
+            tools, checks = None, []
+            if chat:
+                tools, spec, checks = tool_request(body, reqs[0], spec, self.tool_config)
+        except (BadField, StructuredBadField, ToolBadField) as e:
             raise bad_request(str(e), e.param) from None
         if spec is not None:
             for r in reqs:
                 r.sampling.structured_output.CopyFrom(spec)
+        try:  # before anything runs: a bad schema gets 400 naming it
+            await check_tools(checks, self.servicer.grammar_error)
+        except ToolBadField as e:
+            raise bad_request(str(e), e.param) from None
+        except RpcFailed as e:
+            raise from_rpc(e, chat) from None
         logprobs = body.logprobs if chat else body.logprobs is not None
         echo = None if chat or not body.echo else [
             r.prompt or self.tokenizer.decode(list(r.prompt_token_ids), False) for r in reqs]
-        collector = Collector(self.tokenizer, body.n, len(reqs), chat, bool(logprobs), echo)
+        collector = Collector(self.tokenizer, body.n, len(reqs), chat, bool(logprobs), echo, tools)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = now()
         gen = self._generations(reqs, tenant)
         first = await self._first(gen, chat)
         if not body.stream:
-            return await self._until_disconnect(request, self._whole(
-                gen, first, collector, rid, created, chat))
+            return await self._until_disconnect(request, http_stream.whole(
+                gen, first, collector, rid, created, self.model_name, chat))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = self._events(gen, first, collector, rid, created, chat, include_usage)
+        events = http_stream.events(gen, first, collector, rid, created, self.model_name, chat,
+                                    include_usage)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-
-    async def _whole(self, gen, first, collector: Collector, rid, created, chat) -> dict:
-        async with aclosing(gen):
-            item = first
-            while item is not None:
-                collector.add(*item)
-                try:
-                    item = await gen.__anext__()
-                except StopAsyncIteration:
-                    item = None
-                except RpcFailed as e:
-                    raise from_rpc(e, chat) from None
-        return collector.response(rid, self.model_name, created)
-
-    async def _events(self, gen, first, collector: Collector, rid, created, chat,
-                      include_usage) -> AsyncIterator[str]:
-        model = self.model_name
-        waiting: dict[int, list] = {}  # prompt -> responses held until its echo is complete
-        sent: dict[int, int] = {}      # choice -> logprob entries sent
-
-        def event(payload: dict) -> str:
-            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-        def completion_chunk(i: int, response) -> dict:
-            index = i * collector.n + response.index
-            choice = collector.choices[index]
-            text = response.text
-            if not choice.echoed:
-                choice.echoed = True
-                text = collector.echo_part(i)[0] + text
-            start = sent.get(index, 0)
-            sent[index] = start + len(response.logprobs)
-            return {"index": index, "text": text, "finish_reason": finish_reason(response),
-                    "logprobs": collector.completion_logprobs(index, start, sent[index])}
-
-        async with aclosing(gen):
-            item = first
-            try:
-                while item is not None:
-                    i, response = item
-                    collector.add(i, response)
-                    if chat:
-                        index = i * collector.n + response.index
-                        if not collector.choices[index].echoed:  # the first chunk names the role
-                            collector.choices[index].echoed = True
-                            yield event(chunk(rid, model, created, True,
-                                              [chat_delta(index, "", None, None, role=True)]))
-                        lps = (chat_logprobs(response.logprobs, self.tokenizer)
-                               if collector.logprobs else None)
-                        yield event(chunk(rid, model, created, True, [chat_delta(
-                            index, response.text, lps, finish_reason(response))]))
-                    elif not collector.echo_ready(i):
-                        waiting.setdefault(i, []).append(response)
-                    else:
-                        for r in waiting.pop(i, []) + [response]:
-                            yield event(chunk(rid, model, created, False, [completion_chunk(i, r)]))
-                    item = await gen.__anext__()
-            except StopAsyncIteration:
-                pass
-            except RpcFailed as e:
-                yield event(from_rpc(e, chat).body())
-            if include_usage:
-                yield event(chunk(rid, model, created, chat, [], collector.usage()))
-            yield "data: [DONE]\n\n"
 
     # ------------------------------------------------------------------ the other routes
 
@@ -323,17 +275,22 @@ class HttpApi:
         msg = pagoda_pb2.TokenizeRequest()
         if "model" in data:
             self._check_model(data.pop("model"))
-        unknown = set(data) - {"prompt", "messages", "add_special_tokens"}
+        unknown = set(data) - {"prompt", "messages", "add_special_tokens", "tools"}
         if unknown:
             raise bad_request(f"unknown field(s): {', '.join(sorted(unknown))}", sorted(unknown)[0])
         try:
             if "prompt" in data:
                 msg.prompt = data["prompt"]
-            for m in data.get("messages") or []:
-                msg.messages.add(role=m["role"], content=m["content"])
+            # The chat request's own shapes, so that a prompt is counted as chat renders it.
+            add_messages([Message.model_validate(m) for m in data.get("messages") or []],
+                         msg.messages)
+            add_tools([ToolDefinition.model_validate(t) for t in data.get("tools") or []],
+                      msg.tools)
             if "add_special_tokens" in data:
                 msg.add_special_tokens = data["add_special_tokens"]
-        except (TypeError, KeyError, ValueError) as e:
+        except (BadField, ToolBadField) as e:
+            raise bad_request(str(e), e.param) from None
+        except (TypeError, KeyError, ValueError) as e:  # pydantic's errors are ValueErrors
             raise bad_request(f"a malformed tokenize request: {e}") from None
         reply = await self._unary(self.servicer.Tokenize, msg)
         info = self.client.info

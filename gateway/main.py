@@ -32,7 +32,7 @@ log = logging.getLogger("pagoda.gateway")
 
 
 async def run(args) -> None:
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = load_tokenizer(args.model, args.chat_template)
     limits = limits_from_args(args, max_model_len=0, vocab_size=0)
     # A client may send no more than the largest valid request needs.
     max_request_bytes = args.max_request_bytes or largest_generate_request(limits)

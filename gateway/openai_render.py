@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from gateway.openai_tools import ToolMode
 from gateway.tokenizer import TextTokenizer
+from gateway.tool_render import tool_message
 from proto import pagoda_pb2
 
 FINISH = {pagoda_pb2.FINISH_REASON_STOP: "stop", pagoda_pb2.FINISH_REASON_LENGTH: "length",
@@ -87,8 +89,10 @@ class Collector:
     put in front when a choice is written out."""
 
     def __init__(self, tokenizer: TextTokenizer, n: int, num_prompts: int, chat: bool,
-                 logprobs: bool, echo: list[str] | None = None) -> None:
+                 logprobs: bool, echo: list[str] | None = None,
+                 tools: ToolMode | None = None) -> None:
         self.tokenizer = tokenizer
+        self.tools = tools  # chat with tools: each answer is read for calls
         self.n, self.chat, self.logprobs = n, chat, logprobs
         self.choices = [Choice() for _ in range(n * num_prompts)]
         self.prompt_tokens = [0] * num_prompts
@@ -147,10 +151,12 @@ class Collector:
 
     def response(self, rid: str, model: str, created: int) -> dict:
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": {"content": c.chat_logprobs} if self.logprobs else None,
-                        "finish_reason": c.finish_reason}
-                       for i, c in enumerate(self.choices)]
+            choices = []
+            for i, c in enumerate(self.choices):
+                message, finish = ({"role": "assistant", "content": c.text}, c.finish_reason) \
+                    if self.tools is None else tool_message(c.text, c.finish_reason, self.tools)
+                choices.append({"index": i, "message": message, "finish_reason": finish,
+                                "logprobs": {"content": c.chat_logprobs} if self.logprobs else None})
             kind = "chat.completion"
         else:
             choices = [{"index": i, "text": self.echo_part(i // self.n)[0] + c.text,

@@ -10,6 +10,7 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from gateway.openai_structured import ResponseFormat, StructuredOutputsParams
+from gateway.openai_tools import MessageToolCall, ToolChoice, ToolDefinition, call_arguments
 from proto import pagoda_pb2
 
 # OpenAI's default for /v1/completions (vLLM's too); chat leaves it to what the context allows.
@@ -83,6 +84,8 @@ class Message(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant: its calls (content may be null)
+    tool_call_id: str | None = None                  # tool: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -97,9 +100,15 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
+    # Function calling (gateway/openai_tools.py).
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None  # unset: true
 
 
 _TOKEN_ID = re.compile(r"-?[0-9]{1,12}")
+_CALL_ARGUMENTS = re.compile(r"(messages\[\d+\]\.tool_calls\[\d+\])\.arguments")
+_TOOL_FIELD = re.compile(r"(tools\[\d+\])\.(name|description|parameters)")
 
 
 def _sampling(body: _Common, logprobs: int | None) -> pagoda_pb2.SamplingParams:
@@ -199,9 +208,21 @@ def chat_request(body: ChatCompletionRequest) -> pagoda_pb2.GenerateRequest:
     req = pagoda_pb2.GenerateRequest(sampling=_sampling(body, logprobs),
                                      stopping=_stopping(body, max_tokens))
     _common(body, req)
-    for m in body.messages:
-        req.messages.add(role="system" if m.role == "developer" else m.role, content=m.text())
+    add_messages(body.messages, req.messages)
     return req
+
+
+def add_messages(messages: list[Message], out) -> None:
+    """OpenAI's messages as pagoda.v1 ChatMessages (GenerateRequest's or TokenizeRequest's)."""
+    for i, m in enumerate(messages):
+        msg = out.add(role="system" if m.role == "developer" else m.role, content=m.text(),
+                      name=m.name or "", tool_call_id=m.tool_call_id or "")
+        if m.tool_calls and m.role != "assistant":
+            raise BadField(f"messages[{i}].tool_calls", f"messages[{i}].tool_calls: only "
+                                                        f"assistant messages make calls")
+        for j, call in enumerate(m.tool_calls or []):
+            msg.tool_calls.add(id=call.id, name=call.function.name, arguments=call_arguments(
+                call, f"messages[{i}].tool_calls[{j}].function.arguments"))
 
 
 class BadField(ValueError):
@@ -222,6 +243,10 @@ def openai_param(field: str, chat: bool) -> str:
         return "prompt_logprobs"
     if field in ("prompt_token_ids", "prompt"):
         return "prompt"
+    if match := _CALL_ARGUMENTS.fullmatch(field):  # ChatMessage.tool_calls[j].arguments
+        return f"{match.group(1)}.function.arguments"
+    if match := _TOOL_FIELD.fullmatch(field):  # Tool.name -> tools[i].function.name
+        return f"{match.group(1)}.function.{match.group(2)}"
     if field.startswith("sampling.structured_output"):
         return "response_format"  # or structured_outputs: the same check, after translation
     if field == "stopping.max_tokens" and chat:

@@ -184,15 +184,20 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         finally:
             _record_end("Generate", code, started)
 
-    async def _check_grammar(self, spec) -> None:
+    async def grammar_error(self, spec) -> str | None:
+        """Why the spec does not compile (or within --max-grammar-compile-seconds); None if it
+        does. RpcFailed UNAVAILABLE when the compiler cannot start."""
         if self._grammar is None:
             self._grammar = GrammarChecker(self.tokenizer.source or _tokenizer_file(self.tokenizer),
                                            self._vocab_size, self.tokenizer.eos_token_ids or [0],
                                            self.grammar_timeout)
         try:
-            why = await self._grammar.check(spec)
+            return await self._grammar.check(spec)
         except RuntimeError as e:  # its compiler did not start: not the request's fault
             raise RpcFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+
+    async def _check_grammar(self, spec) -> None:
+        why = await self.grammar_error(spec)
         if why is not None:
             name = f"sampling.structured_output.{spec.kind}"
             raise RpcFailed(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {why}", name)

@@ -20,6 +20,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from gateway.chat_literals import encode_with_literals
+from gateway.chat_templates import TOOLS_TEMPLATE, reads_tools, wants_tools
 from modelfiles.resolve import model_display_name, tokenizer_folder
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -79,7 +80,7 @@ def _raise_exception(message: str):
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _compile_template(source: str) -> jinja2.Template:
+def _environment() -> ImmutableSandboxedEnvironment:
     # The same environment settings as transformers' apply_chat_template, so templates written
     # for it (whitespace control, raise_exception, tojson) render identically here.
     env = ImmutableSandboxedEnvironment(
@@ -88,7 +89,11 @@ def _compile_template(source: str) -> jinja2.Template:
         x, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)  # Llama 3 templates
-    return env.from_string(source)
+    return env
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    return _environment().from_string(source)
 
 
 @dataclass
@@ -98,7 +103,7 @@ class TextTokenizer:
     name: str
     bos_token: str | None = None
     eos_token: str | None = None
-    chat_template: str | None = None
+    chat_template: str | None = None  # the model's, or --chat-template's
     eos_token_ids: list[int] = field(default_factory=list)
     source: Path | None = None  # the tokenizer.json it was loaded from, if any
     _template: jinja2.Template | None = field(default=None, repr=False)
@@ -112,10 +117,15 @@ class TextTokenizer:
     # a copy, because the switch is the tokenizer's own state and encoding runs on threads too.
     _literal: Tokenizer | None = field(default=None, repr=False, compare=False)
     _specials: frozenset[str] | None = field(default=None, repr=False, compare=False)
+    # gateway/chat_templates.py: the shipped tool template, for tool requests when the active
+    # template never reads `tools`.
+    _reads_tools: bool = field(default=False, repr=False, compare=False)
+    _tools_template: jinja2.Template | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.chat_template:
             self._template = _compile_template(self.chat_template)
+            self._reads_tools = reads_tools(_environment(), self.chat_template)
 
     @property
     def vocab_size(self) -> int:
@@ -186,11 +196,22 @@ class TextTokenizer:
     def id_to_token(self, token_id: int) -> str:
         return self.tokenizer.id_to_token(token_id) or ""
 
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    def template_for(self, messages: Sequence[dict], tools: Sequence[dict] | None) -> jinja2.Template:
+        if wants_tools(messages, tools) and not self._reads_tools:
+            if self._tools_template is None:
+                self._tools_template = _compile_template(TOOLS_TEMPLATE.read_text())
+            return self._tools_template
         if self._template is None:
             raise ValueError(f"model {self.name} has no chat template; send a prompt instead")
-        return self._template.render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt,
+        return self._template
+
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    tools: Sequence[dict] | None = None) -> str:
+        """tools: OpenAI's tool objects ({"type": "function", "function": {...}}), as
+        transformers passes them; None when the request has none."""
+        return self.template_for(messages, tools).render(
+            messages=list(messages), tools=list(tools) if tools else None,
+            add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
     def encode_chat(self, messages: Sequence[dict]) -> list[int]:
@@ -199,7 +220,8 @@ class TextTokenizer:
         return self.encode(self.render_chat(messages), add_special_tokens=False)
 
 
-def load_tokenizer(model: str = "") -> TextTokenizer:
+def load_tokenizer(model: str = "", chat_template: str | None = None) -> TextTokenizer:
+    """chat_template: a template's text that replaces the model's (--chat-template)."""
     path, folder = tokenizer_folder(model)
     config_file = folder / "tokenizer_config.json"
     config = json.loads(config_file.read_text()) if config_file.exists() else {}
@@ -209,5 +231,5 @@ def load_tokenizer(model: str = "") -> TextTokenizer:
     return TextTokenizer(
         tokenizer=tok, name=model_display_name(path),
         bos_token=_special_token(config, "bos_token"), eos_token=eos,
-        chat_template=_chat_template(folder, config), eos_token_ids=eos_ids,
+        chat_template=chat_template or _chat_template(folder, config), eos_token_ids=eos_ids,
         source=folder / "tokenizer.json")

@@ -2,11 +2,12 @@
 every call is the hermes format the shipped tool template asks for, `<tool_call>` + {"name":
 the function, "arguments": JSON valid against its parameters} + `</tool_call>`, so the answer
 always parses (gateway/tool_parsers.py) and its arguments validate. "auto" and "none" need no
-grammar: auto is parsed from free text, none offers no tools."""
+grammar: auto is parsed from free text, none is read as plain content."""
 from __future__ import annotations
 
 import json
 
+PARSER = "hermes"  # the parser that reads what this grammar lets through, whatever the flag says
 BEGIN = '<tool_call>\n{"name": %s, "arguments": '
 END = "}\n</tool_call>"
 

@@ -3,13 +3,15 @@ interface, a registry by name; hermes-style (`<tool_call>{"name": …, "argument
 what the shipped ChatML tool template asks for, and what tool_choice "required" or a named
 function enforce through a grammar) is the first.
 
-Streaming: feed() takes each text delta and returns what can be said so far (content and
-tool-call fragments, as OpenAI streams them: a call's id, type and name first, then its
-arguments); finish() returns what was held back at the end."""
+A parser streams: feed() takes each text delta and returns what can be said so far (content and
+tool-call fragments, as OpenAI streams them: a call's id and name first, then its arguments);
+finish() returns what was held back at the end. A whole answer is parsed by the same steps, so
+a streamed answer always reassembles into the whole one. Whitespace next to a call (the
+newlines between calls, around them) is not content; a block that is not a JSON object with a
+string name stays content, as written."""
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -29,7 +31,8 @@ class Parsed:
 
 @dataclass
 class Fragment:
-    """A streamed piece: content text, or a part of call `index` (name once, then arguments)."""
+    """A streamed piece: content text, or a part of call `index` (id and name once, then
+    arguments)."""
     content: str = ""
     index: int = -1
     id: str | None = None
@@ -37,28 +40,34 @@ class Fragment:
     arguments: str = ""
 
 
-class HermesParser:
-    BEGIN, END = "<tool_call>", "</tool_call>"
-    _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+class ToolParser:
+    """The interface: feed() / finish() as above; parse() is them over a whole answer."""
+
+    def feed(self, delta: str) -> list[Fragment]:
+        raise NotImplementedError
+
+    def finish(self) -> list[Fragment]:
+        raise NotImplementedError
 
     def parse(self, text: str) -> Parsed:
-        """The whole answer. A block that is not a JSON object with a string name stays content."""
-        calls, kept, last = [], [], 0
-        for m in self._CALL.finditer(text):
-            call = _call(m.group(1))
-            if call is None:
+        frags = self.feed(text) + self.finish()
+        calls: dict[int, ToolCall] = {}
+        for f in frags:
+            if f.index < 0:
                 continue
-            kept.append(text[last:m.start()])
-            last = m.end()
-            calls.append(call)
-        kept.append(text[last:])
-        content = "".join(kept).strip() if calls else text
-        return Parsed(content, calls)
+            if f.name is not None:
+                calls[f.index] = ToolCall(f.name, "", f.id)
+            calls[f.index].arguments += f.arguments
+        return Parsed("".join(f.content for f in frags if f.index < 0),
+                      [calls[i] for i in sorted(calls)])
 
-    # ---------------------------------------------------------------- streaming
+
+class HermesParser(ToolParser):
+    BEGIN, END = "<tool_call>", "</tool_call>"
 
     def __init__(self) -> None:
         self._buffer = ""   # text not yet said: a possible start of a tag, or an open call
+        self._space = ""    # whitespace held: content if text follows, dropped if a call does
         self._calls = 0
 
     def feed(self, delta: str) -> list[Fragment]:
@@ -69,29 +78,42 @@ class HermesParser:
             if start < 0:
                 # Hold back a tail that could be the start of "<tool_call>".
                 keep = _partial_suffix(self._buffer, self.BEGIN)
-                text, self._buffer = self._buffer[:len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
-                if text:
-                    out.append(Fragment(content=text))
+                cut = len(self._buffer) - keep
+                self._content(self._buffer[:cut], out)
+                self._buffer = self._buffer[cut:]
                 return out
-            if start:
-                out.append(Fragment(content=self._buffer[:start]))
-                self._buffer = self._buffer[start:]
+            self._content(self._buffer[:start], out)
+            self._buffer = self._buffer[start:]
             end = self._buffer.find(self.END)
             if end < 0:
                 return out  # an open call: said whole once it closes
             block, self._buffer = self._buffer[:end + len(self.END)], self._buffer[end + len(self.END):]
             call = _call(block[len(self.BEGIN):-len(self.END)].strip())
             if call is None:
-                out.append(Fragment(content=block))
+                self._content(block, out)
                 continue
+            self._space = ""
             i = self._calls
             self._calls += 1
             out.append(Fragment(index=i, id=call.id, name=call.name))
             out.append(Fragment(index=i, arguments=call.arguments))
 
     def finish(self) -> list[Fragment]:
+        out: list[Fragment] = []
         rest, self._buffer = self._buffer, ""
-        return [Fragment(content=rest)] if rest else []
+        self._content(rest, out)  # a tag's start, or a call that never closed: text
+        if self._space and not self._calls:
+            out.append(Fragment(content=self._space))
+        self._space = ""
+        return out
+
+    def _content(self, text: str, out: list[Fragment]) -> None:
+        kept = text.rstrip()
+        if not kept:
+            self._space += text
+            return
+        out.append(Fragment(content=self._space + kept))
+        self._space = text[len(kept):]
 
     @property
     def called(self) -> bool:
@@ -117,10 +139,10 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-PARSERS = {"hermes": HermesParser}
+PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser}
 
 
-def parser(name: str):
+def parser(name: str) -> ToolParser:
     try:
         return PARSERS[name]()
     except KeyError:

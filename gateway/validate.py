@@ -11,13 +11,11 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import jinja2
-
 from gateway import beam_request
-from gateway.chat_literals import literal_spans
+from gateway.chat_render import render_chat_request
 from gateway.gateway_flags import REQUEST_LIMITS
 from gateway.structured_check import StructuredError, structured_spec
-from gateway.tokenizer import ROLES, TextTokenizer
+from gateway.tokenizer import TextTokenizer
 from gateway.validation_error import ValidationError
 from proto import internal_pb2, pagoda_pb2
 from structured.spec import Spec
@@ -46,6 +44,8 @@ class Limits:
     max_logprobs: int = _LIMIT_DEFAULTS["max_logprobs"]
     max_prompt_chars_per_token: int = _LIMIT_DEFAULTS["max_prompt_chars_per_token"]
     max_structured_output_bytes: int = _LIMIT_DEFAULTS["max_structured_output_bytes"]
+    max_tools: int = _LIMIT_DEFAULTS["max_tools"]
+    max_tool_calls: int = _LIMIT_DEFAULTS["max_tool_calls"]
 
     @property
     def max_prompt_chars(self) -> int:
@@ -91,28 +91,6 @@ def _check_range(name: str, value: float, low: float, high: float) -> None:
         raise ValidationError(name, f"{name} must be in [{low:g}, {high:g}], got {value:g}")
 
 
-def chat_messages(messages: Sequence[pagoda_pb2.ChatMessage]) -> list[dict]:
-    """ChatMessages as the template expects them, after checking each role."""
-    out = []
-    for i, m in enumerate(messages):
-        if m.role not in ROLES:
-            raise ValidationError(
-                f"messages[{i}].role",
-                f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.role!r}")
-        out.append({"role": m.role, "content": m.content})
-    return out
-
-
-def _render(tokenizer: TextTokenizer, messages: Sequence[pagoda_pb2.ChatMessage]) -> str:
-    msgs = chat_messages(messages)
-    try:
-        return tokenizer.render_chat(msgs)
-    except (jinja2.TemplateError, ValueError) as e:
-        # Templates reject some conversations on purpose (raise_exception), e.g. roles that do
-        # not alternate; that is the client's input, not a server fault.
-        raise ValidationError("messages", f"messages: the chat template refused them: {e}") from e
-
-
 def _source(req) -> str:
     # TokenizeRequest has no prompt_token_ids; the same rule covers both messages.
     names = [n for n in ("prompt", "prompt_token_ids", "messages") if n in req.DESCRIPTOR.fields_by_name]
@@ -129,39 +107,23 @@ def _source(req) -> str:
     return given[0]
 
 
-def _prompt_text(req, source: str, tokenizer: TextTokenizer, limits: Limits | None) -> str:
-    """The text to tokenize: the prompt, or the rendered chat. Size bounds come first, because
-    tokenizing or rendering a huge input is itself the cost they exist to avoid."""
+def _prompt_text(req, source: str, tokenizer: TextTokenizer, limits: Limits | None
+                 ) -> tuple[str, list[tuple[int, int]]]:
+    """The text to tokenize (the prompt, or the rendered chat) and the spans of it to tokenize
+    as plain text (gateway/chat_literals.py). Size bounds come first, because tokenizing or
+    rendering a huge input is itself the cost they exist to avoid."""
     if source == "messages":
-        if limits is not None and len(req.messages) > limits.max_messages:
-            raise ValidationError(
-                "messages", f"messages: {len(req.messages)} messages, at most "
-                            f"{limits.max_messages} are allowed")
-        chars = sum(len(m.content) for m in req.messages)
-    else:
-        chars = len(req.prompt)
-    if limits is not None and chars > limits.max_prompt_chars:
-        what = "the messages' content" if source == "messages" else source
+        return render_chat_request(req, tokenizer, limits)
+    if len(req.tools):
+        raise ValidationError("tools", "tools: only messages are rendered with tools (by the "
+                                       f"chat template), this request sends {source}")
+    if limits is not None and len(req.prompt) > limits.max_prompt_chars:
         raise ValidationError(
-            source, f"{source}: {what} is {chars} characters, more than any prompt that fits "
-                    f"max_model_len {limits.max_model_len} ({limits.max_prompt_chars} characters "
-                    f"at {limits.max_prompt_chars_per_token} per token); refused before tokenizing")
-    return _render(tokenizer, req.messages) if source == "messages" else req.prompt
-
-
-def _literal_spans(req, source: str, tokenizer: TextTokenizer, text: str) -> list[tuple[int, int]]:
-    """Where the rendered chat holds message content with special-token text: it is tokenized
-    as plain text, so no message can forge a turn (gateway/chat_literals.py)."""
-    if source != "messages":
-        return []
-    try:
-        return literal_spans(text, [m.content for m in req.messages], tokenizer.special_texts)
-    except LookupError as e:
-        i = e.args[0]
-        raise ValidationError(
-            f"messages[{i}].content", f"messages[{i}].content holds special-token text, and the "
-                                      "chat template changes it, so it cannot be kept as plain "
-                                      "text; remove the special tokens") from None
+            source, f"{source}: {source} is {len(req.prompt)} characters, more than any prompt "
+                    f"that fits max_model_len {limits.max_model_len} ({limits.max_prompt_chars} "
+                    f"characters at {limits.max_prompt_chars_per_token} per token); refused "
+                    "before tokenizing")
+    return req.prompt, []
 
 
 def _add_special(req, source: str, add_special_tokens: bool | None) -> bool:
@@ -184,11 +146,13 @@ def prompt_ids(req, tokenizer: TextTokenizer, vocab_size: int, *,
     prompt's characters before tokenizing."""
     source = _source(req)
     if source == "prompt_token_ids":
+        if len(req.tools):
+            raise ValidationError("tools", "tools: only messages are rendered with tools (by the "
+                                           "chat template), this request sends prompt_token_ids")
         ids = list(req.prompt_token_ids)
         check_ids(ids, vocab_size, "prompt_token_ids")
     else:
-        text = _prompt_text(req, source, tokenizer, limits)
-        literal = _literal_spans(req, source, tokenizer, text)
+        text, literal = _prompt_text(req, source, tokenizer, limits)
         add = _add_special(req, source, add_special_tokens)
         ids = (tokenizer.encode_with_offsets(text, add, literal)[0] if literal
                else tokenizer.encode(text, add_special_tokens=add))
@@ -201,9 +165,8 @@ def prompt_offsets(req: pagoda_pb2.TokenizeRequest, tokenizer: TextTokenizer, *,
                    limits: Limits | None = None) -> tuple[str, list[int], list[tuple[int, int]]]:
     """Tokenize's answer: (the text tokenized, its ids, each id's code-point span in the text)."""
     source = _source(req)
-    text = _prompt_text(req, source, tokenizer, limits)
-    ids, offsets = tokenizer.encode_with_offsets(text, _add_special(req, source, None),
-                                                 _literal_spans(req, source, tokenizer, text))
+    text, literal = _prompt_text(req, source, tokenizer, limits)
+    ids, offsets = tokenizer.encode_with_offsets(text, _add_special(req, source, None), literal)
     if not ids:
         raise ValidationError(source, f"{source} encodes to no tokens")
     return text, ids, offsets

@@ -137,7 +137,7 @@ class LLM:
         from gateway.server import GenerationServicer
         from gateway.tokenizer import load_tokenizer
 
-        self.tokenizer = load_tokenizer(gateway_args.model)
+        self.tokenizer = load_tokenizer(gateway_args.model, gateway_args.chat_template)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="pagoda-llm", daemon=True)
         self._thread.start()

@@ -25,8 +25,10 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 class FakeCluster:
     def __init__(self, log_dir: Path, scheduler_flags=(), gateway_flags=(), worker_flags=(),
-                 http: bool = False, gateway_address_space: int | None = None):
+                 http: bool = False, gateway_address_space: int | None = None,
+                 worker_module: str = "tests.fake_worker_main"):
         self.log_dir = log_dir
+        self.worker_module = worker_module  # e.g. tests.fake_worker_canned
         self.http_port = free_port() if http else 0
         # RLIMIT_AS of the gateway: a test of bounded memory fails with MemoryError in the gateway
         # instead of exhausting the machine when the bound regresses.
@@ -79,7 +81,7 @@ class FakeCluster:
             *self.keys_flags, *self.gateway_flags, address_space=self.gateway_address_space)
 
     def start_worker(self, *flags: str) -> subprocess.Popen:
-        proc = self._spawn(f"worker{len(self.workers)}", "tests.fake_worker_main",
+        proc = self._spawn(f"worker{len(self.workers)}", self.worker_module,
                            "--scheduler-worker-address", self.worker_address, "--block-size", "4",
                            *self.keys_flags, *self.worker_flags, *flags)
         self.workers.append(proc)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.chat_render import FRAME_CHARS, check_sizes
 from gateway.grpc_bounds import CONTEXT_BOUND, largest_generate_request
 from gateway.structured_check import MAX_CHOICES
 from gateway.validate import Limits
@@ -35,16 +36,45 @@ def worst_requests(limits: Limits) -> dict[str, pb.GenerateRequest]:
         "prompt": pb.GenerateRequest(prompt=WIDE * chars, **common),
         "prompt_token_ids": pb.GenerateRequest(prompt_token_ids=[2**32 - 1] * limits.max_model_len,
                                                **common),
-        "messages": pb.GenerateRequest(messages=[pb.ChatMessage(role="assistant", content=WIDE * chars)] + [
-            pb.ChatMessage(role="assistant")] * (limits.max_messages - 1), **common),
+        "messages": _messages(limits, common),
+        "tools": _with_tools(limits, common),
     }
+
+
+def _messages(limits: Limits, common: dict) -> pb.GenerateRequest:
+    """Every message with every string field set: one character costs 2 bytes of framing more
+    as a field of its own than inside another, and a field of 32 (128 bytes) one more, for its
+    length's second byte; as many of those as the characters allow, the rest in one content."""
+    m, chars = limits.max_messages, limits.max_prompt_chars
+    longer = min(3 * m, (chars - 3 * m) // 31)
+    lengths = [32] * longer + [1] * (3 * m - longer)
+    lengths[0] += chars - sum(lengths)
+    return pb.GenerateRequest(messages=[
+        pb.ChatMessage(role="assistant", content=WIDE * lengths[3 * i], name=WIDE * lengths[3 * i + 1],
+                       tool_call_id=WIDE * lengths[3 * i + 2]) for i in range(m)], **common)
+
+
+def _with_tools(limits: Limits, common: dict) -> pb.GenerateRequest:
+    """As many tools and calls as the characters allow (a tool or a call counts its strings
+    twice and FRAME_CHARS more: gateway/chat_render.py), the rest as content."""
+    each = 2 * 3 + FRAME_CHARS
+    n = min(limits.max_tools, limits.max_tool_calls, limits.max_prompt_chars // (2 * each))
+    call = pb.ToolCall(id=WIDE, name=WIDE, arguments=WIDE)
+    return pb.GenerateRequest(
+        messages=[pb.ChatMessage(role="assistant", tool_calls=[call] * n,
+                                 content=WIDE * (limits.max_prompt_chars - 2 * n * each))],
+        tools=[pb.Tool(name=WIDE, description=WIDE, parameters=WIDE)] * n, **common)
 
 
 @pytest.mark.parametrize("max_model_len", [64, 4096])
 def test_every_valid_request_fits_the_computed_limit_and_the_limit_is_tight(max_model_len):
     limits = Limits(max_model_len=max_model_len, vocab_size=0)
     bound = largest_generate_request(limits, max_model_len)
-    sizes = {form: req.ByteSize() for form, req in worst_requests(limits).items()}
+    requests = worst_requests(limits)
+    for req in requests.values():
+        if req.messages:
+            check_sizes(req, limits)  # valid, as far as sizes go
+    sizes = {form: req.ByteSize() for form, req in requests.items()}
     print(f"\nmax_model_len {max_model_len}: limit {bound} bytes; largest valid: {sizes}")
     assert max(sizes.values()) <= bound < max(sizes.values()) + 4096
 

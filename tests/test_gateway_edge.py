@@ -51,8 +51,10 @@ def test_an_sse_client_that_reads_nothing_is_hung_up_on_and_its_request_aborted(
     long_token = max(range(TOK.vocab_size), key=lambda t: len(TOK.token_bytes(t)))
 
     def endless(add: ipb.AddRequest) -> list:
-        return [ipb.TokenDelta(request_id=add.request_id, token_ids=[long_token] * 8)
-                for _ in range(20_000)]
+        # Many bytes a delta: the buffers fill within the test's time even on a loaded machine,
+        # whose gateway turns fewer deltas a second into SSE events.
+        return [ipb.TokenDelta(request_id=add.request_id, token_ids=[long_token] * 64)
+                for _ in range(2_300)]
 
     async def main():
         scheduler = FakeScheduler(TOK, max_model_len=200_000)  # room for 160,000 tokens
@@ -67,7 +69,7 @@ def test_an_sse_client_that_reads_nothing_is_hung_up_on_and_its_request_aborted(
             sock = socket.socket()
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             sock.connect(("127.0.0.1", gateway.http_port))
-            body = (b'{"model": "%s", "prompt": "hi", "max_tokens": 1000, "stream": true}'
+            body = (b'{"model": "%s", "prompt": "hi", "max_tokens": 150000, "stream": true}'
                     % TOK.name.encode())
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                          b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))

@@ -1,18 +1,25 @@
-"""Tool calls: the hermes parser, whole and streamed in any cut, and the grammar that
-tool_choice "required" / a named function compile to (xgrammar, the real vocabulary): every
-answer walked under it parses, names a given function, and its arguments validate."""
+"""Tool calls: the hermes parser, whole and streamed in any cut; the answer in OpenAI's shape
+(gateway/tool_render.py), whole and as stream chunks the `openai` SDK's own accumulator
+reassembles; and the grammar that tool_choice "required" / a named function compile to
+(xgrammar, the real vocabulary): every answer walked under it parses, names a given function,
+and its arguments validate. Two walks per choice keep this module at a few seconds."""
 from __future__ import annotations
 
 import json
 
 import jsonschema
-import numpy as np
+import openai
+from openai.lib.streaming.chat import ChatCompletionStreamState
 import pytest
-import torch
 
+from gateway.http_stream import _tool_choices
+from gateway.openai_render import chunk
+from gateway.openai_tools import ToolMode
 from gateway.tool_grammar import tool_call_tag
 from gateway.tool_parsers import HermesParser, parser
+from gateway.tool_render import ToolStream, tool_message
 from tests.test_worker_grammar import cache, config, tok, walk  # noqa: F401 - fixtures
+from proto import pagoda_pb2 as pb
 from structured.spec import Spec
 
 WEATHER = {"name": "get_weather", "parameters": {
@@ -47,7 +54,7 @@ def test_streamed_in_any_cut_says_the_same(cut):
         if f.index >= 0:
             args[f.index] = args.get(f.index, "") + f.arguments
     whole = HermesParser().parse(TEXT)
-    assert content.strip() == whole.content
+    assert content == whole.content
     assert names == [c.name for c in whole.calls]
     assert [args[i] for i in range(len(args))] == [c.arguments for c in whole.calls]
     # No fragment ever carries a partial "<tool_call" as content.
@@ -60,7 +67,7 @@ def test_streamed_in_any_cut_says_the_same(cut):
 def test_required_and_named_choices_always_give_valid_calls(tok, cache, choice, parallel):
     spec = Spec("structural_tag", tool_call_tag([WEATHER, TIME], choice, parallel))
     schemas = {f["name"]: f["parameters"] for f in (WEATHER, TIME)}
-    for seed in range(3):
+    for seed in range(2):
         out, end = walk(cache, config(spec, 1.0, seed=seed), seed, limit=400)
         calls = HermesParser().parse(tok.decode(out)).calls
         assert end == 2 and calls, tok.decode(out)
@@ -75,3 +82,78 @@ def test_required_and_named_choices_always_give_valid_calls(tok, cache, choice, 
 def test_auto_and_none_need_no_grammar():
     assert tool_call_tag([WEATHER], "auto", True) is None
     assert tool_call_tag([WEATHER], "none", True) is None
+
+
+@pytest.mark.parametrize("text, content, names", [
+    ("plain  text \n", "plain  text \n", []),  # no call: the text as written
+    ("\n" + TEXT.split("Let me check.")[1] + "\n\n", "", ["get_weather", "get_time"]),
+    ("A <tool_call>{\"name\": \"f\"}</tool_call>\n B ", "A\n B", ["f"]),
+    ("<tool_call>{\"name\": \"f\", \"arguments\": {\"x\"", '<tool_call>{"name": "f", "arguments": {"x"', []),
+    ("a <tool_c", "a <tool_c", []),
+])
+def test_whitespace_next_to_a_call_is_not_content(text, content, names):
+    parsed = HermesParser().parse(text)
+    assert (parsed.content, [c.name for c in parsed.calls]) == (content, names)
+
+
+def chunks_of(text: str, mode: ToolMode, cut: int, finish: str = "stop") -> list[dict]:
+    """The stream of one choice, as gateway/http_stream.py sends it, in pieces of `cut`."""
+    stream, out = ToolStream(mode), [{"index": 0, "delta": {"role": "assistant", "content": ""}}]
+    pieces = [text[i:i + cut] for i in range(0, len(text), cut)]
+    for k, piece in enumerate(pieces):
+        deltas = stream.deltas(piece)
+        if k == len(pieces) - 1:
+            more, finish = stream.finish(finish)
+            deltas += more
+        out += [{"index": 0, "delta": d, "finish_reason": None} for d in deltas]
+    out.append({"index": 0, "delta": {}, "finish_reason": finish})
+    return [chunk("id", "m", 0, True, [c]) for c in out]
+
+
+@pytest.mark.parametrize("cut", [1, 4, 1000])
+@pytest.mark.parametrize("mode", [ToolMode("hermes"), ToolMode("hermes", parallel=False),
+                                  ToolMode("hermes", named="get_time"), ToolMode(None)],
+                         ids=["auto", "one-call", "named", "none"])
+def test_streamed_chunks_reassemble_in_the_sdk_into_the_whole_message(cut, mode):
+    message, finish = tool_message(TEXT, "stop", mode)
+    state = ChatCompletionStreamState()
+    for c in chunks_of(TEXT, mode, cut):
+        state.handle_chunk(openai.types.chat.ChatCompletionChunk.model_validate(c))
+    got = state.get_final_completion().choices[0]
+    # OpenAI's: a named function's answer finishes "stop", as one without calls does.
+    assert got.finish_reason == finish == ("stop" if mode.named or mode.parser is None else "tool_calls")
+    assert got.message.content == message["content"]
+    got_calls = got.message.tool_calls or []
+    assert [(c.type, c.function.name, c.function.arguments) for c in got_calls] == [
+        (c["type"], c["function"]["name"], c["function"]["arguments"])
+        for c in message.get("tool_calls", [])]
+    assert len({c.id for c in got_calls}) == len(got_calls) and all(
+        c.id.startswith("call_") for c in got_calls)
+    if mode.parser is None:
+        assert message == {"role": "assistant", "content": TEXT}
+    else:
+        assert message["content"] == "Let me check."
+        assert len(message["tool_calls"]) == (2 if mode.parallel else 1)
+
+
+def test_a_call_cut_by_max_tokens_is_content_and_finishes_length():
+    cut = TEXT[:TEXT.index("</tool_call>")]
+    message, finish = tool_message(cut, "length", ToolMode("hermes"))
+    assert (message, finish) == ({"role": "assistant", "content": cut}, "length")
+    first = TEXT[:TEXT.index("</tool_call>") + len("</tool_call>")]
+    message, finish = tool_message(first + "\n<tool", "length", ToolMode("hermes"))
+    assert finish == "length" and [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+
+
+def test_a_streamed_response_s_logprobs_ride_its_first_delta_and_the_finish_its_own():
+    stream = ToolStream(ToolMode("hermes"))
+    lps = [{"token": "x", "logprob": -1.0, "bytes": [120], "top_logprobs": []}]
+    held = _tool_choices(0, stream, pb.GenerateResponse(text="<tool"), lps)
+    assert held == [{"index": 0, "delta": {}, "logprobs": {"content": lps}, "finish_reason": None}]
+    last = _tool_choices(0, stream, pb.GenerateResponse(
+        text='_call>{"name": "f"}</tool_call>', finish_reason=pb.FINISH_REASON_STOP), None)
+    assert [c["delta"] for c in last] == [
+        {"tool_calls": [{"index": 0, "id": last[0]["delta"]["tool_calls"][0]["id"],
+                         "type": "function", "function": {"name": "f", "arguments": ""}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}, {}]
+    assert [c["finish_reason"] for c in last] == [None, None, "tool_calls"]
