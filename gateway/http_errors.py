@@ -34,5 +34,15 @@ def from_rpc(e: RpcFailed, chat: bool) -> HttpError:
     return HttpError(status, message, type_, param, e.code.name.lower())
 
 
+def as_sent(e: HttpError, body) -> HttpError:
+    """e naming the field the client sent: OpenAI's response_format and vLLM's structured_outputs
+    become one pagoda field, whose errors from_rpc names response_format."""
+    if e.param != "response_format" or getattr(body, "response_format", None) is not None \
+            or getattr(body, "structured_outputs", None) is None:
+        return e
+    return HttpError(e.status, str(e).replace("response_format", "structured_outputs"), e.type,
+                     "structured_outputs", e.code)
+
+
 def bad_request(message: str, param: str | None = None) -> HttpError:
     return HttpError(400, message, "invalid_request_error", param)

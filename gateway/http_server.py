@@ -34,7 +34,7 @@ from gateway.openai_schema import (BadField, ChatCompletionRequest, CompletionRe
 from gateway.openai_tools import (ToolBadField, ToolConfig, ToolDefinition, add_tools,
                                   check_tools, tool_request)
 from gateway.beam_request import MAX_BEAM_WIDTH
-from gateway.http_errors import HttpError, bad_request, from_rpc
+from gateway.http_errors import HttpError, as_sent, bad_request, from_rpc
 from gateway.server import GenerationServicer, RpcFailed
 from gateway.validate import MAX_N
 from proto import pagoda_pb2
@@ -211,12 +211,18 @@ class HttpApi:
     async def completions(self, request: Request):
         tenant = self._tenant(request)
         body = await self._body(request, CompletionRequest)
-        return await self._generate(request, body, chat=False, tenant=tenant)
+        try:
+            return await self._generate(request, body, chat=False, tenant=tenant)
+        except HttpError as e:
+            raise as_sent(e, body) from None
 
     async def chat_completions(self, request: Request):
         tenant = self._tenant(request)
         body = await self._body(request, ChatCompletionRequest)
-        return await self._generate(request, body, chat=True, tenant=tenant)
+        try:
+            return await self._generate(request, body, chat=True, tenant=tenant)
+        except HttpError as e:
+            raise as_sent(e, body) from None
 
     async def _generate(self, request: Request, body, chat: bool, tenant: str):
         self._check_model(body.model)

@@ -108,9 +108,9 @@ def test_a_grammar_allowing_only_the_models_own_answer_changes_no_token(stub):
 @pytest.mark.parametrize("body, param, words", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
      "response_format", "objectx"),
-    ({"structured_outputs": {"regex": "(unclosed"}}, "response_format", "parenthesis"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs", "parenthesis"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
-    ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "response_format", "undefined_rule"),
+    ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs", "undefined_rule"),
     ({"structured_outputs": {"choice": ["a"]}, "use_beam_search": True, "n": 2}, "use_beam_search", "beam"),
 ])
 def test_bad_specs_get_400_naming_the_field(client, model, body, param, words):
