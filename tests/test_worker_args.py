@@ -36,7 +36,7 @@ def test_flag_names_are_the_contract():
     flags = {f for f in parser._option_string_actions if f.startswith("--")} - {"--help"}
     assert flags == {"--model", "--dtype", "--device", "--block-size", "--max-model-len",
                      "--num-gpu-blocks-override", "--kv-cache-memory", "--gpu-memory-utilization",
-                     "--swap-space", "--seed", "--attention-backend", "--cpu-matmul", "--max-num-batched-tokens",
+                     "--swap-space", "--seed", "--attention-backend", "--cpu-matmul", "--max-num-batched-tokens", "--quantization",
                      "--scheduler-worker-address", "--worker-id", "--max-message-bytes", "--max-num-seqs",
                      "--log-level", "--tensor-parallel-size", "--busy-poll-us", "--zmq-hwm",
                      "--zmq-keys-dir", "--insecure"}
