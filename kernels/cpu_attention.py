@@ -18,17 +18,39 @@ arithmetic, is most of the time. Here a decode never copies the cache:
 All the indices depend only on the step's metadata: `plan_attention` builds them once per step
 and every layer reuses them. Positions past a sequence's length are never read through the V
 table, and their scores are overwritten with -inf, so stale NaN or Inf in the cache cannot leak.
-A sequence with several new tokens (a prefill or a prefill chunk) is worth its own SDPA call:
-its keys are gathered from its blocks, which costs little next to its q_len x seq_len products.
+
+A sequence with n > 1 new tokens (a speculative verification, a prefill chunk) takes one of:
+- decode rows (n <= MAX_DECODE_ROWS): n decodes over the same block table, row i one of
+  seq_len - n + i + 1 tokens, which makes it causal. Each row reads the context again, and the
+  indices grow with n x context: it pays only for the smallest n.
+- the short path (n <= MAX_SHORT_QUERY): the sequences' K and V are gathered, in groups of
+  similar length under SHORT_GROUP_ELEMENTS, and each group is two batched matmuls (the heads
+  of a kv head stacked as query rows) around one masked softmax: one set of ops per group, not
+  per sequence, and the copy costs little next to the n x context products.
+- SDPA, one call per sequence over its gathered context: torch's flash kernel, which never
+  holds the n x context scores, is best for long chunks.
 
 Shapes as in kernels/reference.py, except the layout of the K blocks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+# The path bounds, from `bench/bench_attention.py --cpu-short-queries` on the 2-core dev machine
+# (SmolLM2's 9/3 heads, one thread, contexts 128-2048, batch 1 and 16, medians of 3 runs).
+# Decode rows read the context once per row: fastest for n = 2 (up to 2.6x the short path at
+# batch 16), mostly behind from 4, 1.4-10x slower from 8 on, with a plan that grows with n x
+# context. At batch 16 and n <= 16 the short path beats the per-sequence SDPA by 1.5-3.6x in
+# bf16 and is at par in fp32 (0.83-1.1x; up to 2x on 128-token contexts); at 32, fp32 SDPA is
+# level or ahead and the short path's scores grow with n. 17 is a verification of k = 16.
+MAX_DECODE_ROWS = 2
+MAX_SHORT_QUERY = 17
+# Elements of K and V one group of short sequences gathers (16 MiB in fp32): bounds the copy of
+# a big batch; a group still holds five sequences of 2048 tokens (SmolLM2).
+SHORT_GROUP_ELEMENTS = 1 << 22
 
 
 def key_blocks(k_cache: torch.Tensor) -> torch.Tensor:
@@ -52,8 +74,9 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 @dataclass
 class DecodePlan:
-    """Indices for the sequences with exactly one new token (Sd of them; Hq query heads)."""
-    rows: torch.Tensor          # [Sd]: their token's row in q and out
+    """Indices for the decode rows (Sd of them; Hq query heads): n per sequence with n <=
+    MAX_DECODE_ROWS new tokens, row i seeing its first seq_len - n + i + 1 positions."""
+    rows: torch.Tensor          # [Sd]: each one's token's row in q and out
     max_blocks: int
     k_rows: torch.Tensor        # [bags, head_dim]: K table rows of each (seq, head, block) bag
     q_rows: torch.Tensor        # [bags]: row of q.view(Sd * Hq, head_dim) weighting each bag
@@ -74,32 +97,101 @@ class PrefillPlan:
 
 
 @dataclass
+class ShortPlan:
+    """A group of S sequences with up to MAX_SHORT_QUERY new tokens, padded to M queries each
+    and W = max_blocks * block_size keys (Hkv kv heads, G = Hq / Hkv)."""
+    q_rows: torch.Tensor        # [S * M]: row of q for each query; padding repeats the last one
+    used: torch.Tensor          # [tokens]: which of the S * M queries are real, in q's order
+    out_rows: torch.Tensor      # [tokens]: their rows in out
+    k_rows: torch.Tensor        # [S, Hkv, D, max_blocks]: K table rows, [S, Hkv, D, W] gathered
+    v_rows: torch.Tensor        # [S, Hkv, W]: V table rows; past seq_len, position 0's
+    tail: int                   # every query sees the keys before this one
+    hidden: torch.Tensor        # bool [S, 1, 1, M, W - tail]: the keys from there each must not
+
+
+@dataclass
 class AttentionPlan:
     decode: DecodePlan | None
     prefills: list[PrefillPlan]
+    shorts: list[ShortPlan] = field(default_factory=list)
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                   query_start_loc: torch.Tensor, k_cache: torch.Tensor,
-                   num_q_heads: int) -> AttentionPlan:
-    """Everything paged_attention needs besides q and the cache; it depends only on the step."""
+                   query_start_loc: torch.Tensor, k_cache: torch.Tensor, num_q_heads: int,
+                   max_decode_rows: int = MAX_DECODE_ROWS,
+                   max_short_query: int = MAX_SHORT_QUERY) -> AttentionPlan:
+    """Everything paged_attention needs besides q and the cache; it depends only on the step.
+    A sequence with n new tokens takes the decode path if n <= max_decode_rows, else the short
+    path if n <= max_short_query, else SDPA (the benchmark sets the bounds to time each path)."""
     qsl = query_start_loc.long()
     query_lens = qsl[1:] - qsl[:-1]
     seq_lens = seq_lens.long()
     block_size, device = k_cache.shape[1], k_cache.device
+    max_short_query = max(max_short_query, max_decode_rows)
     prefills = []
-    for s in (query_lens > 1).nonzero().flatten().tolist():
+    for s in (query_lens > max_short_query).nonzero().flatten().tolist():
         n, seq_len = int(query_lens[s]), int(seq_lens[s])
         blocks = block_tables[s, :-(-seq_len // block_size)].long()
         # Query i sits at position seq_len - n + i and sees the keys up to there.
         positions = torch.arange(seq_len, device=device)
         mask = None if n == seq_len else positions[None, :] <= positions[seq_len - n:, None]
         prefills.append(PrefillPlan(int(qsl[s]), n, seq_len, blocks, mask))
-    decode = (query_lens == 1).nonzero().flatten()
+    # Short sequences by length, in groups whose gathered K and V stay under the budget: one
+    # long context does not pad the others, and a group's copy is bounded however big the batch.
+    short = ((query_lens > max_decode_rows) & (query_lens <= max_short_query)).nonzero().flatten()
+    short = short[seq_lens[short].argsort(stable=True)]
+    per_position = 2 * k_cache.shape[2] * k_cache.shape[3]
+    groups: list[list[int]] = []
+    for s, seq_len in zip(short.tolist(), seq_lens[short].tolist()):
+        width = -(-seq_len // block_size) * block_size
+        if not groups or (len(groups[-1]) + 1) * width * per_position > SHORT_GROUP_ELEMENTS:
+            groups.append([])
+        groups[-1].append(s)
+    shorts = [_plan_short(qsl[g], query_lens[g], seq_lens[g], block_tables[g].long(), k_cache)
+              for g in (torch.tensor(group, device=device) for group in groups)]
+    decode = ((query_lens >= 1) & (query_lens <= max_decode_rows)).nonzero().flatten()
     if decode.numel() == 0:
-        return AttentionPlan(None, prefills)
-    return AttentionPlan(_plan_decode(qsl[:-1][decode], seq_lens[decode],
-                                      block_tables[decode].long(), k_cache, num_q_heads), prefills)
+        return AttentionPlan(None, prefills, shorts)
+    # A sequence with n new tokens is n decode rows over its block table, row i one of
+    # seq_len - n + i + 1 tokens: the lengths alone make it causal.
+    n = query_lens[decode]
+    seq = decode.repeat_interleave(n)
+    offset = torch.arange(seq.numel(), device=device) - (n.cumsum(0) - n).repeat_interleave(n)
+    lens = seq_lens[seq] - query_lens[seq] + offset + 1
+    return AttentionPlan(_plan_decode(qsl[seq] + offset, lens, block_tables[seq].long(), k_cache,
+                                      num_q_heads), prefills, shorts)
+
+
+def _plan_short(starts, query_lens, lens, tables, k_cache) -> ShortPlan:
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    device = lens.device
+    index_dtype = torch.int32 if k_cache.numel() < 2**31 else torch.int64
+    max_q = int(query_lens.max())
+    max_blocks = -(-int(lens.max()) // block_size)
+    width = max_blocks * block_size
+    q_idx = torch.arange(max_q, device=device)
+    used = (q_idx < query_lens[:, None]).flatten().nonzero().flatten()
+    q_idx = torch.minimum(q_idx, query_lens[:, None] - 1)           # [S, M]
+    # Entries past a sequence's last block may hold anything: never index through them.
+    block_used = torch.arange(max_blocks, device=device) * block_size < lens[:, None]
+    tables = torch.where(block_used, tables[:, :max_blocks], tables[:, :1])
+    kv_head = torch.arange(num_kv_heads, device=device)[:, None, None]
+    dims = torch.arange(head_dim, device=device)[:, None]
+    k_rows = (tables[:, None, None, :] * num_kv_heads + kv_head) * head_dim + dims
+    positions = torch.arange(width, device=device)
+    slots = tables.repeat_interleave(block_size, 1) * block_size + positions % block_size
+    # A zero probability times stale NaN is NaN: keys past seq_len read position 0's value.
+    slots = torch.where(positions < lens[:, None], slots, slots[:, :1])
+    v_rows = slots[:, None, :] * num_kv_heads + kv_head[:, 0]
+    # Query i sits at position seq_len - n + i (padding queries copy the last one's). Every key
+    # before the group's first query is seen by all: the mask covers only the keys after it.
+    q_pos = (lens - query_lens)[:, None] + q_idx
+    tail = int(q_pos.min())
+    hidden = positions[None, None, tail:] > q_pos[:, :, None]
+    q_rows = (starts[:, None] + q_idx).flatten()
+    return ShortPlan(q_rows=q_rows, used=used, out_rows=q_rows[used],
+                     k_rows=k_rows.to(index_dtype), v_rows=v_rows.to(index_dtype),
+                     tail=tail, hidden=hidden[:, None, None])
 
 
 def _plan_decode(rows, lens, tables, k_cache, num_q_heads) -> DecodePlan:
@@ -146,6 +238,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out = torch.zeros_like(q)
     if plan.decode is not None:
         _decode(q, k_cache, v_cache, plan.decode, scale, out)
+    for short in plan.shorts:
+        _short(q, k_cache, v_cache, short, scale, out)
     for prefill in plan.prefills:
         _prefill(q, k_cache, v_cache, prefill, scale, out)
     return out
@@ -167,6 +261,29 @@ def _decode(q, k_cache, v_cache, plan: DecodePlan, scale, out) -> None:
     rows = F.embedding_bag(plan.v_rows, v_cache.view(-1, head_dim), plan.v_offsets, mode="sum",
                            per_sample_weights=weights)
     out.index_copy_(0, plan.rows, rows.view(num_seqs, num_q_heads, head_dim).to(out.dtype))
+
+
+def _short(q, k_cache, v_cache, plan: ShortPlan, scale, out) -> None:
+    num_q_heads, head_dim = q.shape[1:]
+    num_seqs, num_kv_heads, _, max_blocks = plan.k_rows.shape
+    block_size = k_cache.shape[1]
+    width = max_blocks * block_size
+    group = num_q_heads // num_kv_heads
+    # The G heads sharing a kv head are stacked as more query rows: [S, Hkv, G * M, D] against
+    # keys [S, Hkv, D, W], one batched matmul; K blocks already hold their keys transposed.
+    queries = (q.index_select(0, plan.q_rows) * scale).to(k_cache.dtype)
+    queries = queries.view(num_seqs, -1, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    queries = queries.reshape(num_seqs, num_kv_heads, -1, head_dim)
+    keys = F.embedding(plan.k_rows, k_cache.view(-1, block_size))
+    scores = torch.matmul(queries, keys.view(num_seqs, num_kv_heads, head_dim, width))
+    scores = scores.view(num_seqs, num_kv_heads, group, -1, width)
+    scores[..., plan.tail:].masked_fill_(plan.hidden, float("-inf"))  # NaN there is no key
+    probs = torch.softmax(scores, -1, dtype=torch.float32).to(v_cache.dtype)
+    values = F.embedding(plan.v_rows, v_cache.view(-1, head_dim))   # [S, Hkv, W, D]
+    rows = torch.matmul(probs.view(num_seqs, num_kv_heads, -1, width), values)
+    rows = rows.view(num_seqs, num_kv_heads, group, -1, head_dim).permute(0, 3, 1, 2, 4)
+    rows = rows.reshape(-1, num_q_heads, head_dim).index_select(0, plan.used)
+    out.index_copy_(0, plan.out_rows, rows.to(out.dtype))
 
 
 def _prefill(q, k_cache, v_cache, plan: PrefillPlan, scale, out) -> None:

@@ -65,3 +65,14 @@ def pytest_collection_modifyitems(session, config, items):
 def smollm2_hf():
     """transformers' own SmolLM2 from the same GGUF file, in fp32: the reference for outputs."""
     return _smollm2_hf.result() if _smollm2_hf else _load_smollm2_hf()
+
+
+@pytest.fixture(scope="module")
+def one_cpu_thread():
+    """For modules of tiny tensors: torch's thread pool only adds contention (10x slower on 2
+    shared cores)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

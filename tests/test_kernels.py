@@ -44,13 +44,7 @@ TOL_REF = {torch.float32: 2e-5, torch.float16: 6e-3, torch.bfloat16: 5e-2}
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    """The tensors are tiny: torch's thread pool only adds contention (10x slower on 2 cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # tests/conftest.py
 
 
 class Batch:
