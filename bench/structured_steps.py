@@ -105,7 +105,7 @@ def run(runner, router, prompts, schemas, max_tokens):
             result = runner.execute(plan)
             elapsed = time.perf_counter() - t
             assert not result.error and not result.failed, (result.error, result.failed)
-            if sum(counts) == len(counts):  # decode only
+            if counts and sum(counts) == len(counts):  # decode only (not a step that only drops)
                 steps[len(counts)].append(elapsed)
             router.on_result(wid, result)
         for msg in router.take_outbox().values():
