@@ -4,7 +4,9 @@ loaded), built beside its final name and renamed (processes that start at once n
 a file)."""
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -49,3 +51,45 @@ def row_major(x, w):
     """x [M, K] and w [N, K] with contiguous rows, as the kernels read them (a column slice of a
     wider tensor keeps its row stride)."""
     return (x if x.stride(1) == 1 else x.contiguous()), (w if w.stride(1) == 1 else w.contiguous())
+
+
+class IsaKernel:
+    """A kernel library with paths for several instruction sets, built and loaded on first use:
+    `isa_symbol()` returns the best path the CPU runs (0: none), `fn_symbol` is the entry point,
+    whose last argument is the path to take. Where it cannot build or run, available() is False
+    and one log line says why (`off`: what the caller does instead)."""
+
+    def __init__(self, source: Path, flags: list[str], isa_symbol: str, fn_symbol: str,
+                 argtypes: list, names: dict[int, str], off: str) -> None:
+        self.source, self.flags, self.names, self.off = source, flags, names, off
+        self.isa_symbol, self.fn_symbol, self.argtypes = isa_symbol, fn_symbol, argtypes
+        self.fn = None
+        self.best = 0
+        self._tried = False
+
+    def available(self) -> bool:
+        if not self._tried:
+            self._tried = True
+            log = logging.getLogger(f"kernels.{self.source.stem}")
+            try:
+                lib = ctypes.CDLL(str(build(self.source, self.flags)))
+            except (OSError, RuntimeError) as e:
+                log.warning("%s kernel off, %s: %s", self.source.stem, self.off, e)
+                return False
+            self.best = getattr(lib, self.isa_symbol)()
+            if self.best == 0:
+                log.info("%s kernel off, %s: the CPU has none of %s", self.source.stem, self.off,
+                         ", ".join(self.names.values()))
+                return False
+            fn = getattr(lib, self.fn_symbol)
+            fn.argtypes, fn.restype = self.argtypes, None
+            self.fn = fn
+        return self.fn is not None
+
+    def isa(self) -> str | None:
+        """The instruction set the kernel runs on here, or None where it does not run."""
+        return self.names.get(self.best) if self.available() else None
+
+    def supported_isas(self) -> list[int]:
+        """Every path this CPU can run, best first (each is tested)."""
+        return [i for i in sorted(self.names, reverse=True) if self.available() and i <= self.best]

@@ -10,53 +10,23 @@ else none (available() is False and the caller multiplies the dequantized weight
 from __future__ import annotations
 
 import ctypes
-import logging
 from pathlib import Path
 
 import torch
 
 from kernels import cbuild
 
-logger = logging.getLogger(__name__)
-
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_gemm_int8.c"
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 ISA_NAMES = {2: "AVX-512F", 1: "AVX2+FMA"}
 
-_lib: ctypes.CDLL | None = None
-_isa = 0
-_tried = False
-
-
-def available() -> bool:
-    global _lib, _tried, _isa
-    if not _tried:
-        _tried = True
-        try:
-            lib = ctypes.CDLL(str(cbuild.build(SOURCE, FLAGS)))
-        except (OSError, RuntimeError) as e:
-            logger.warning("int8 CPU matmul kernel off, multiplying dequantized weights: %s", e)
-            return False
-        _isa = lib.pagoda_int8_isa()
-        if _isa == 0:
-            logger.info("int8 CPU matmul kernel off: the CPU has neither AVX-512F nor AVX2")
-            return False
-        fn = lib.pagoda_int8_xwt
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-        fn.restype = None
-        _lib = lib
-    return _lib is not None and _isa > 0
-
-
-def isa() -> str | None:
-    return ISA_NAMES.get(_isa) if available() else None
-
-
-def supported_isas() -> list[int]:
-    """Every path this CPU can run, best first (each is tested)."""
-    return [i for i in (2, 1) if available() and i <= _isa]
+_kernel = cbuild.IsaKernel(
+    SOURCE, FLAGS, "pagoda_int8_isa", "pagoda_int8_xwt",
+    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+     ctypes.c_int],
+    ISA_NAMES, "multiplying dequantized weights")
+available, isa, supported_isas = _kernel.available, _kernel.isa, _kernel.supported_isas
 
 
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,8 +48,8 @@ def xwt(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, isa: int | None 
     x, w8 = cbuild.row_major(x, w8)
     out = torch.empty(M, N, dtype=torch.float32)
     if M and N:
-        _lib.pagoda_int8_xwt(x.data_ptr(), x.stride(0), w8.data_ptr(), w8.stride(0), scale.data_ptr(),
-                             out.data_ptr(), N, M, N, K, torch.get_num_threads(), isa or _isa)
+        _kernel.fn(x.data_ptr(), x.stride(0), w8.data_ptr(), w8.stride(0), scale.data_ptr(),
+                   out.data_ptr(), N, M, N, K, torch.get_num_threads(), isa or _kernel.best)
     return out
 
 

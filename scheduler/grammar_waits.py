@@ -55,7 +55,3 @@ class GrammarWaits:
         ready = [s for key in msg.ready for s in self.waiting.pop(key, [])]
         failed = [(s, f.reason) for f in msg.failed for s in self.waiting.pop(f.key, [])]
         return ready, failed
-
-    @property
-    def num_waiting(self) -> int:
-        return sum(len(v) for v in self.waiting.values())

@@ -33,6 +33,20 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def client(cluster):
+    """The real openai client against the session cluster's HTTP port."""
+    import openai
+    return openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def model(stub):
+    """The session cluster's model name, as the OpenAI API takes it."""
+    from proto import pagoda_pb2
+    return stub.GetModelInfo(pagoda_pb2.GetModelInfoRequest(), timeout=30).model
+
+
+@pytest.fixture(scope="session")
 def stub(cluster):
     channel = grpc.insecure_channel(cluster.target)
     yield pagoda_pb2_grpc.GenerationStub(channel)

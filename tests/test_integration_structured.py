@@ -34,16 +34,6 @@ ASK = {PERSON["required"][0]: "Describe a fictional person as JSON.",
        "items": "Write a fruit order as JSON.", "temp_c": "Report the weather in Paris as JSON."}
 
 
-@pytest.fixture(scope="module")
-def client(cluster):
-    return openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(stub):
-    return stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).model
-
-
 def schema_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
 

@@ -14,7 +14,6 @@ import jsonschema
 import openai
 import pytest
 
-from proto import pagoda_pb2 as pb
 
 pytestmark = pytest.mark.integration
 
@@ -29,16 +28,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "The time in a time zone.", "parameters": TIME}}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    return openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(stub):
-    return stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).model
 
 
 def valid_calls(message) -> list[str]:

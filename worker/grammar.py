@@ -70,6 +70,8 @@ class GrammarRows:
 
     def finished(self) -> internal_pb2.GrammarsCompiled | None:
         """The compiles done since the last call, as the answer to the scheduler; None if none."""
+        if not self._compiling:  # the worker's loop asks every turn
+            return None
         done = [key for key, f in self._compiling.items() if f.done()][:MAX_ANSWERS]
         if not done:
             return None

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from modelfiles.resolve import model_display_name, resolve_model
 from proto import internal_pb2
 from proto.auth import PROTOCOL_VERSION
-from proto.columns import pack, pack_f32, unpack
+from proto.columns import pack, unpack
 from worker.attention import AttentionMetadata
 from worker.attention_backends import select_backend
 from worker.cache import CacheEngine, bytes_per_block, num_device_blocks
@@ -26,20 +26,18 @@ from worker.grammar import GrammarRows, why_no_token
 from worker.input_batch import InputBatch, StepInputs
 from worker.layers import KERNEL_MAX_ROWS, use_cpu_kernel
 from worker.loader import load_weights
-from worker.logits import compute_logprobs
 from worker.model import build_model
 from worker.parallel import FORGET, PLAN, TensorParallel, shard_config
 from worker.plan_checks import check_compile, check_plan
 from worker.platform import resolve_device, resolve_dtype
 from worker.sampler import Sampler
+from worker.step_logprobs import prompt_logprobs, sampled_logprobs
 from worker.worker_flags import default_worker_id
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2**30
 MAX_DEFAULT_MODEL_LEN = 8192
-# Prompt logprobs take a [rows, vocab] logits tensor: bound it (49152 x 512 floats = 100 MB).
-PROMPT_LOGPROBS_ROWS = 512
 
 
 class ModelRunner:
@@ -251,7 +249,7 @@ class ModelRunner:
     def _sample(self, slots, counts, hidden, inputs: StepInputs, result) -> np.ndarray:
         """Prompt logprobs, then the next token of each sampling row and its logprobs."""
         batch = self.batch
-        self._prompt_logprobs(slots, counts, hidden, result)
+        prompt_logprobs(batch, self.model.compute_logits, slots, counts, hidden, result)
         sampled_slots = inputs.sampled_slots
         if not len(sampled_slots):
             return np.zeros(0, np.int64)
@@ -264,7 +262,7 @@ class ModelRunner:
         sampled = self.sampler(logits, params, inputs.sample_positions, history,
                                batch.num_prompt[sampled_slots].tolist(), allowed)
         self._fail_rows(slot_list, rows, params, history, sampled, result)
-        self._sampled_logprobs(sampled_slots, params, logits, sampled, inputs.sample_positions,
+        sampled_logprobs(sampled_slots, params, logits, sampled, inputs.sample_positions,
                                result)
         return sampled.cpu().numpy()
 
@@ -283,41 +281,6 @@ class ModelRunner:
                 params[i], len(history[i]) - int(self.batch.num_prompt[slot]))
             sampled[i] = -1
             result.failed.append(internal_pb2.SeqFailure(slot=slot, reason=why))
-
-    def _sampled_logprobs(self, slots, params, logits, sampled, positions, result) -> None:
-        """Logprobs of the sampled tokens, for the sequences that asked."""
-        asking = [i for i, p in enumerate(params)
-                  if (p.HasField("logprobs") or p.beam_candidates) and sampled[i] >= 0]
-        if not asking:
-            return
-        index = torch.tensor(asking, device=logits.device)
-        ks = [max(params[i].logprobs, params[i].beam_candidates) for i in asking]
-        chosen = sampled[index]
-        lps = compute_logprobs(logits[index], chosen, max(ks))
-        for j, (i, k) in enumerate(zip(asking, ks)):
-            result.logprobs.append(
-                logprobs_message(int(slots[i]), False, positions[i], chosen, lps, j, j + 1, k))
-
-    def _prompt_logprobs(self, slots, counts, hidden, result) -> None:
-        """Logprobs of the prompt tokens this step computed, for the sequences that asked: the
-        row of position p scores the prompt token at p + 1. The last prompt position scores the
-        first output token instead, which is sampled, not scored here."""
-        batch = self.batch
-        offset = 0
-        for slot, n in zip(slots.tolist(), counts.tolist()):
-            sampling = batch.sampling[slot]
-            if sampling.HasField("prompt_logprobs"):
-                k = sampling.prompt_logprobs
-                start, stop = int(batch.num_computed[slot]), int(batch.num_computed[slot]) + n
-                last = int(batch.num_prompt[slot]) - 1
-                for lo in range(start, min(stop, last), PROMPT_LOGPROBS_ROWS):
-                    hi = min(lo + PROMPT_LOGPROBS_ROWS, stop, last)
-                    logits = self.model.compute_logits(hidden[offset + lo - start:offset + hi - start])
-                    targets = torch.from_numpy(batch.tokens(slot, lo + 1, hi + 1).astype(np.int64))
-                    lps = compute_logprobs(logits, targets.to(logits.device), k)
-                    result.logprobs.append(
-                        logprobs_message(slot, True, lo + 1, targets, lps, 0, hi - lo, k))
-            offset += n
 
     def prepare_inputs(self, slots: np.ndarray, counts: np.ndarray,
                        batch: InputBatch | None = None) -> StepInputs:
@@ -399,13 +362,3 @@ class ModelRunner:
         sync()
         return done / max(time.perf_counter() - start, 1e-9)
 
-
-def logprobs_message(slot: int, prompt: bool, first_position: int, token_ids: torch.Tensor,
-                     lps, lo: int, hi: int, k: int) -> internal_pb2.Logprobs:
-    """Rows lo:hi of compute_logprobs' output, with the top k of each, as a Logprobs message."""
-    values, ranks, top_ids, top_values = (t[lo:hi].cpu() for t in lps)
-    return internal_pb2.Logprobs(
-        slot=slot, prompt=prompt, first_position=first_position,
-        token_ids=pack(token_ids[lo:hi].cpu().numpy()), logprobs=pack_f32(values.float().numpy()),
-        ranks=pack(ranks.numpy()), k=k, top_token_ids=pack(top_ids[:, :k].reshape(-1).numpy()),
-        top_logprobs=pack_f32(top_values[:, :k].reshape(-1).float().numpy()))
