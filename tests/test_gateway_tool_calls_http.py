@@ -84,6 +84,8 @@ def test_streamed_calls_reassemble_in_the_sdk_into_the_whole_answer(client):
     deltas = [d for ch in chunks for c in ch.choices for d in c.delta.tool_calls or []]
     assert deltas[0].id and deltas[0].type == "function" and deltas[0].function.name == "get_weather"
     assert deltas[0].function.arguments == "" and deltas[1].id is None
+    # ... then its arguments as the model writes them, in pieces.
+    assert len([d for d in deltas[1:] if d.function.arguments]) > 3
     state = ChatCompletionStreamState()
     for ch in chunks:
         state.handle_chunk(ch)

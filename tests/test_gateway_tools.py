@@ -59,6 +59,28 @@ def test_streamed_in_any_cut_says_the_same(cut):
     assert [args[i] for i in range(len(args))] == [c.arguments for c in whole.calls]
     # No fragment ever carries a partial "<tool_call" as content.
     assert all("<tool" not in f.content for f in frags)
+    # Arguments go out as they come: in small cuts, each call's in more than one piece.
+    pieces = [sum(1 for f in frags if f.index == i and f.arguments) for i in range(len(args))]
+    if cut <= 5:
+        assert all(n > 1 for n in pieces), pieces
+    if cut >= len(TEXT):
+        assert pieces == [1, 1]
+
+
+@pytest.mark.parametrize("text, arguments", [
+    ('<tool_call>{"name": "f", "arguments": {"s": "}\\"]{</tool_call>", "t": [1, {"u": 2}]}}</tool_call>',
+     '{"s": "}\\"]{</tool_call>", "t": [1, {"u": 2}]}'),  # brackets, quotes and the end tag in strings
+    ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', '{"a": 1}'),  # a string argument
+    ('<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>', '{"a": 1}'),  # keys the other way
+    ('<tool_call>{"name": "f", "arguments": {"a": [1, 2', '{"a": [1, 2'),  # cut: what came stands
+])
+def test_arguments_are_the_model_s_own_text_streamed_or_whole(text, arguments):
+    for cut in (1, 3, len(text)):
+        p = parser("hermes")
+        frags = [f for i in range(0, len(text), cut) for f in p.feed(text[i:i + cut])] + p.finish()
+        assert [f.name for f in frags if f.name] == ["f"]
+        assert "".join(f.arguments for f in frags) == arguments
+        assert not "".join(f.content for f in frags)
 
 
 @pytest.mark.parametrize("choice, parallel", [
@@ -88,7 +110,8 @@ def test_auto_and_none_need_no_grammar():
     ("plain  text \n", "plain  text \n", []),  # no call: the text as written
     ("\n" + TEXT.split("Let me check.")[1] + "\n\n", "", ["get_weather", "get_time"]),
     ("A <tool_call>{\"name\": \"f\"}</tool_call>\n B ", "A\n B", ["f"]),
-    ("<tool_call>{\"name\": \"f\", \"arguments\": {\"x\"", '<tool_call>{"name": "f", "arguments": {"x"', []),
+    ("<tool_call>{\"name\": \"f\", \"arguments\": {\"x\"", "", ["f"]),  # its head came: a call
+    ("<tool_call>{\"name\": \"f\", \"argu", '<tool_call>{"name": "f", "argu', []),  # no head: text
     ("a <tool_c", "a <tool_c", []),
 ])
 def test_whitespace_next_to_a_call_is_not_content(text, content, names):
@@ -136,10 +159,15 @@ def test_streamed_chunks_reassemble_in_the_sdk_into_the_whole_message(cut, mode)
         assert len(message["tool_calls"]) == (2 if mode.parallel else 1)
 
 
-def test_a_call_cut_by_max_tokens_is_content_and_finishes_length():
-    cut = TEXT[:TEXT.index("</tool_call>")]
+def test_a_call_cut_by_max_tokens_keeps_what_came_and_finishes_length():
+    cut = TEXT[:TEXT.index('"unit"')]  # OpenAI's: a cut call's arguments as far as they came
     message, finish = tool_message(cut, "length", ToolMode("hermes"))
-    assert (message, finish) == ({"role": "assistant", "content": cut}, "length")
+    assert finish == "length" and message["content"] == "Let me check."
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        ("get_weather", '{"city": "Paris", ')]
+    no_head = TEXT[:TEXT.index('"arguments"')]
+    message, finish = tool_message(no_head, "length", ToolMode("hermes"))
+    assert (message, finish) == ({"role": "assistant", "content": no_head}, "length")
     first = TEXT[:TEXT.index("</tool_call>") + len("</tool_call>")]
     message, finish = tool_message(first + "\n<tool", "length", ToolMode("hermes"))
     assert finish == "length" and [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]

@@ -2,7 +2,7 @@
 tools: the shipped ChatML tool template renders them) through the real `openai` client:
 tool_choice "required" and a named function are enforced by the grammar, so every call's
 arguments parse and validate against the function's parameters (jsonschema); a greedy streamed
-answer reassembles in the SDK into the whole one; a conversation with an assistant's calls and
+answer streams its arguments in pieces that reassemble in the SDK into the whole one; a conversation with an assistant's calls and
 the tool's results is rendered (the prompt /tokenize counts for it holds the result) and
 answered."""
 from __future__ import annotations
@@ -12,6 +12,7 @@ import json
 import httpx2 as httpx
 import jsonschema
 import openai
+from openai.lib.streaming.chat import ChatCompletionStreamState
 import pytest
 
 
@@ -37,14 +38,20 @@ def valid_calls(message) -> list[str]:
     return [c.function.name for c in message.tool_calls]
 
 
-def test_required_calls_validate_and_stream_as_they_come_whole(client, model):
+def test_required_calls_validate_and_stream_in_pieces_into_the_whole(client, model):
     kw = dict(model=model, messages=ASK, tools=TOOLS, max_tokens=80, temperature=0,
               tool_choice="required", parallel_tool_calls=False)
     whole = client.chat.completions.create(**kw).choices[0]
     assert whole.finish_reason == "tool_calls" and not whole.message.content, whole.message
     assert len(valid_calls(whole.message)) == 1
-    with client.chat.completions.stream(**kw) as stream:  # the SDK reassembles the deltas
-        streamed = stream.get_final_completion().choices[0]
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    pieces = [d.function.arguments for ch in chunks for c in ch.choices
+              for d in c.delta.tool_calls or [] if d.function.arguments]
+    assert len(pieces) > 3, pieces  # the arguments as they come, not whole at the end
+    state = ChatCompletionStreamState()  # the SDK's own accumulator reassembles the deltas
+    for ch in chunks:
+        state.handle_chunk(ch)
+    streamed = state.get_final_completion().choices[0]
     assert streamed.finish_reason == "tool_calls" and not streamed.message.content
     assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
         [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
