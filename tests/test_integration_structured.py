@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import jsonschema
@@ -38,13 +39,18 @@ def schema_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
 
 
-@pytest.mark.parametrize("schema", [PERSON, ORDER, WEATHER], ids=["person", "order", "weather"])
-def test_chat_answers_validate_greedy_sampled_and_n2(client, model, schema):
-    question = ASK[next(iter(schema["required"]))]
-    for kw in ({"temperature": 0}, {"temperature": 0.8, "seed": 11, "n": 2}):
-        r = client.chat.completions.create(
-            model=model, max_tokens=160, messages=[{"role": "user", "content": question}],
-            response_format=schema_format(schema), **kw)
+def test_chat_answers_validate_greedy_sampled_and_n2(client, model):
+    """Every schema greedy, and sampled with n = 2, all at once (one batch, each its own matcher)."""
+    def ask(schema: dict, kw: dict):
+        return schema, kw, client.chat.completions.create(
+            model=model, max_tokens=160, response_format=schema_format(schema),
+            messages=[{"role": "user", "content": ASK[next(iter(schema["required"]))]}], **kw)
+
+    cases = [(schema, kw) for schema in (PERSON, ORDER, WEATHER)
+             for kw in ({"temperature": 0}, {"temperature": 0.8, "seed": 11, "n": 2})]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(lambda case: ask(*case), cases))
+    for schema, kw, r in answers:
         assert len(r.choices) == kw.get("n", 1)
         for choice in r.choices:
             assert choice.finish_reason == "stop", choice.message.content
@@ -54,9 +60,11 @@ def test_chat_answers_validate_greedy_sampled_and_n2(client, model, schema):
 def test_a_streamed_answer_is_the_whole_one(client, model):
     kw = dict(model=model, max_tokens=160, temperature=0.7, seed=5, response_format=schema_format(ORDER),
               messages=[{"role": "user", "content": ASK["items"]}])
-    whole = client.chat.completions.create(**kw).choices[0].message.content
-    streamed = "".join(c.choices[0].delta.content or "" for c in
-                       client.chat.completions.create(stream=True, **kw) if c.choices)
+    with ThreadPoolExecutor(2) as pool:  # side by side: a seeded answer is the same in any batch
+        whole = pool.submit(lambda: client.chat.completions.create(**kw).choices[0].message.content)
+        streamed = "".join(c.choices[0].delta.content or "" for c in
+                           client.chat.completions.create(stream=True, **kw) if c.choices)
+        whole = whole.result()
     assert streamed == whole
     jsonschema.validate(json.loads(whole), ORDER)
 
