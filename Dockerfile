@@ -39,7 +39,7 @@ RUN useradd --system --uid 10001 --no-create-home --home-dir /cache pagoda \
 COPY --from=deps /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PAGODA_CACHE=/cache HOME=/cache
 WORKDIR /app
-# Every package that pyproject.toml lists (tests/test_compose.py checks it), then the compose
+# Every package that pyproject.toml lists (tests/unit/deploy/test_compose.py checks it), then the compose
 # key splitter.
 COPY pyproject.toml ./
 COPY proto ./proto

@@ -49,7 +49,7 @@ bench: install
 clean:
 	rm -rf $(VENV) .cache kernels/build proto/*_pb2*.py proto/*_pb2*.pyi
 
-# docker-compose.yml run for real (tests/test_compose_real.py), as root: it installs Docker and
+# docker-compose.yml run for real (tests/integration/test_compose_real.py), as root: it installs Docker and
 # starts a daemon of its own when none answers (.ci/compose-check).
 .PHONY: compose-check
 compose-check: install

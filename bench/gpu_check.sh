@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check of the attention kernels, for one CUDA GPU (sized for an H200, < 8 minutes):
-#   1. tests/test_kernels.py compiled on the GPU (bf16 included; no TRITON_INTERPRET)
+#   1. tests/unit/kernels/test_kernels.py compiled on the GPU (bf16 included; no TRITON_INTERPRET)
 #   2. + 3. bench/bench_attention.py: decode bandwidth against a device-to-device copy,
 #      prefill against SDPA, config sweeps (markdown tables)
 #   4. bench/e2e_gpu.py: end-to-end SmolLM2 throughput (written by the lead; skipped if absent)
@@ -46,9 +46,9 @@ if ! "$PY" -c 'import pytest' 2>/dev/null; then
         || log "pip could not install pytest: $(tail -1 "$OUT/pip.txt")"
 fi
 if "$PY" -c 'import pytest' 2>/dev/null; then
-    log "1. pytest tests/test_kernels.py (CUDA, bf16 included)"
+    log "1. pytest tests/unit/kernels/test_kernels.py (CUDA, bf16 included)"
     # --noconftest: other test folders' fixtures (and their dependencies) are not needed here.
-    timeout 240 "$PY" -m pytest -q -rs --noconftest -p no:cacheprovider tests/test_kernels.py tests/test_kernels_cuda.py \
+    timeout 240 "$PY" -m pytest -q -rs --noconftest -p no:cacheprovider tests/unit/kernels/test_kernels.py tests/unit/kernels/test_kernels_cuda.py \
         -o addopts="" 2>&1 | tee "$OUT/test_kernels.txt" | tail -25
     status=${PIPESTATUS[0]}
     [ "$status" -eq 0 ] || { log "FAIL: kernel tests (exit $status)"; failed=$((failed + 1)); }

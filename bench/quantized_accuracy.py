@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.conftest import _load_smollm2_hf  # noqa: E402
 from tests.plan_driver import PlanDriver  # noqa: E402
-from tests.test_worker_int8 import dequantized_float64  # noqa: E402
+from tests.unit.worker.test_worker_int8 import dequantized_float64  # noqa: E402
 from tests.worker_tiny_models import runner_args  # noqa: E402
 from worker.runner import ModelRunner  # noqa: E402
 

@@ -48,7 +48,7 @@ async def tick_forever(interval_s: float = 0.5) -> None:
 
 def add_flag(parser: argparse.ArgumentParser, default_s: float) -> argparse.ArgumentParser:
     # default None, resolved by start(): the launcher hands the flag to every process, and one
-    # value given there must mean the same in each (tests/test_launch.py), whatever the default.
+    # value given there must mean the same in each (tests/unit/launch/test_launch.py), whatever the default.
     parser.add_argument("--watchdog-timeout", type=float, default=None, metavar="S",
                         help=f"exit with code {EXIT_CODE} and the main thread's stack when this "
                              f"process's loop has not turned for S seconds, so that its "

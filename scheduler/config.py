@@ -19,6 +19,9 @@ class SchedulerConfig:
     swap_bytes_per_s: float = 0.0
     prefill_tokens_per_s: float = 0.0
     max_plans_in_flight: int = 2       # 2 = one plan ahead; 1 = wait for each result
+    # Speculative decoding: proposals a decode row may verify per step (the worker's hello says;
+    # 0 = off). It plans one step at a time: the next plan needs to know how many were accepted.
+    num_speculative_tokens: int = 0
 
 
 @dataclass

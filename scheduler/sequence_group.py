@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from proto import internal_pb2 as pb
+from proto.speculation import may_speculate
 from scheduler.request import FinishReason, Request, Status
 
 if TYPE_CHECKING:
@@ -188,13 +189,19 @@ class Single(SequenceGroup):
             if todo == 0 and self.held_back:
                 self._reach_held_back(sched, step)
             return
-        # Preempting others (the last in line first) while the blocks run out.
         n, kv = min(todo, step.budget), sched.kv
-        blocks = kv.allocate_slots(seq, n)
+        k = _lookahead(sched.config.num_speculative_tokens, seq, known, todo, step.budget)
+        blocks = kv.allocate_slots(seq, n, num_lookahead_tokens=k) if k else None
+        if blocks is None:  # no room for proposals: a plain decode, for which others may go
+            k = 0
+            blocks = kv.allocate_slots(seq, n)
+        # Preempting others (the last in line first) while the blocks run out.
         while blocks is None and sched.preempt_for(self, step):
             blocks = kv.allocate_slots(seq, n)
         if blocks is not None:
             step.take(seq, n, blocks)
+            if k:
+                step.speculate(seq, k)
 
     def preempt(self, sched: Batch, step: Step) -> None:
         """Swap out to CPU when the cost model says moving the blocks twice beats computing the
@@ -241,3 +248,14 @@ class Single(SequenceGroup):
 
     def drained(self) -> list[Request]:
         return [self.handle]
+
+
+def _lookahead(k: int, seq: Request, known: int, todo: int, budget: int) -> int:
+    """Proposals a running sequence may verify this step: only a decode (one token to compute,
+    none on the way) whose sampling allows it, and no more than its length limit and the step's
+    budget leave room for."""
+    if not k or todo != 1 or seq.num_pending or not seq.on_worker:
+        return 0
+    if not may_speculate(seq.sampling, known - seq.num_prompt_tokens):
+        return 0
+    return max(0, min(k, seq.length_limit - known - 1, budget - 1))

@@ -28,6 +28,8 @@ class Step:
     dropped: list[int] = field(default_factory=list)
     next_token_slots: list[int] = field(default_factory=list)  # beam search: a held sequence's
     next_token_ids: list[int] = field(default_factory=list)    # next token, chosen by the scheduler
+    spec_slots: list[int] = field(default_factory=list)        # held decodes that may propose
+    spec_num_tokens: list[int] = field(default_factory=list)   # up to this many tokens each
     preempted: bool = False
     forked: list = field(default_factory=list)  # groups forked into the batch, to join its running list
     alone: bool = False             # a suspect's step: nothing else runs in it
@@ -56,6 +58,13 @@ class Step:
         else:
             self.new.append((req, n))
 
+    def speculate(self, req: "Request", k: int) -> None:
+        """req, taken for one decode token, may verify up to k proposals too: they come out of
+        the budget, and its blocks (allocated with k lookahead slots) hold them."""
+        self.budget -= k
+        self.spec_slots.append(req.slot)
+        self.spec_num_tokens.append(k)
+
     def is_empty(self) -> bool:
         # Block moves alone make a step: a group may swap in and compute only in a later step
         # (a fork that waits for room), and its blocks must still be moved in this one.
@@ -77,7 +86,8 @@ class Step:
             running_slots=pack([req.slot for req, _ in self.held]),
             running_num_tokens=pack([n for _, n in self.held]),
             new_block_slots=pack(self.new_block_slots), new_block_ids=pack(self.new_block_ids),
-            next_token_slots=pack(self.next_token_slots), next_token_ids=pack(self.next_token_ids))
+            next_token_slots=pack(self.next_token_slots), next_token_ids=pack(self.next_token_ids),
+            spec_slots=pack(self.spec_slots), spec_num_tokens=pack(self.spec_num_tokens))
 
 
 def _moves(pairs: list[tuple[int, int]]) -> list[pb.BlockCopy]:

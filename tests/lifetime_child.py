@@ -1,4 +1,4 @@
-"""Processes for tests/test_lifetime.py, each `python -m tests.lifetime_child MODE [ARG]`.
+"""Processes for tests/unit/launch/test_lifetime.py, each `python -m tests.lifetime_child MODE [ARG]`.
 
     child DRAIN      launch/lifetime.py with that drain; on SIGTERM its "drain" wedges the main
                      thread in Python code for good (prints "ready", then "draining")

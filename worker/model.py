@@ -153,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
         # Without pagoda's kernel, on a CPU one [rows, hidden] x [hidden, vocab] product runs at a third to a half of the
         # GEMM rate of the layers' (BLAS blocks it badly for so wide an output); the same product
         # in slices of the vocabulary, each written in place into its columns, runs near that
-        # rate (tests/test_worker_layers.py holds it to a float64 product).
+        # rate (tests/unit/worker/test_worker_layers.py holds it to a float64 product).
         logits = hidden.new_empty(hidden.shape[0], weight.shape[0])
         for start in range(0, weight.shape[0], _VOCAB_SLICE):
             torch.mm(hidden, weight[start:start + _VOCAB_SLICE].t(),
