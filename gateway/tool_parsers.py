@@ -17,11 +17,15 @@ import uuid
 from dataclasses import dataclass, field
 
 
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 @dataclass
 class ToolCall:
     name: str
     arguments: str  # JSON text, as OpenAI sends it
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str = field(default_factory=_call_id)
 
 
 @dataclass
@@ -165,7 +169,7 @@ class HermesParser(ToolParser):
 
     def _open(self, name: str, out: list[Fragment], call_id: str | None = None) -> None:
         self._space = ""
-        out.append(Fragment(index=self._calls, id=call_id or ToolCall(name, "").id, name=name))
+        out.append(Fragment(index=self._calls, id=call_id or _call_id(), name=name))
         self._calls += 1
 
     def finish(self) -> list[Fragment]:

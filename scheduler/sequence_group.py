@@ -190,7 +190,8 @@ class Single(SequenceGroup):
                 self._reach_held_back(sched, step)
             return
         n, kv = min(todo, step.budget), sched.kv
-        k = _lookahead(sched.config.num_speculative_tokens, seq, known, todo, step.budget)
+        k = sched.config.num_speculative_tokens  # 0 (off): no call on the decode path
+        k = _lookahead(k, seq, known, todo, step.budget) if k else 0
         blocks = kv.allocate_slots(seq, n, num_lookahead_tokens=k) if k else None
         if blocks is None:  # no room for proposals: a plain decode, for which others may go
             k = 0
@@ -254,7 +255,7 @@ def _lookahead(k: int, seq: Request, known: int, todo: int, budget: int) -> int:
     """Proposals a running sequence may verify this step: only a decode (one token to compute,
     none on the way) whose sampling allows it, and no more than its length limit and the step's
     budget leave room for."""
-    if not k or todo != 1 or seq.num_pending or not seq.on_worker:
+    if todo != 1 or seq.num_pending or not seq.on_worker:
         return 0
     if not may_speculate(seq.sampling, known - seq.num_prompt_tokens):
         return 0
