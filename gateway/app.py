@@ -21,7 +21,7 @@ from gateway.http_server import HttpApi
 from gateway.scheduler_client import SchedulerClient
 from gateway.server import GenerationServicer
 from gateway.tokenizer import TextTokenizer
-from gateway.validate import Limits
+from gateway.limits import Limits
 from proto import internal_pb2, pagoda_pb2, pagoda_pb2_grpc
 
 log = logging.getLogger("pagoda.gateway")

@@ -7,17 +7,15 @@ exist to avoid."""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import jinja2
 
 from gateway.chat_literals import LiteralError, render_with_literals
+from gateway.limits import Limits
 from gateway.tokenizer import ROLES, TextTokenizer
 from gateway.validation_error import ValidationError
 from proto import pagoda_pb2
-
-if TYPE_CHECKING:
-    from gateway.validate import Limits
 
 
 def _json(text: str, name: str, what: str):

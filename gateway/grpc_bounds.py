@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from gateway.chat_render import FRAME_CHARS
 from gateway.structured_check import MAX_CHOICES
 from gateway.tokenizer import ROLES, TextTokenizer
-from gateway.validate import Limits
-from proto.sizes import MAX_ID_BYTES, MAX_LIST, MAX_WORKERS
+from gateway.limits import Limits
+from proto.sizes import MAX_ID_BYTES, MAX_LIST, MAX_WORKERS, worker_load_bytes
 
 CONTEXT_BOUND = 1 << 17
 _SCALARS = 1024
@@ -85,8 +85,8 @@ def largest_generate_request(limits: Limits, max_model_len: int = CONTEXT_BOUND)
 #   its id, its spelling (at most `spelling_per_byte` bytes per byte it covers), an Offset of two
 #   code-point indices, and the text is echoed once.
 # - Detokenize: at most max_model_len ids (it refuses more), so the output text bound above.
-# - GetLoads: MAX_WORKERS (the scheduler registers no more) entries of a MAX_ID_BYTES id, five
-#   counters and a double; GetModelInfo and Abort: MAX_ID_BYTES / MAX_LIST lists, smaller.
+# - GetLoads: MAX_WORKERS (the scheduler registers no more) entries of proto.sizes'
+#   worker_load_bytes; GetModelInfo and Abort: MAX_ID_BYTES / MAX_LIST lists, smaller.
 # gRPC takes a signed 32-bit limit; a bound past it is clipped (nothing larger can be sent).
 
 _ID = 5
@@ -200,7 +200,7 @@ def largest_tokenize_response(limits: Limits, tokens: TokenSizes,
 
 def largest_response(limits: Limits, tokens: TokenSizes, max_model_len: int = CONTEXT_BOUND) -> int:
     """The largest message any RPC of the gateway sends: gRPC's send limit."""
-    loads = MAX_WORKERS * _field(_field(MAX_ID_BYTES) + 5 * (1 + _ID) + 9) + _SCALARS
+    loads = MAX_WORKERS * _field(worker_load_bytes()) + _SCALARS
     info = _field(MAX_ID_BYTES) + _field(_ID * MAX_LIST) + _SCALARS
     aborted = MAX_LIST * _field(limits.max_request_id_bytes)
     return min(_GRPC_MAX, max(

@@ -23,7 +23,7 @@ from gateway.grpc_bounds import CONTEXT_BOUND, largest_generate_request, largest
 from gateway.metrics import start_metrics_server
 from gateway.scheduler_client import SchedulerClient
 from gateway.tokenizer import load_tokenizer
-from gateway.validate import limits_from_args
+from gateway.limits import limits_from_args
 from launch import lifetime, watchdog
 from proto.auth import check_auth_args
 from proto.sizes import largest_scheduler_message

@@ -27,7 +27,7 @@ import zmq.asyncio
 from gateway import scheduler_checks as checks
 from gateway.grpc_bounds import CONTEXT_BOUND
 from gateway.inbox import Inbox
-from gateway.validate import Limits
+from gateway.limits import Limits
 from launch.ratelog import RateLimitedLog
 from proto import internal_pb2
 from proto.auth import PROTOCOL_VERSION, secure_client

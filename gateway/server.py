@@ -33,7 +33,8 @@ from gateway.grpc_bounds import CONTEXT_BOUND
 from gateway.response_builder import ResponseBuilder
 from gateway.scheduler_client import SchedulerBusy, SchedulerClient, SchedulerUnavailable
 from gateway.tokenizer import TextTokenizer
-from gateway.validate import Limits, ValidationError, check_ids, prompt_offsets, validate
+from gateway.limits import Limits
+from gateway.validate import ValidationError, check_ids, prompt_offsets, validate
 from proto import internal_pb2, pagoda_pb2, pagoda_pb2_grpc
 
 log = logging.getLogger("pagoda.gateway")

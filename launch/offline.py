@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import argparse
+import json
 import os
 import subprocess
 import tempfile
@@ -36,6 +37,8 @@ def _flags(engine: dict) -> list[str]:
         flag = "--" + key.replace("_", "-")
         if value is True:
             argv.append(flag)
+        elif isinstance(value, dict):  # a JSON flag: --speculative-config
+            argv += [flag, json.dumps(value)]
         elif value is not False and value is not None:
             argv += [flag, str(value)]
     return argv
@@ -48,7 +51,7 @@ class LLM:
     def __init__(self, model: str = "", *, num_workers: int = 1, log_file: str | None = None,
                  start_timeout: float = 600.0, **engine) -> None:
         from gateway.gateway_flags import add_gateway_args
-        from gateway.validate import limits_from_args
+        from gateway.limits import limits_from_args
 
         self._procs: list[subprocess.Popen] = []
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -17,6 +17,7 @@ MAX_LOGPROBS = 64             # alternatives per position: the scheduler refuses
 MAX_TEXT = 4096               # error and refusal messages to a gateway
 MAX_WORKERS = 1024            # registered with one scheduler at once
 MAX_STRUCTURED_OUTPUT = 64 << 10  # bytes of one SamplingConfig.structured_output (its spec)
+MAX_SPECULATIVE_TOKENS = 16   # proposals a worker may verify per sequence and step
 DEFAULT_MAX_MODEL_LEN = 8192  # the longest a worker takes without --max-model-len
 # The scheduler cuts what it sends a gateway into messages of at most this many bytes of
 # entries (scheduler/outbox.py), and logprobs into entries of at most this many positions.
@@ -24,6 +25,12 @@ DELTA_BATCH_BYTES = 1 << 20
 LOGPROBS_POSITIONS = 512
 MARGIN = 64 << 10             # plus a quarter: scalars, tags and varint widths counted loosely
 _SCALARS = 256                # the scalar fields of any one message
+
+
+def worker_load_bytes() -> int:
+    """One GetLoads WorkerLoad: an id, five counters and a double, three 64-bit counters, the
+    accepted count at each draft position and two doubles (the speculation's)."""
+    return _field(MAX_ID_BYTES) + 5 * 6 + 9 + 3 * 11 + _field(10 * MAX_SPECULATIVE_TOKENS) + 2 * 9
 
 
 def with_margin(n: int) -> int:
@@ -108,6 +115,6 @@ def largest_scheduler_message(max_logprobs: int, context_bound: int) -> int:
     delta = _field(_field(MAX_ID_BYTES) + _field(_field(32) + _field(MAX_TEXT)) + _SCALARS)
     item = max(token_entry + news, delta, largest_logprobs(LOGPROBS_POSITIONS, max_logprobs))
     reply = max(_field(MAX_LIST * _field(MAX_ID_BYTES)),
-                MAX_WORKERS * _field(_field(MAX_ID_BYTES) + _SCALARS))
+                MAX_WORKERS * _field(worker_load_bytes() + _SCALARS))
     info = _field(_field(MAX_ID_BYTES) + _ids(MAX_LIST) + _SCALARS)
     return with_margin(max(DELTA_BATCH_BYTES + item, reply) + info + _field(MAX_TEXT) + _SCALARS)

@@ -13,7 +13,8 @@ import math
 from proto import internal_pb2 as pb
 from proto.auth import PROTOCOL_VERSION
 from proto.columns import unpack
-from proto.sizes import MAX_ID_BYTES, MAX_LIST, MAX_LOGPROBS, MAX_STRUCTURED_OUTPUT
+from proto.sizes import (MAX_ID_BYTES, MAX_LIST, MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS,
+                         MAX_STRUCTURED_OUTPUT)
 
 MAX_BLOCKS = 1 << 21          # per pool, device or CPU
 MAX_BLOCK_SIZE = 2048
@@ -75,6 +76,7 @@ def check_worker_hello(h: pb.WorkerHello) -> str | None:
         _int("bytes_per_block", h.bytes_per_block, 0, 1 << 40),
         _float("swap_bytes_per_s", h.swap_bytes_per_s, 0.0, 1e15),
         _float("prefill_tokens_per_s", h.prefill_tokens_per_s, 0.0, 1e12),
+        _int("num_speculative_tokens", h.num_speculative_tokens, 0, MAX_SPECULATIVE_TOKENS),
         _tokens("eos_token_ids", h.eos_token_ids, h.vocab_size, MAX_LIST))
 
 
@@ -161,7 +163,10 @@ def check_result(r: pb.StepResult, vocab_size: int) -> str | None:
         slots, tokens = unpack(r.slots), unpack(r.token_ids)
     except ValueError as e:
         return str(e)
-    if len(slots) != len(tokens):
+    if r.num_tokens or r.num_drafts:  # rows that speculated: each row's run of tokens
+        if why := _runs(r, len(slots), len(tokens)):
+            return why
+    elif len(slots) != len(tokens):
         return f"{len(slots)} slots but {len(tokens)} tokens"
     if len(tokens) and (tokens.min() < 0 or tokens.max() >= vocab_size):
         return f"a sampled token is outside the vocabulary of {vocab_size}"
@@ -171,3 +176,17 @@ def check_result(r: pb.StepResult, vocab_size: int) -> str | None:
                   _text("error", r.error, limit=1 << 16),
                   _int("failed (count)", len(r.failed), 0, MAX_LIST),
                   *(_text("failed[].reason", f.reason) for f in r.failed))
+
+
+def _runs(r: pb.StepResult, num_slots: int, num_tokens: int) -> str | None:
+    try:
+        counts, drafts = unpack(r.num_tokens), unpack(r.num_drafts)
+    except ValueError as e:
+        return str(e)
+    if len(counts) != num_slots or len(drafts) != num_slots:
+        return f"{num_slots} slots but {len(counts)} num_tokens and {len(drafts)} num_drafts"
+    if num_slots and (counts.min() < 1 or drafts.min() < 0 or (counts - 1 > drafts).any()):
+        return "a row's num_tokens is not 1 + its accepted proposals (at most num_drafts)"
+    if int(counts.sum()) != num_tokens:
+        return f"num_tokens add up to {int(counts.sum())}, but there are {num_tokens} tokens"
+    return None

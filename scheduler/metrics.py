@@ -32,6 +32,14 @@ class RouterCollector(Collector):
                                     labels=["worker"])
         forward = CounterMetricFamily("pagoda_worker_forward_seconds",
                                       "the worker's time executing steps", labels=["worker"])
+        spec = {name: CounterMetricFamily(f"pagoda_spec_decode_{name}", doc, labels=["worker"])
+                for name, doc in [
+                    ("num_drafts", "speculative drafts: one sequence's proposals in one step"),
+                    ("num_draft_tokens", "tokens proposed"),
+                    ("num_accepted_tokens", "proposed tokens the target model accepted")]}
+        per_pos = CounterMetricFamily("pagoda_spec_decode_num_accepted_tokens_per_pos",
+                                      "accepted proposals by their position in the draft",
+                                      labels=["worker", "position"])
         for state in list(self.router.workers.values()):
             wid = state.hello.worker_id
             sched, kv = state.scheduler, state.scheduler.kv
@@ -55,5 +63,13 @@ class RouterCollector(Collector):
             hits.add_metric([wid], num_hits)
             steps.add_metric([wid], state.steps)
             forward.add_metric([wid], state.forward_seconds)
+            stats = sched.speculation
+            spec["num_drafts"].add_metric([wid], stats.num_drafts)
+            spec["num_draft_tokens"].add_metric([wid], stats.num_draft_tokens)
+            spec["num_accepted_tokens"].add_metric([wid], stats.num_accepted_tokens)
+            for pos, count in enumerate(stats.accepted_per_position):
+                per_pos.add_metric([wid, str(pos)], count)
         yield from g.values()
         yield from (preempt, queries, hits, steps, forward)
+        yield from spec.values()
+        yield per_pos

@@ -25,7 +25,10 @@ def apply_result(sched: Batch, step: Step, result: pb.StepResult,
     that ended while the step ran (a stop seen one result earlier, an abort) is skipped: the
     token it computed is dropped."""
     res_slots, res_tokens = unpack_list(result.slots), unpack_list(result.token_ids)
-    if len(res_slots) != len(res_tokens):
+    runs = None  # speculative decoding: row j's tokens are res_tokens[runs[j]:runs[j + 1]]
+    if result.num_tokens:
+        runs = run_starts(sched, step, result, res_slots, len(res_tokens))
+    elif len(res_slots) != len(res_tokens):
         raise ValueError(f"step {result.step_id}: {len(res_slots)} slots but {len(res_tokens)} tokens")
     candidates = forward_logprobs(step, result.logprobs, outboxes) if result.logprobs else {}
     RUNNING, kv = Status.RUNNING, sched.kv
@@ -35,9 +38,13 @@ def apply_result(sched: Batch, step: Step, result: pb.StepResult,
     for req, _, slot in step.entries:
         if j == num_results or res_slots[j] != slot:
             continue  # a prefill chunk that did not reach the end: nothing sampled
-        token = res_tokens[j]
+        token = res_tokens[j] if runs is None else res_tokens[runs[j]]
         j += 1
         if req.status is Status.FINISHED:
+            continue
+        if runs is not None and runs[j] - runs[j - 1] > 1:
+            if accept_run(sched, req, res_tokens[runs[j - 1]:runs[j]], outboxes, streams):
+                others.append(req)
             continue
         req.num_pending -= 1
         if req.group.picks_tokens:
@@ -74,6 +81,64 @@ def apply_result(sched: Batch, step: Step, result: pb.StepResult,
     if picked:
         others += pick_tokens(sched, picked, candidates)
     return others
+
+
+def run_starts(sched: Batch, step: Step, result: pb.StepResult, slots: list[int],
+               num_tokens: int) -> list[int]:
+    """Where each row's run of tokens starts in result.token_ids, and the end: [0, ..., n].
+    message_checks.check_result saw that the runs cover the tokens; here, that no row accepted
+    more proposals than the plan gave it slots for (the blocks hold no more)."""
+    counts = unpack_list(result.num_tokens)
+    if len(counts) != len(slots) or sum(counts) != num_tokens:
+        raise ValueError(f"step {result.step_id}: the runs do not cover the result's tokens")
+    sched.speculation.record(counts, unpack_list(result.num_drafts))
+    room = dict(zip(step.spec_slots, step.spec_num_tokens))
+    starts = [0] * (len(slots) + 1)
+    for i, (slot, c) in enumerate(zip(slots, counts)):
+        if c > 1 + room.get(slot, 0):
+            raise ValueError(f"step {result.step_id}: slot {slot} accepted {c - 1} proposals, "
+                             f"planned {room.get(slot, 0)}")
+        starts[i + 1] = starts[i] + c
+    return starts
+
+
+def accept_run(sched: Batch, req: Request, run: list[int], outboxes: Outboxes,
+               streams: dict[bytes, tuple]) -> bool:
+    """A speculating row's accepted proposals and the target's token after them: their KV is in
+    the cache up to the last one (which the next step computes), so the computed count moves by
+    all but one. Tokens are taken one by one as in a plain step, so a stop id or the length limit
+    inside the run ends the sequence exactly there, and the surplus is dropped. Streams the kept
+    tokens as one entry; returns whether the caller must emit it (first tokens, a finish)."""
+    req.num_pending -= 1
+    if req.status is Status.RUNNING or req.status is Status.SWAPPED:
+        req.num_computed_tokens += len(run) - 1
+    tokens, kept = req.all_token_ids, 0
+    for token in run:
+        tokens.append(token)
+        kept += 1
+        if token in req.stop_set and len(tokens) >= req.min_stop_len:
+            sched.finish(req, FinishReason.STOP)
+            break
+        if len(tokens) >= req.length_limit:
+            sched.finish(req, FinishReason.LENGTH)
+            break
+    kv = sched.kv
+    if kv.prefix_caching and req.status is Status.RUNNING:
+        kv.cache_blocks(req)  # only the accepted tokens count as computed, so only they are hashed
+    if req.status is Status.FINISHED or not req.stream_started or req.num_unstreamed:
+        req.num_unstreamed += kept
+        return True
+    appends = streams.get(req.gateway)
+    if appends is None:
+        appends = streams[req.gateway] = outboxes[req.gateway].appends()
+    add_id, add_index, add_count, add_offset, add_token = appends
+    add_id(req.request_id)
+    add_index(req.index)
+    add_count(kept)
+    add_offset(len(tokens) - len(req.prompt_token_ids) - kept)
+    for token in run[:kept]:
+        add_token(token)
+    return False
 
 
 def pick_tokens(sched: Batch, picked: list[tuple[Request, int]],

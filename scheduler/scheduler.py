@@ -35,6 +35,7 @@ from scheduler.queues import Queues
 from scheduler.request import FinishReason, Request, Status
 from scheduler.results import apply_result
 from scheduler.sequence_group import SequenceGroup
+from scheduler.speculation_stats import SpeculationStats
 from scheduler.slots import Slots
 from scheduler.step import Step
 
@@ -47,6 +48,8 @@ class Scheduler:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.num_cpu_blocks)
         self.preemption = PreemptionPolicy(config, self.kv)
+        # What the worker's proposals came to, every position counted from the start.
+        self.speculation = SpeculationStats(accepted_per_position=[0] * config.num_speculative_tokens)
         self.queues = Queues()
         self.grammars = GrammarWaits()  # groups not ready until their grammar is compiled
         self.slots = Slots()

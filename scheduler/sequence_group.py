@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from scheduler.kv_cache_manager import KVCacheManager
     from scheduler.preemption import PreemptionPolicy
     from scheduler.queues import Queues
+    from scheduler.speculation_stats import SpeculationStats
     from scheduler.step import Step
 
 
@@ -27,6 +28,7 @@ class Batch(Protocol):
     kv: KVCacheManager
     queues: Queues
     preemption: PreemptionPolicy
+    speculation: SpeculationStats
 
     def add_sequence(self, seq: Request) -> None: ...
     def finish(self, seq: Request, reason: FinishReason) -> None: ...

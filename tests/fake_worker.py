@@ -122,8 +122,10 @@ class Seq:
 
 class FakeWorker:
     def __init__(self, num_blocks: int, block_size: int = 4, worker_id: str = "fake",
-                 num_cpu_blocks: int = 0) -> None:
+                 num_cpu_blocks: int = 0, num_speculative_tokens: int = 0) -> None:
         self.num_blocks, self.block_size, self.worker_id = num_blocks, block_size, worker_id
+        self.num_speculative_tokens = num_speculative_tokens
+        self.drafts = self.accepted = 0  # proposals made, proposals accepted
         self.num_cpu_blocks = num_cpu_blocks
         self.cache = [-1] * (num_blocks * block_size)
         self.cpu_cache = [-1] * (num_cpu_blocks * block_size)
@@ -140,7 +142,8 @@ class FakeWorker:
                               vocab_size=VOCAB, eos_token_ids=[EOS], device="cpu",
                               num_cpu_blocks=self.num_cpu_blocks, bytes_per_block=1000,
                               swap_bytes_per_s=1e9, prefill_tokens_per_s=1e3,
-                              protocol_version=PROTOCOL_VERSION)
+                              protocol_version=PROTOCOL_VERSION,
+                              num_speculative_tokens=self.num_speculative_tokens)
 
     def forget_all(self) -> None:
         """A new scheduler knows none of our sequences (worker.main calls it on reregister)."""
@@ -190,7 +193,9 @@ class FakeWorker:
         for sid, seq, n in work:
             if is_poisoned(seq.tokens, seq.num_prompt_tokens):
                 raise Poisoned(f"slot {sid} broke the forward of step {plan.step_id}")
-        slots, tokens, logprobs = [], [], []
+        spec = dict(zip(unpack_list(plan.spec_slots), unpack_list(plan.spec_num_tokens)))
+        assert not spec or self.num_speculative_tokens, "a plan speculates on a worker that does not"
+        slots, tokens, logprobs, runs, drafts = [], [], [], [], []
         for sid, seq, n in work:
             assert n >= 1 and seq.num_computed + n <= len(seq.tokens), (sid, n, seq.num_computed)
             assert len(seq.blocks) * bs >= seq.num_computed + n, f"{sid}: too few blocks"
@@ -207,10 +212,53 @@ class FakeWorker:
                         logprobs=pack_f32([top[0][1]]), ranks=pack([1]), k=len(top),
                         top_token_ids=pack([t for t, _ in top]),
                         top_logprobs=pack_f32([v for _, v in top])))
+                    run, p = [tok], 0
+                elif sid in spec:
+                    run, p = self._speculate(sid, seq, n, spec.pop(sid))
                 else:
                     tok = next_token(context, seq.seed, seq.num_prompt_tokens, seq.min_tokens)
                     seq.tokens.append(tok)
+                    run, p = [tok], 0
                 slots.append(sid)
-                tokens.append(tok)
-        return pb.StepResult(step_id=plan.step_id, slots=pack(slots), token_ids=pack(tokens),
-                             logprobs=logprobs)
+                tokens += run
+                runs.append(len(run))
+                drafts.append(p)
+        assert not spec, f"slots {sorted(spec)} speculate but compute no decode token"
+        result = pb.StepResult(step_id=plan.step_id, slots=pack(slots), token_ids=pack(tokens),
+                               logprobs=logprobs)
+        if any(drafts):
+            result.num_tokens, result.num_drafts = pack(runs), pack(drafts)
+        return result
+
+    def _speculate(self, sid: int, seq: Seq, n: int, k: int) -> tuple[list[int], int]:
+        """A decode row that may verify up to k proposals. The fake proposer is right for the
+        first j of them (j from the context's hash, 0..k) and wrong after, and proposes nothing
+        at all for some contexts; the proposals are computed into the cache as a verification
+        forward computes them, and accepted while each equals the model's next token read back
+        through the block table. Returns the run (accepted proposals, then the model's token) and
+        the number proposed."""
+        bs = self.block_size
+        assert n == 1 and not seq.beam_k and 1 <= k <= self.num_speculative_tokens, (sid, n, k)
+        h = _fold(_FNV_BASIS, seq.tokens)
+        p = 0 if h % 5 == 0 else k  # some rows find no n-gram
+        right = h % (p + 1)
+        known, truth = len(seq.tokens), []
+        for _ in range(p):
+            truth.append(next_token(seq.tokens + truth, seq.seed, seq.num_prompt_tokens, seq.min_tokens))
+        draft = truth[:right] + [t % (VOCAB - 2) + 1 for t in truth[right:]]  # 1..VOCAB-2, never t
+        assert len(seq.blocks) * bs >= known + p, f"{sid}: no lookahead slots for {p} proposals"
+        for i, t in enumerate(draft):  # the verification forward writes their KV
+            self.cache[seq.blocks[(known + i) // bs] * bs + (known + i) % bs] = t
+        run = []
+        for i in range(p + 1):
+            m = known + i
+            context = [self.cache[seq.blocks[q // bs] * bs + q % bs] for q in range(m)]
+            tok = next_token(context, seq.seed, seq.num_prompt_tokens, seq.min_tokens)
+            run.append(tok)
+            if i == p or draft[i] != tok:
+                break
+        self.drafts += p
+        self.accepted += len(run) - 1
+        seq.tokens += run
+        seq.num_computed = len(seq.tokens) - 1
+        return run, p

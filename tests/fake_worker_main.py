@@ -36,6 +36,7 @@ from proto import internal_pb2 as pb
 from tests.fake_worker import DIE_MARK, FakeWorker, hangs
 from worker.heartbeat import heartbeats, main_routing_id
 from worker.main import Link, main_socket, serve
+from worker.speculative_config import SpeculativeConfig
 from worker.worker_flags import add_worker_args, default_worker_id
 
 
@@ -47,7 +48,10 @@ class FakeRunner:
         self.compile_s = args.grammar_compile_delay
         self._compiling: dict[str, tuple[float, str]] = {}  # key -> (when done, spec text)
         self.worker_id = args.worker_id or default_worker_id()
-        self.fake = FakeWorker(args.num_gpu_blocks_override or 256, args.block_size, self.worker_id)
+        # --speculative-config as the real worker takes it; the fake proposes (tests/fake_worker.py).
+        spec = SpeculativeConfig.parse(args.speculative_config) if args.speculative_config else None
+        self.fake = FakeWorker(args.num_gpu_blocks_override or 256, args.block_size, self.worker_id,
+                               num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
         self.max_model_len = args.max_model_len or 4096
         self.max_num_seqs, self.max_num_batched_tokens = args.max_num_seqs, args.max_num_batched_tokens
         self.step_s = args.step_delay

@@ -25,7 +25,7 @@ def scheduler_series() -> dict[str, set[str]]:
     from tests.fake_worker import FakeWorker
 
     router = Router(RouterConfig())
-    router.register(b"w0", FakeWorker(64).hello())
+    router.register(b"w0", FakeWorker(64, num_speculative_tokens=2).hello())  # spec_decode_*
     router.add(b"gw", pb.AddRequest(request_id="r", prompt_token_ids=[1, 2, 3], max_tokens=4,
                                     sampling=pb.SamplingConfig()))
     out: dict[str, set[str]] = {}

@@ -7,14 +7,12 @@ metadata alone it builds in the first layer and keeps in meta.plan for the other
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from kernels import cpu_attention
-
-if TYPE_CHECKING:
-    from worker.attention import AttentionMetadata
+from worker.attention_metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):

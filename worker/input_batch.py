@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from proto import internal_pb2
-from worker.attention import AttentionMetadata
+from worker.attention_metadata import AttentionMetadata
 
 INITIAL_ROWS = 64
 # The scheduler numbers slots densely from 0 (at most --max-num-seqs plus those in flight); a

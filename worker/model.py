@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from worker.attention_backends import AttentionBackend
-from worker.attention import AttentionMetadata, PagedAttention
+from worker.attention import PagedAttention
+from worker.attention_metadata import AttentionMetadata
 from worker.config import ModelConfig
 from kernels import cpu_gemm_int8
 from worker.layers import (Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary, bf16_kernel_fits,

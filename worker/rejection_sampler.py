@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from worker.sampler import seed_for
+from worker.sampler import race, seed_for
 
 _ACCEPT_SALT = 0x5EC0_DE00_0000_0001  # the accept test's draws, apart from the resample's
 
@@ -45,6 +45,15 @@ def verify(probs: torch.Tensor, draft: Sequence[int], draft_probs: torch.Tensor 
         best = probs.argmax(dim=-1).tolist()
         n = next((i for i in range(k) if draft[i] != best[i]), k)
         return Verified(list(draft[:n]) + [best[n]], n)
+    if draft_probs is None:
+        # One-hot q: accepting d with probability p(d), else drawing from p without d, is drawing
+        # x ~ p and accepting d if x == d. Drawn as the plain sampler draws, a seeded row gives
+        # the very tokens it gives without speculation, whatever k the step allowed.
+        tokens = []
+        for i in range(k + 1):
+            tokens.append(race(probs[i], seed, first_position + i, generator))
+            if i == k or tokens[-1] != int(draft[i]):
+                return Verified(tokens, i)
     for i in range(k):
         d = int(draft[i])
         p = float(probs[i, d])

@@ -18,7 +18,7 @@ from modelfiles.resolve import model_display_name, resolve_model
 from proto import internal_pb2
 from proto.auth import PROTOCOL_VERSION
 from proto.columns import pack, unpack
-from worker.attention import AttentionMetadata
+from worker.attention_metadata import AttentionMetadata
 from worker.attention_backends import select_backend
 from worker.cache import CacheEngine, bytes_per_block, num_device_blocks
 from worker.eos import eos_token_ids
@@ -31,6 +31,8 @@ from worker.parallel import FORGET, PLAN, TensorParallel, shard_config
 from worker.plan_checks import check_compile, check_plan
 from worker.platform import resolve_device, resolve_dtype
 from worker.sampler import Sampler
+from worker.speculative import Speculator, result_columns
+from worker.speculative_config import SpeculativeConfig
 from worker.step_logprobs import prompt_logprobs, sampled_logprobs
 from worker.worker_flags import default_worker_id
 
@@ -111,6 +113,11 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(args.seed))
         self.batch = InputBatch(self.max_model_len, self.block_size)
         self.grammar = GrammarRows(self._grammar_cache)
+        spec = getattr(args, "speculative_config", None)
+        try:
+            self.speculator = Speculator(SpeculativeConfig.parse(spec)) if spec else None
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
         logger.info("worker %s ready: %s %s on %s, %d blocks of %d (+%d cpu), load %.1fs, prefill %.0f tok/s",
                     self.worker_id, self.config.architecture, self.dtype, self.device, num_blocks,
                     self.block_size, num_cpu_blocks, self.load_seconds, self.prefill_tokens_per_s)
@@ -140,6 +147,7 @@ class ModelRunner:
             max_num_batched_tokens=self.args.max_num_batched_tokens,
             max_num_seqs=self.args.max_num_seqs,
             protocol_version=PROTOCOL_VERSION,
+            num_speculative_tokens=self.speculator.num_speculative_tokens if self.speculator else 0,
         )
 
     def forget_all(self) -> None:
@@ -221,19 +229,33 @@ class ModelRunner:
         if not len(slots):
             return
 
-        inputs = self.prepare_inputs(slots, counts)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.cache.kv_caches)
-        sampled_slots = inputs.sampled_slots
-        if self.tp.rank == 0:
-            try:
-                tokens = self._sample(slots, counts, hidden, inputs, result)
-            except Exception:
-                self.tp.send_tokens(None)  # the other ranks fail the step too
-                raise
-            self.tp.send_tokens(tokens)
-        else:
-            tokens = self.tp.receive_tokens(len(sampled_slots))
+        spec = runs = None
+        if plan.spec_slots:
+            if self.speculator is None:
+                raise ValueError("a plan speculates on a worker started without --speculative-config")
+            spec = self.speculator.propose(batch, plan.spec_slots, plan.spec_num_tokens, slots, counts)
+        try:
+            inputs = self.prepare_inputs(slots, counts)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.cache.kv_caches)
+            sampled_slots = inputs.sampled_slots
+            if self.tp.rank == 0:
+                try:
+                    tokens, runs = self._sample(slots, counts, hidden, inputs, result, spec)
+                except Exception:
+                    self.tp.send_tokens(None)  # the other ranks fail the step too
+                    raise
+                self.tp.send_tokens(np.concatenate([tokens, spec.accepted]) if spec else tokens)
+            else:
+                tokens = self.tp.receive_tokens(len(sampled_slots) + (len(spec.rows) if spec else 0))
+                if spec:
+                    tokens, spec.accepted = tokens[:len(sampled_slots)], tokens[len(sampled_slots):].tolist()
+        except Exception:
+            if spec:
+                self.speculator.undo(batch, slots, spec)
+            raise
         batch.advance(slots, counts)
+        if spec:
+            self.speculator.settle(batch, slots, spec)
         if (tokens < 0).any():  # failed rows (result.failed) keep no token
             sampled_slots, tokens = sampled_slots[tokens >= 0], tokens[tokens >= 0]
         beam = batch.beam[sampled_slots]
@@ -243,16 +265,20 @@ class ModelRunner:
             batch.append_tokens(sampled_slots[~beam], tokens[~beam])
         if self.tp.rank == 0:
             self.grammar.accept(sampled_slots, tokens)
+        if spec and spec.rows and self.tp.rank == 0:
+            result_columns(result, sampled_slots, tokens, slots, spec, runs)
+            return
         result.slots = pack(sampled_slots)
         result.token_ids = pack(tokens)
 
-    def _sample(self, slots, counts, hidden, inputs: StepInputs, result) -> np.ndarray:
-        """Prompt logprobs, then the next token of each sampling row and its logprobs."""
+    def _sample(self, slots, counts, hidden, inputs: StepInputs, result, spec):
+        """Prompt logprobs, then the next token of each sampling row and its logprobs, and the
+        runs of tokens of the rows that speculated (worker/speculative.py)."""
         batch = self.batch
         prompt_logprobs(batch, self.model.compute_logits, slots, counts, hidden, result)
         sampled_slots = inputs.sampled_slots
         if not len(sampled_slots):
-            return np.zeros(0, np.int64)
+            return np.zeros(0, np.int64), None
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         params = [batch.sampling[s] for s in sampled_slots.tolist()]
         history = [batch.tokens(s) for s in sampled_slots.tolist()]
@@ -264,7 +290,13 @@ class ModelRunner:
         self._fail_rows(slot_list, rows, params, history, sampled, result)
         sampled_logprobs(sampled_slots, params, logits, sampled, inputs.sample_positions,
                                result)
-        return sampled.cpu().numpy()
+        runs = None
+        if spec and spec.rows:
+            draft_logits = self.model.compute_logits(
+                hidden[self.speculator.draft_logits_indices(spec, inputs).to(hidden.device)])
+            runs = self.speculator.verify_rows(spec, slots, sampled_slots, params, draft_logits,
+                                               logits, sampled, self.sampler.generator)
+        return sampled.cpu().numpy(), runs
 
     def _fail_rows(self, slots, rows, params, history, sampled, result) -> None:
         """Rows whose grammar left them no token (only constrained rows can be), or that have no

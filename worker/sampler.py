@@ -36,6 +36,21 @@ def seed_for(seed: int, position: int) -> int:
     return z ^ (z >> 31)
 
 
+def seeded_generator(seed: int, position: int, device) -> torch.Generator:
+    """The generator of a seeded row's noise at one position: the same token comes out of the
+    same distribution whatever else is in the batch."""
+    return torch.Generator(device=device).manual_seed(seed_for(seed, position))
+
+
+def race(probs: torch.Tensor, seed: int | None, position: int, generator: torch.Generator) -> int:
+    """One row's token as Sampler draws it: argmax of probs [V] over exponential noise, the
+    noise from (seed, position) alone when seeded. Speculative verification draws each position
+    this way, so that a seeded row gives the tokens it would give without speculation."""
+    g = generator if seed is None else seeded_generator(seed, position, probs.device)
+    noise = torch.empty_like(probs).exponential_(generator=g)
+    return int(probs.div(noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax())
+
+
 class Sampler:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator  # for unseeded rows, seeded once by --seed
@@ -76,21 +91,26 @@ class Sampler:
         rows = [i for i, g in enumerate(greedy) if not g]
         sub = [params[i] for i in rows]
         x = logits if len(rows) == len(params) else logits[torch.tensor(rows, device=logits.device)]
-        temps = torch.tensor([p.temperature for p in sub], dtype=x.dtype, device=x.device)
-        x = x / temps.unsqueeze(1)
-        x = apply_min_p(x, [p.min_p for p in sub])
-        x = apply_top_k_top_p(x, [p.top_k for p in sub], [p.top_p for p in sub])
-        probs = x.softmax(dim=-1)
+        probs = probabilities(x, sub)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for j, p in enumerate(sub):
             if p.has_seed:
-                g = torch.Generator(device=probs.device).manual_seed(seed_for(p.seed, positions[rows[j]]))
-                noise[j].exponential_(generator=g)
+                noise[j].exponential_(generator=seeded_generator(p.seed, positions[rows[j]], probs.device))
         # exponential_ can return exactly 0; 0/0 would be NaN and win argmax.
         sampled = probs.div_(noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
         if len(rows) == len(params):
             return sampled
         return out.index_copy_(0, torch.tensor(rows, device=out.device), sampled)
+
+
+def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution each (non-greedy) row samples from: temperature, min-p, top-k, top-p.
+    The rejection sampler verifies proposals against these same distributions."""
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    x = logits / temps.unsqueeze(1)
+    x = apply_min_p(x, [p.min_p for p in params])
+    x = apply_top_k_top_p(x, [p.top_k for p in params], [p.top_p for p in params])
+    return x.softmax(dim=-1)
 
 
 def apply_top_k_top_p(x: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+# A verification is one row per proposal: bounded as a step is (GetLoads' size counts it too).
+from proto.sizes import MAX_SPECULATIVE_TOKENS
+
 METHODS = ("ngram", "draft_model")
-MAX_SPECULATIVE_TOKENS = 16  # a verification is one row per proposal: bounded as a step is
 MAX_LOOKUP = 16
 
 

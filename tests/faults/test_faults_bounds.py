@@ -7,7 +7,7 @@ import pytest
 from gateway.chat_render import FRAME_CHARS, check_sizes
 from gateway.grpc_bounds import CONTEXT_BOUND, largest_generate_request
 from gateway.structured_check import MAX_CHOICES
-from gateway.validate import Limits
+from gateway.limits import Limits
 from proto import pagoda_pb2 as pb
 
 WIDE = "\U0010ffff"  # 4 bytes in UTF-8

@@ -15,7 +15,7 @@ from gateway.scheduler_client import SchedulerClient
 from gateway.grpc_bounds import (CONTEXT_BOUND, largest_generate_response, largest_response,
                            largest_tokenize_response, token_sizes)
 from gateway.tokenizer import load_tokenizer
-from gateway.validate import Limits
+from gateway.limits import Limits
 from proto import internal_pb2 as ipb, pagoda_pb2 as pb, pagoda_pb2_grpc
 from proto.sizes import LOGPROBS_POSITIONS
 from tests.fake_scheduler import FakeScheduler, logprobs_msg, until, workers_of

@@ -143,6 +143,7 @@ def test_a_refused_gateway_says_why_and_stays_without_a_cluster(caplog):
     ("block_size", 0), ("num_blocks", 2 ** 32 - 1), ("num_blocks", 0), ("max_model_len", 0),
     ("vocab_size", 0), ("num_cpu_blocks", 2 ** 31), ("swap_bytes_per_s", float("nan")),
     ("protocol_version", 99), ("worker_id", ""), ("eos_token_ids", [10 ** 9]),
+    ("num_speculative_tokens", 10 ** 6),
 ])
 def test_a_bad_hello_is_refused_naming_its_field(field, value):
     hello = FakeWorker(16).hello()
@@ -186,6 +187,22 @@ def test_a_result_with_tokens_outside_the_vocabulary_is_refused():
         ipb.StepResult(step_id=1, slots=pack([0, 1]), token_ids=pack([1])), vocab_size=1000)
     assert "whole number" in checks.check_result(
         ipb.StepResult(step_id=1, slots=b"abc", token_ids=b""), vocab_size=1000)
+
+
+@pytest.mark.parametrize("num_tokens,num_drafts,named", [
+    ([3, 1], [2, 0], None),          # row 0 accepted 2 of 2 proposals, row 1 proposed none
+    ([3], [2], "num_tokens"),        # one run for two slots
+    ([0, 4], [0, 3], "num_tokens"),  # a run of no token
+    ([3, 1], [1, 0], "num_tokens"),  # 2 accepted of 1 proposed
+    ([2, 1], [1, 0], "add up"),      # runs of 3 tokens, 4 sent
+    ([3, 1], [2, -1], "num_tokens"),
+])
+def test_a_result_whose_runs_do_not_cover_its_tokens_is_refused(num_tokens, num_drafts, named):
+    from proto.columns import pack
+    result = ipb.StepResult(step_id=1, slots=pack([0, 1]), token_ids=pack([5, 6, 7, 8]),
+                            num_tokens=pack(num_tokens), num_drafts=pack(num_drafts))
+    why = checks.check_result(result, vocab_size=1000)
+    assert why is None if named is None else named in why, why
 
 
 def test_a_plan_with_ids_outside_the_cache_or_vocabulary_is_refused_by_the_worker():

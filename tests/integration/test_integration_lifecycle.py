@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import grpc
 import pytest
@@ -75,6 +76,25 @@ def stream(stub, req: pb.GenerateRequest, out: dict, key, first_token: threading
         out[key] = (e.code().name, e.details(), time.monotonic())
 
 
+@contextmanager
+def eight_streams_under_way(cluster: Cluster):
+    """Eight streams of 150 tokens, each with its first token: yields `out`, where `stream` puts
+    each one's outcome as it ends; leaving waits for them (up to 60 s each)."""
+    reqs = [request(prompt(i), 150) for i in range(8)]
+    out: dict = {}
+    started = [threading.Event() for _ in reqs]
+    with grpc.insecure_channel(cluster.target) as ch:
+        stub = pagoda_pb2_grpc.GenerationStub(ch)
+        threads = [threading.Thread(target=stream, args=(stub, r, out, i, started[i]))
+                   for i, r in enumerate(reqs)]
+        for t in threads:
+            t.start()
+        assert all(e.wait(30) for e in started)
+        yield out
+        for t in threads:
+            t.join(60)
+
+
 def new_request_succeeds_within(cluster: Cluster, bound: float) -> float:
     """Seconds until a new request completes (each failed try is retried), or fail at bound."""
     start = time.monotonic()
@@ -110,16 +130,7 @@ def test_kill_9_of_any_one_process_is_survived(cluster, name):
 
 def test_sigterm_to_the_gateway_lets_8_streams_finish_token_exact(cluster):
     new_request_succeeds_within(cluster, RECOVERY_BOUND_S)
-    reqs = [request(prompt(i), 150) for i in range(8)]
-    out: dict = {}
-    started = [threading.Event() for _ in reqs]
-    with grpc.insecure_channel(cluster.target) as ch:
-        stub = pagoda_pb2_grpc.GenerationStub(ch)
-        threads = [threading.Thread(target=stream, args=(stub, r, out, i, started[i]))
-                   for i, r in enumerate(reqs)]
-        for t in threads:
-            t.start()
-        assert all(e.wait(30) for e in started)
+    with eight_streams_under_way(cluster) as out:
         gateway = pid_of(cluster, "gateway")
         os.kill(gateway, signal.SIGTERM)
         sent = time.monotonic()
@@ -134,8 +145,6 @@ def test_sigterm_to_the_gateway_lets_8_streams_finish_token_exact(cluster):
             with pytest.raises(grpc.RpcError) as refused:
                 pagoda_pb2_grpc.GenerationStub(fresh).Generate(request(prompt(0), 4), timeout=5)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-        for t in threads:
-            t.join(60)
     assert [out[i][0] for i in range(8)] == ["OK"] * 8, out
     assert [out[i][1] for i in range(8)] == [reference_output(prompt(i), 150, seed=SEED) for i in range(8)]
     drained = max(out[i][2] for i in range(8)) - sent
@@ -167,22 +176,11 @@ def test_a_poisoned_sequence_ends_internal_and_7_others_finish_exact(cluster):
 
 def test_a_worker_given_sigterm_says_goodbye_and_its_streams_continue_at_once(cluster):
     new_request_succeeds_within(cluster, RECOVERY_BOUND_S)
-    reqs = [request(prompt(i), 150) for i in range(8)]
-    out: dict = {}
-    started = [threading.Event() for _ in reqs]
-    with grpc.insecure_channel(cluster.target) as ch:
-        stub = pagoda_pb2_grpc.GenerationStub(ch)
-        threads = [threading.Thread(target=stream, args=(stub, r, out, i, started[i]))
-                   for i, r in enumerate(reqs)]
-        for t in threads:
-            t.start()
-        assert all(e.wait(30) for e in started)
+    with eight_streams_under_way(cluster) as out:
         os.kill(pid_of(cluster, "worker1"), signal.SIGTERM)
         sent = time.monotonic()
         assert wait_for(lambda: "dropped (said goodbye)" in cluster.log_path.read_text(), 10)
         requeued = time.monotonic() - sent
-        for t in threads:
-            t.join(60)
     assert [out[i][:2] for i in range(8)] == [("OK", reference_output(prompt(i), 150, seed=SEED)) for i in range(8)]
     took = max(out[i][2] for i in range(8)) - sent
     print(f"\nSIGTERM to a worker: its sequences were requeued {requeued:.2f} s later (goodbye, "

@@ -17,7 +17,8 @@ from gateway.openai_structured import ResponseFormat, structured_output
 from gateway.grammar_check import TOO_SLOW
 from gateway.openai_tools import ToolBadField, ToolConfig, ToolMode, check_tools, tool_request
 from gateway.tokenizer import load_tokenizer
-from gateway.validate import Limits, ValidationError, prompt_ids, prompt_offsets
+from gateway.limits import Limits
+from gateway.validate import ValidationError, prompt_ids, prompt_offsets
 from proto import pagoda_pb2 as pb
 
 TOK = load_tokenizer("")

@@ -40,3 +40,19 @@ def test_a_flag_shared_by_processes_means_the_same_in_each():
                 seen.setdefault(flag, []).append((name, action.default, action.type, action.nargs))
     for flag, owners in seen.items():
         assert len({o[1:] for o in owners}) == 1, (flag, owners)
+
+
+def test_speculative_config_reaches_the_worker_from_serve_and_from_llm_keywords():
+    import json
+
+    from launch.offline import _flags
+    from worker.speculative_config import SpeculativeConfig
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+    parsers = process_parsers()
+    for argv in (["--speculative-config", json.dumps(spec)],         # pagoda serve / make run ARGS=
+                 _flags({"speculative_config": spec, "dtype": "float32"})):  # LLM(speculative_config=)
+        routed = route_flags(argv, parsers)
+        worker = parsers["worker"].parse_args(routed["worker"])
+        assert SpeculativeConfig.parse(worker.speculative_config) == SpeculativeConfig(
+            "ngram", 3, prompt_lookup_min=4, prompt_lookup_max=4)
+        assert "--speculative-config" not in routed["scheduler"] + routed["gateway"]

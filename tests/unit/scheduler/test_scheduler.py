@@ -213,12 +213,16 @@ ops = st.lists(st.tuples(st.sampled_from(["add", "add_n", "step", "step", "steps
 STOPS = random.Random(0).sample(range(1, 1000), 100)
 
 
+# Speculation (proposals each worker may verify a step): none, and workers that speculate (one
+# plan at a time, lookahead slots, runs of tokens in a result) beside one that does not.
+@pytest.mark.parametrize("speculate", [(0, 0), (3, 0), (4, 2)])
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops)
-def test_block_invariant_under_random_operations(operations):
+@given(operations=ops)
+def test_block_invariant_under_random_operations(speculate, operations):
     router = make_router(max_num_batched_tokens=24, max_num_seqs=6)
-    workers = with_workers(router, FakeWorker(10, block_size=4, num_cpu_blocks=8),
-                           FakeWorker(14, block_size=4))
+    workers = with_workers(router, FakeWorker(10, block_size=4, num_cpu_blocks=8,
+                                              num_speculative_tokens=speculate[0]),
+                           FakeWorker(14, block_size=4, num_speculative_tokens=speculate[1]))
     out, ids, prompts, aborted = {}, [], {}, set()
     for op, x in operations:
         rng = random.Random(x)

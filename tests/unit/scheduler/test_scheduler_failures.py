@@ -20,6 +20,18 @@ def prompts(n: int) -> dict[str, list[int]]:
     return {f"r{i}": [7, 7, 7, 7, 8, 8, 8, 8] + [i + 1] * (3 + i) for i in range(n)}
 
 
+def one_worker_with(n: int, max_tokens: int, plans_in_flight: int):
+    """A router with plans_in_flight plans in flight, one FakeWorker(64) and prompts(n) added,
+    each for max_tokens: (router, the fake worker, the workers table, the prompts)."""
+    router = make_router(max_plans_in_flight=plans_in_flight)
+    fake = FakeWorker(64)
+    workers = with_workers(router, fake)
+    ps = prompts(n)
+    for rid, prompt in ps.items():
+        add(router, rid, prompt, max_tokens)
+    return router, fake, workers, ps
+
+
 @pytest.mark.parametrize("plans_in_flight", [1, 2])
 @pytest.mark.parametrize("poison_after", [0, 1, 9])  # its prefill, its first decode, mid-stream
 @pytest.mark.parametrize("num_blocks,cpu_blocks", [(256, 0), (24, 0), (24, 16)])
@@ -70,12 +82,7 @@ def test_the_message_of_a_failed_sequence_is_short_and_names_no_exception():
 
 
 def test_a_sequence_that_fails_once_and_then_succeeds_alone_is_cleared():
-    router = make_router(max_plans_in_flight=2)
-    fake = FakeWorker(64)
-    workers = with_workers(router, fake)
-    ps = prompts(3)
-    for rid, prompt in ps.items():
-        add(router, rid, prompt, 12)
+    router, _, workers, ps = one_worker_with(3, 12, plans_in_flight=2)
     out = {}
     (wid, plan), = router.plans()
     router.on_result(wid, pb.StepResult(step_id=plan.step_id, error="RuntimeError: a passing fault"))
@@ -91,12 +98,7 @@ def test_a_sequence_that_fails_once_and_then_succeeds_alone_is_cleared():
 
 
 def test_the_plan_in_flight_after_a_failed_one_is_void_and_its_result_dropped():
-    router = make_router(max_plans_in_flight=2)
-    fake = FakeWorker(64)
-    workers = with_workers(router, fake)
-    ps = prompts(2)
-    for rid, prompt in ps.items():
-        add(router, rid, prompt, 10)
+    router, fake, workers, ps = one_worker_with(2, 10, plans_in_flight=2)
     out = {}
     for _ in range(3):
         step(router, workers, out)
@@ -121,12 +123,7 @@ def test_the_plan_in_flight_after_a_failed_one_is_void_and_its_result_dropped():
 
 
 def test_stale_repeated_and_unasked_results_are_dropped():
-    router = make_router(max_plans_in_flight=1)
-    fake = FakeWorker(64)
-    workers = with_workers(router, fake)
-    ps = prompts(2)
-    for rid, prompt in ps.items():
-        add(router, rid, prompt, 10)
+    router, fake, workers, ps = one_worker_with(2, 10, plans_in_flight=1)
     out = {}
     (wid, old_plan), = router.plans()
     old_result = fake.execute(old_plan)

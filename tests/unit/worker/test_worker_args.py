@@ -39,7 +39,7 @@ def test_flag_names_are_the_contract():
                      "--swap-space", "--seed", "--attention-backend", "--cpu-matmul", "--max-num-batched-tokens", "--quantization",
                      "--scheduler-worker-address", "--worker-id", "--max-message-bytes", "--max-num-seqs",
                      "--log-level", "--tensor-parallel-size", "--busy-poll-us", "--zmq-hwm",
-                     "--zmq-keys-dir", "--insecure"}
+                     "--zmq-keys-dir", "--insecure", "--speculative-config"}
 
 
 def test_auto_device_and_dtype():

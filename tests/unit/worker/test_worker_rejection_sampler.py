@@ -74,3 +74,28 @@ def test_seeded_draws_depend_on_seed_and_position_alone():
     assert len({tuple(r) for r in runs}) > 5  # and the seeds differ
     shifted = [verify(probs, [1, 4], draft_probs, False, seed, 8).tokens for seed in range(200)]
     assert shifted != runs[0::2]
+
+
+class _Seeded:  # the SamplingConfig fields Sampler reads
+    def __init__(self, seed: int) -> None:
+        self.temperature, self.top_p, self.top_k, self.min_p = 1.0, 1.0, 0, 0.0
+        self.has_seed, self.seed = True, seed
+        self.presence_penalty = self.frequency_penalty = 0.0
+        self.repetition_penalty, self.logit_bias, self.min_tokens = 1.0, {}, 0
+
+
+def test_seeded_n_gram_runs_are_the_tokens_the_plain_sampler_gives():
+    """One-hot proposals verified by drawing each position as the sampler draws it: a seeded
+    row's run is, token for token, what decoding one token a step gives at those positions,
+    whatever the proposals were (they decide only how far the run goes)."""
+    from worker.sampler import Sampler
+    logits = LOGITS.float()
+    probs = logits.softmax(-1)
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    for seed in range(60):
+        plain = [int(sampler(logits[i:i + 1], [_Seeded(seed)], [5 + i])[0]) for i in range(3)]
+        for draft in ([plain[0], plain[1]], [plain[0], (plain[1] + 1) % V], [(plain[0] + 1) % V, 0]):
+            out = verify(probs, draft, None, False, seed, 5)
+            n = out.accepted
+            assert out.tokens == plain[:n + 1] and draft[:n] == plain[:n]
+            assert n == 2 or draft[n] != plain[n]

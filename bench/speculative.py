@@ -1,0 +1,157 @@
+"""Speculative decoding's worth: decode tokens/s with and without --speculative-config on the
+real stack (launcher: scheduler, worker, gateway over gRPC), greedy, on two workloads built from
+local text, one stream at a time and 16 at once:
+
+  repetitive      answers that repeat their context: pagoda's own functions rewritten with one
+                  name changed, and paragraphs of its docs quoted before a one-line summary
+  non-repetitive  open questions (explanations, stories, advice)
+
+Greedy with speculation gives the very tokens it gives without (tests/integration/
+test_integration_speculation.py), so the two runs of a workload produce the same tokens and
+tokens/s compare directly: output tokens / wall time, cluster start and a warm-up excluded.
+Configurations alternate (off, on, off, on, ...) and the table gives each one's median of
+--repeats runs, with the acceptance counters the scheduler reports (GetLoads).
+
+    .venv/bin/python bench/speculative.py [--dtype float32] [--repeats 3] [--max-tokens 128]
+        [--spec '{"method": "ngram", "num_speculative_tokens": 4}'] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import platform
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from proto import pagoda_pb2 as pb, pagoda_pb2_grpc  # noqa: E402
+from tests.cluster import Cluster  # noqa: E402
+
+QUESTIONS = [
+    "Why do leaves change colour in autumn?", "Give three tips for a first job interview.",
+    "Write a short story about a lighthouse keeper.", "How does a refrigerator keep food cold?",
+    "What should I pack for a week of hiking?", "Explain why the sea is salty.",
+    "Describe a walk through a night market.", "How do vaccines train the immune system?",
+    "Suggest a plan for learning to play the guitar.", "What makes a good neighbour?",
+    "Why do cats purr?", "Invent a new board game and explain its rules.",
+    "How do bees make honey?", "What are the pros and cons of working from home?",
+    "Describe the taste of a ripe mango to someone who never had one.", "How do tides work?",
+]
+
+
+def _functions(limit: int = 16) -> list[tuple[str, str]]:
+    """Short functions of pagoda's scheduler, each with an argument or local name to rename."""
+    out = []
+    for path in sorted((ROOT / "scheduler").glob("*.py")):
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, ast.FunctionDef) or not 6 <= node.end_lineno - node.lineno <= 18:
+                continue
+            names = [a.arg for a in node.args.args if a.arg not in ("self", "cls") and len(a.arg) > 2]
+            if names:
+                out.append((ast.get_source_segment(source, node), names[0]))
+            if len(out) == limit:
+                return out
+    return out
+
+
+def _paragraphs(limit: int = 16) -> list[str]:
+    text = (ROOT / "docs" / "design.md").read_text()
+    paras = [p.strip() for p in text.split("\n\n")]
+    return [p for p in paras if 300 <= len(p) <= 900 and not p.startswith(("#", "|", "```"))][:limit]
+
+
+def workloads() -> dict[str, list[str]]:
+    rewrite = [f"Rewrite this Python function with `{name}` renamed to `{name}_new`. Show the whole "
+               f"function and nothing else.\n\n```python\n{code}\n```" for code, name in _functions()]
+    quote = [f"Quote this paragraph exactly, then summarise it in one sentence.\n\n{p}"
+             for p in _paragraphs()]
+    repetitive = [x for pair in zip(rewrite, quote) for x in pair][:16]
+    return {"repetitive": repetitive, "non-repetitive": QUESTIONS[:16]}
+
+
+def request(content: str, max_tokens: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=content)],
+                              sampling=pb.SamplingParams(temperature=0),
+                              stopping=pb.StoppingCriteria(max_tokens=max_tokens))
+
+
+def measure(stub, prompts: list[str], streams: int, max_tokens: int) -> tuple[float, int]:
+    """Output tokens/s with `streams` requests in flight, and the tokens."""
+    def one(content: str) -> int:
+        return len(stub.Generate(request(content, max_tokens), timeout=3600).token_ids)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        tokens = sum(pool.map(one, prompts))
+    return tokens / (time.perf_counter() - t0), tokens
+
+
+def run(dtype: str, spec: str | None, max_tokens: int, single: int) -> dict:
+    flags = ["--dtype", dtype, "--max-num-seqs", "16", "--num-gpu-blocks-override", "1024"]
+    if spec:
+        flags += ["--speculative-config", spec]
+    cluster = Cluster(*flags, log_path=Path("/tmp/pagoda-speculative.log")).start(timeout=600)
+    out = {}
+    try:
+        with grpc.insecure_channel(cluster.target) as ch:
+            stub = pagoda_pb2_grpc.GenerationStub(ch)
+            stub.Generate(request("Hello", 8), timeout=600)  # warm-up
+            for name, prompts in workloads().items():
+                for streams, subset in ((1, prompts[:single]), (16, prompts)):
+                    before = stub.GetLoads(pb.GetLoadsRequest(), timeout=10).workers[0]
+                    rate, tokens = measure(stub, subset, streams, max_tokens)
+                    after = stub.GetLoads(pb.GetLoadsRequest(), timeout=10).workers[0]
+                    drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+                    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+                    drafts = after.spec_num_drafts - before.spec_num_drafts
+                    out[f"{name}/{streams}"] = {
+                        "tok_s": rate, "tokens": tokens,
+                        "acceptance": accepted / drafted if drafted else 0.0,
+                        "mean_len": 1 + accepted / drafts if drafts else 1.0}
+    finally:
+        cluster.stop()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--single", type=int, default=4, help="requests of each single-stream run")
+    ap.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 4}')
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    runs: dict[str, list[dict]] = {"off": [], "on": []}
+    for _ in range(args.repeats):
+        for config, spec in (("off", None), ("on", args.spec)):
+            runs[config].append(run(args.dtype, spec, args.max_tokens, args.single))
+            print(config, json.dumps(runs[config][-1]), file=sys.stderr, flush=True)
+    print(f"machine: {platform.processor() or platform.machine()}, dtype {args.dtype}, "
+          f"spec {args.spec}, {args.repeats} alternating runs, median")
+    print("| workload | streams | off tok/s | on tok/s | speed-up | acceptance | mean accepted length |")
+    print("|---|---|---|---|---|---|---|")
+    for key in runs["off"][0]:
+        off = statistics.median(r[key]["tok_s"] for r in runs["off"])
+        on = statistics.median(r[key]["tok_s"] for r in runs["on"])
+        acc = statistics.median(r[key]["acceptance"] for r in runs["on"])
+        mean_len = statistics.median(r[key]["mean_len"] for r in runs["on"])
+        name, streams = key.split("/")
+        print(f"| {name} | {streams} | {off:.1f} | {on:.1f} | {on / off:.2f}x | {acc:.0%} | {mean_len:.2f} |")
+        tokens = {r[key]["tokens"] for r in runs["off"] + runs["on"]}
+        if len(tokens) != 1:
+            print(f"  ! {key}: token counts differ between runs: {sorted(tokens)}")
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""Speculative decoding (--speculative-config, n-gram) with the real model over the real stack:
+greedy answers are transformers' tokens, ending where transformers' end, alone and preempted in a
+crowded pool; stop strings and stop ids inside accepted runs end the answer exactly there; a
+seeded sampled request gives what the non-speculative session cluster gives; rows asking for
+logprobs decode one token a step and equal the session cluster's; GetLoads and Prometheus count
+drafts and accepted tokens. Every prompt's greedy path keeps a margin between its top two
+logits (asserted), so that a 1-row and a 5-row verification cannot disagree on a near-tie."""
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+
+from proto import pagoda_pb2 as pb, pagoda_pb2_grpc
+from tests.cluster import Cluster
+from tests.integration.test_integration_api import IM_END, chat_ids, hf_tokenizer  # noqa: F401
+
+pytestmark = pytest.mark.integration
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+PARA = ("The scheduler owns the queues and the block tables. Every iteration it sends a plan to "
+        "the workers, which run the forward pass and send back the sampled tokens.")
+CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+PROMPTS = {  # text that repeats its context, and one answer that does not
+    "rewrite": f"Repeat the following text word for word:\n\n{PARA}",
+    "rename": f"Rename the function add to plus in this code and show the whole code:\n\n{CODE}",
+    "json": 'Copy this JSON exactly: {"name": "pagoda", "workers": 4, "blocks": 1024, "cache": true}',
+    "count": "Count from 1 to 30, separated by commas.",
+    "question": "Why is the sky blue?",
+}
+MAX_TOKENS = 80
+MIN_MARGIN = 0.02  # logits; fp32 kernels of different query lengths differ by ~1e-5
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    # 24 blocks of 16: each prompt fits alone; ten at once outgrow the pool and preempt.
+    log = tmp_path_factory.mktemp("speculation") / "cluster.log"
+    c = Cluster("--dtype", "float32", "--speculative-config", json.dumps(SPEC),
+                "--num-gpu-blocks-override", "24", "--max-num-seqs", "16", "--max-model-len", "1024",
+                log_path=log).start()
+    yield c
+    assert c.stop() == 0, c.log_tail()
+
+
+@pytest.fixture(scope="module")
+def spec_stub(spec):
+    with grpc.insecure_channel(spec.target) as ch:
+        yield pagoda_pb2_grpc.GenerationStub(ch)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_hf, hf_tokenizer):  # noqa: F811
+    """Each prompt's ids and transformers' greedy answer (EOS included where it stops)."""
+    out = {}
+    for name, content in PROMPTS.items():
+        ids = chat_ids(hf_tokenizer, content)
+        with torch.inference_mode():
+            g = smollm2_hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=IM_END,
+                                    output_scores=True, return_dict_in_generate=True)
+        top2 = torch.stack([s[0].topk(2).values for s in g.scores])
+        assert float((top2[:, 0] - top2[:, 1]).min()) > MIN_MARGIN, name
+        out[name] = (ids, g.sequences[0, len(ids):].tolist())
+    return out
+
+
+def greedy(ids, max_tokens=MAX_TOKENS, **stopping) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt_token_ids=ids, sampling=pb.SamplingParams(temperature=0),
+                              stopping=pb.StoppingCriteria(max_tokens=max_tokens, **stopping))
+
+
+def loads(stub) -> pb.WorkerLoad:
+    (worker,) = stub.GetLoads(pb.GetLoadsRequest(), timeout=10).workers
+    return worker
+
+
+def test_greedy_answers_alone_are_transformers_tokens(spec, spec_stub, reference):
+    before = loads(spec_stub)
+    for name, (ids, expected) in reference.items():
+        got = spec_stub.Generate(greedy(ids), timeout=300)
+        assert list(got.token_ids) == expected, name
+        ends = expected[-1] == IM_END
+        assert got.finish_reason == (pb.FINISH_REASON_STOP if ends else pb.FINISH_REASON_LENGTH), name
+    after = loads(spec_stub)
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    drafts = after.spec_num_drafts - before.spec_num_drafts
+    tokens = sum(len(e) for _, e in reference.values())
+    # A quarter of the answers' tokens came from accepted proposals, at no extra step.
+    assert accepted > tokens / 4 and drafts > 0, (accepted, drafts, tokens, after)
+    assert after.spec_mean_acceptance_length == pytest.approx(
+        1 + after.spec_num_accepted_tokens / after.spec_num_drafts)
+    assert len(after.spec_num_accepted_tokens_per_pos) == SPEC["num_speculative_tokens"]
+    assert after.spec_num_accepted_tokens_per_pos[0] >= after.spec_num_accepted_tokens_per_pos[-1]
+    assert spec.metric("pagoda_spec_decode_num_accepted_tokens_total") == after.spec_num_accepted_tokens
+    assert spec.metric("pagoda_spec_decode_num_draft_tokens_total") == after.spec_num_draft_tokens
+
+
+def test_greedy_answers_preempted_in_a_crowd_are_transformers_tokens(spec, spec_stub, reference):
+    before = spec.metric("pagoda_num_preemptions_total")
+    crowd = [name for name in reference for _ in range(2)]
+    with ThreadPoolExecutor(len(crowd)) as pool:
+        got = list(pool.map(lambda n: spec_stub.Generate(greedy(reference[n][0]), timeout=600), crowd))
+    assert spec.metric("pagoda_num_preemptions_total") > before
+    for name, answer in zip(crowd, got):
+        assert list(answer.token_ids) == reference[name][1], name
+    assert loads(spec_stub).kv_blocks_used == 0
+
+
+def test_stops_inside_accepted_runs_end_the_answer_exactly_there(spec_stub, reference, hf_tokenizer):  # noqa: F811
+    ids, expected = reference["rewrite"]
+    text = hf_tokenizer.decode(expected, skip_special_tokens=True)
+    got = spec_stub.Generate(greedy(ids, stop=["forward pass"]), timeout=300)
+    assert got.text == text[:text.index("forward pass")]
+    assert got.finish_reason == pb.FINISH_REASON_STOP and got.matched_stop_str == "forward pass"
+    ids, expected = reference["count"]
+    stop_id = expected[41]  # a digit deep in a run of accepted proposals
+    cut = expected.index(stop_id) + 1
+    got = spec_stub.Generate(greedy(ids, stop_token_ids=[stop_id]), timeout=300)
+    assert list(got.token_ids) == expected[:cut] and got.matched_token_id == stop_id
+    got = spec_stub.Generate(greedy(ids, max_tokens=23), timeout=300)
+    assert list(got.token_ids) == expected[:23] and got.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def _sampled(ids) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt_token_ids=ids,
+                              sampling=pb.SamplingParams(temperature=0.8, top_p=0.95, seed=11, n=2),
+                              stopping=pb.StoppingCriteria(max_tokens=48, ignore_eos=True))
+
+
+def _streamed(stub, request) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for msg in stub.GenerateStream(request, timeout=300):
+        out.setdefault(msg.index, []).extend(msg.token_ids)
+    return out
+
+
+def test_seeded_sampling_gives_what_the_plain_cluster_gives(spec_stub, stub, reference):
+    """Each position is drawn as the plain sampler draws it (worker/rejection_sampler.py), so
+    speculation changes how many tokens a step gives, not which: alone, in a batch, every time."""
+    names = ("rename", "count")
+    plain = {n: _streamed(stub, _sampled(reference[n][0])) for n in names}
+    alone = {n: _streamed(spec_stub, _sampled(reference[n][0])) for n in names}
+    with ThreadPoolExecutor(4) as pool:
+        crowd = list(pool.map(lambda n: _streamed(spec_stub, _sampled(reference[n][0])),
+                              names + ("json", "question")))
+    for i, n in enumerate(names):
+        assert alone[n] == plain[n] == crowd[i], n
+        assert len(plain[n][0]) == 48 and plain[n][0] != plain[n][1]
+
+
+def test_logprobs_rows_do_not_speculate_and_equal_the_plain_cluster(spec_stub, stub, reference):
+    ids, _ = reference["json"]
+    request = greedy(ids, max_tokens=24)
+    request.sampling.logprobs = 2
+    before = loads(spec_stub).spec_num_drafts
+    got, plain = spec_stub.Generate(request, timeout=300), stub.Generate(request, timeout=300)
+    assert loads(spec_stub).spec_num_drafts == before
+    assert list(got.token_ids) == list(plain.token_ids)
+    for a, b in zip(got.logprobs, plain.logprobs):
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)

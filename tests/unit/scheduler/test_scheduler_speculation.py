@@ -1,0 +1,145 @@
+"""Speculative decoding as the scheduler sees it, against the in-process fake worker, whose
+proposer is right for a few tokens and then wrong (tests/fake_worker.py): every output equals
+the reference of one token a step, wherever a stop id, EOS or the length limit falls inside an
+accepted run; rows that may not speculate never do; preemption and the prefix cache stay exact
+(a prefix hit over blocks whose rejected slots held proposals reads only accepted tokens); the
+block invariant holds after every step (tests/unit/scheduler/test_scheduler.py's check)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from proto import internal_pb2 as pb
+from proto.columns import pack, unpack_list
+from tests.fake_worker import EOS, EOS_MARK, FakeWorker, reference_output
+from tests.unit.scheduler.test_scheduler import GW, collect, make_router, run, step, with_workers
+
+
+def add(router, rid, prompt, max_tokens, seed=0, **kw):
+    router.add(GW, pb.AddRequest(request_id=rid, prompt_token_ids=prompt, max_tokens=max_tokens,
+                                 sampling=pb.SamplingConfig(has_seed=True, seed=seed,
+                                                            **kw.pop("sampling", {})), **kw))
+
+
+def test_runs_of_accepted_tokens_give_the_reference_output():
+    router = make_router()
+    worker = FakeWorker(256, block_size=4, num_speculative_tokens=4)
+    workers = with_workers(router, worker)
+    rng = random.Random(1)
+    stops = rng.sample(range(1, 999), 40)  # some runs hold a stop id
+    cases = {}
+    for i in range(24):
+        prompt = [rng.randrange(1, 990) for _ in range(rng.randrange(2, 12))]
+        if i % 4 == 0:  # EOS at a chosen output index, often inside a run
+            prompt = [EOS_MARK, rng.randrange(1, 30)] + prompt
+        max_tokens = rng.randrange(1, 60)
+        kw = {"stop_token_ids": stops} if i % 3 == 0 else {}
+        add(router, f"r{i}", prompt, max_tokens, seed=i, **kw)
+        cases[f"r{i}"] = (prompt, max_tokens, i, kw.get("stop_token_ids", ()))
+    out, plans = {}, []
+    run(router, workers, out, plans_seen=plans)
+    for rid, (prompt, max_tokens, seed, stop_ids) in cases.items():
+        expected = reference_output(prompt, max_tokens, seed, stop_token_ids=stop_ids)
+        assert out[(rid, 0)]["tokens"] == expected, rid
+        ended = expected[-1] in set(stop_ids) | {EOS}
+        assert out[(rid, 0)]["finish"] == (pb.STOP if ended else pb.LENGTH), rid
+    assert worker.accepted > 100 and worker.drafts > worker.accepted  # it accepted, and rejected
+    assert any(len(unpack_list(p.spec_slots)) for p in plans)
+    # Fewer steps than tokens: accepted runs are what speculation is for.
+    assert len(plans) < sum(len(e["tokens"]) for e in out.values()) / 2
+    pool = router.workers[b"w0"].scheduler.kv.pool
+    assert pool.num_free == pool.num_blocks
+
+
+def test_a_run_streams_as_one_update_of_several_tokens():
+    router = make_router()
+    workers = with_workers(router, FakeWorker(64, block_size=4, num_speculative_tokens=4))
+    add(router, "a", [5, 6, 7], 40, seed=2)
+    sizes, out = [], {}
+    while step(router, workers, out):  # each step's result, collected as it comes
+        sizes.append(len(out.get(("a", 0), {"tokens": []})["tokens"]))
+    growth = [b - a for a, b in zip([0] + sizes, sizes)]
+    assert max(growth) > 1 and sum(growth) == 40
+    assert out[("a", 0)]["tokens"] == reference_output([5, 6, 7], 40, 2)
+
+
+def test_rows_whose_sampling_needs_every_position_do_not_speculate():
+    router = make_router()
+    workers = with_workers(router, FakeWorker(128, block_size=4, num_speculative_tokens=3))
+    add(router, "plain", [1, 2, 3], 20)
+    add(router, "penalty", [4, 5, 6], 20, sampling={"presence_penalty": 0.5})
+    add(router, "bias", [7, 8, 9], 20, sampling={"logit_bias": {5: 1.0}})
+    add(router, "min", [10, 11, 12], 20, sampling={"min_tokens": 8})
+    out, plans = {}, []
+    run(router, workers, out, plans_seen=plans)
+    sched = router.workers[b"w0"].scheduler
+    speculated = {s for p in plans for s in unpack_list(p.spec_slots)}
+    slot_of = {}
+    for p in plans:
+        for s in p.new_seqs:
+            slot_of[s.seq_id.split("#")[0]] = s.slot
+    assert slot_of["plain"] in speculated
+    assert not {slot_of["penalty"], slot_of["bias"]} & speculated
+    for rid, prompt in (("plain", [1, 2, 3]), ("penalty", [4, 5, 6]), ("bias", [7, 8, 9])):
+        assert out[(rid, 0)]["tokens"] == reference_output(prompt, 20, 0), rid
+    # min_tokens: one token a step while EOS is masked, then it may speculate.
+    assert out[("min", 0)]["tokens"] == reference_output([10, 11, 12], 20, 0, min_tokens=8)
+    assert slot_of["min"] in speculated
+    assert not sched.requests
+
+
+@pytest.mark.parametrize("mode,cpu_blocks", [("recompute", 0), ("swap", 40)])
+def test_preemption_with_speculation_gives_the_undisturbed_output(mode, cpu_blocks):
+    router = make_router()
+    worker = FakeWorker(14, block_size=4, num_cpu_blocks=cpu_blocks, num_speculative_tokens=4)
+    workers = with_workers(router, worker)
+    rng = random.Random(3)
+    prompts = {f"r{i}": [rng.randrange(1, 990) for _ in range(rng.randrange(3, 9))] for i in range(6)}
+    for i, (rid, p) in enumerate(prompts.items()):
+        add(router, rid, p, 14, seed=i)
+    out = {}
+    run(router, workers, out)
+    sched = router.workers[b"w0"].scheduler
+    assert sched.stats.num_preemptions[mode] > 0 and worker.accepted > 0
+    for i, (rid, p) in enumerate(prompts.items()):
+        assert out[(rid, 0)]["tokens"] == reference_output(p, 14, i), rid
+    assert sched.kv.pool.num_free == sched.kv.pool.num_blocks
+    assert sched.kv.cpu_pool.num_free == cpu_blocks
+
+
+def test_a_prefix_hit_over_generated_blocks_reads_only_accepted_tokens():
+    """The second prompt is the first's prompt and output: its prefix hit covers blocks that
+    were written by verification forwards, whose rejected proposals the cache held for a while."""
+    router = make_router()
+    worker = FakeWorker(256, block_size=4, num_speculative_tokens=4)
+    workers = with_workers(router, worker)
+    prompt = [3, 1, 4, 1, 5, 9, 2]
+    add(router, "first", prompt, 41, seed=5)
+    out = {}
+    run(router, workers, out)
+    first = out[("first", 0)]["tokens"]
+    assert first == reference_output(prompt, 41, 5) and worker.drafts > worker.accepted > 0
+    second = prompt + first + [7]
+    add(router, "second", second, 12, seed=6)
+    run(router, workers, out)
+    assert out[("second", 0)]["cached"] >= 40  # ten full blocks hashed from accepted tokens
+    assert out[("second", 0)]["tokens"] == reference_output(second, 12, 6)
+
+
+def test_a_result_that_accepts_more_than_the_plan_allowed_drops_the_worker():
+    router = make_router()
+    worker = FakeWorker(64, block_size=4, num_speculative_tokens=2)
+    workers = with_workers(router, worker)
+    add(router, "a", [5, 6, 7], 30)
+    out = {}
+    for _ in range(3):
+        step(router, workers, out)
+    (wid, plan), = router.plans()
+    result = worker.execute(plan)
+    counts = unpack_list(result.num_tokens) if result.num_tokens else [1]
+    tokens = unpack_list(result.token_ids) + [9] * (4 - counts[0] + 1)
+    result.token_ids, result.num_tokens = pack(tokens), pack([5])
+    result.num_drafts = pack([4])
+    router.on_result(wid, result)
+    assert wid not in router.workers  # dropped: the blocks hold no fifth token

@@ -1,0 +1,141 @@
+"""Speculative decoding in the worker (n-gram proposals, verified in the step's own forward).
+
+The plan names rows that compute one decode token and may propose up to k more
+(StepPlan.spec_slots). Before the forward, each such row's proposals are written after its
+known tokens in the persistent batch and its query grows to 1 + p tokens, so the forward
+computes the target's distributions at all of them; the rejection sampler
+(worker/rejection_sampler.py) keeps the accepted prefix and draws one token of the target's
+after it. `settle` then makes the batch say what is true: the accepted proposals stay as known
+and computed tokens (their KV is in the cache), the rejected ones are forgotten (their KV
+slots are overwritten by later steps). The scheduler allocated the blocks for all of them.
+
+Only rows whose sampling the rejection sampler reproduces speculate (proto/speculation.py:
+no logits processors, logprobs or grammars); every rank proposes the same tokens from its own
+copy of the batch, and rank 0 alone verifies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from proto.columns import pack, unpack
+from worker.input_batch import InputBatch, StepInputs
+from worker.ngram_proposer import propose
+from worker.rejection_sampler import verify
+from worker.sampler import SAMPLING_EPS, probabilities
+from worker.speculative_config import SpeculativeConfig
+
+
+@dataclass
+class Proposals:
+    """One step's proposals: row indices into the step's slots, and each one's draft tokens."""
+    rows: list[int] = field(default_factory=list)
+    drafts: list[np.ndarray] = field(default_factory=list)
+    known: list[int] = field(default_factory=list)   # each row's known tokens before them
+    accepted: list[int] = field(default_factory=list)  # set by verify_rows (or by rank 0)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        if config.method != "ngram":
+            raise SystemExit(f"--speculative-config.method {config.method!r} is not built yet; "
+                             "use ngram")
+        self.config = config
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.config.num_speculative_tokens
+
+    def propose(self, batch: InputBatch, plan_spec_slots: bytes, plan_spec_k: bytes,
+                slots: np.ndarray, counts: np.ndarray) -> Proposals:
+        """Writes each speculating row's proposals into the batch and grows its count in place."""
+        out = Proposals()
+        spec_slots, spec_k = unpack(plan_spec_slots), unpack(plan_spec_k)
+        if len(spec_slots) != len(spec_k):
+            raise ValueError("a plan's spec_slots and spec_num_tokens differ in length")
+        if not len(spec_slots):
+            return out
+        if (spec_k < 1).any() or (spec_k > self.num_speculative_tokens).any():
+            raise ValueError(f"a plan proposes outside [1, {self.num_speculative_tokens}] tokens")
+        row_of = {int(s): i for i, s in enumerate(slots.tolist())}
+        cfg = self.config
+        for slot, k in zip(spec_slots.tolist(), spec_k.tolist()):
+            row = row_of.get(slot)
+            n = int(batch.num_tokens[slot]) if row is not None else -1
+            if row is None or counts[row] != 1 or batch.num_computed[slot] != n - 1:
+                raise ValueError(f"slot {slot} speculates but is not a decode of this step")
+            if n + k > batch.max_model_len:
+                raise ValueError(f"slot {slot}: {k} proposals run past max_model_len")
+            draft = propose(batch.tokens(slot), k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            if not len(draft):
+                continue
+            batch.token_ids[slot, n:n + len(draft)] = draft
+            batch.num_tokens[slot] = n + len(draft)
+            counts[row] += len(draft)
+            out.rows.append(row)
+            out.drafts.append(draft)
+            out.known.append(n)
+        return out
+
+    def draft_logits_indices(self, spec: Proposals, inputs: StepInputs) -> torch.Tensor:
+        """Rows of the hidden states at each proposal's position; the row's last position (after
+        its last proposal) is among the step's sampled rows already."""
+        starts = inputs.meta.query_start_loc
+        idx = [int(starts[r]) + j for r, d in zip(spec.rows, spec.drafts) for j in range(len(d))]
+        return torch.tensor(idx, dtype=torch.int64)
+
+    def verify_rows(self, spec: Proposals, slots: np.ndarray, sampled_slots: np.ndarray, params,
+                    draft_logits: torch.Tensor, logits: torch.Tensor, sampled: torch.Tensor,
+                    generator: torch.Generator) -> list[list[int]]:
+        """Each speculating row's tokens (accepted proposals, then the target's); writes the
+        target's token into `sampled` at the row's place and fills spec.accepted."""
+        place = {s: i for i, s in enumerate(sampled_slots.tolist())}
+        runs, at = [], 0
+        for row, draft, n in zip(spec.rows, spec.drafts, spec.known):
+            i = place[int(slots[row])]
+            p = len(draft)
+            target = torch.cat([draft_logits[at:at + p], logits[i:i + 1]])
+            at += p
+            param = params[i]
+            greedy = param.temperature < SAMPLING_EPS
+            probs = target if greedy else probabilities(target, [param] * (p + 1))
+            seed = param.seed if param.has_seed else None
+            v = verify(probs, draft.tolist(), None, greedy, seed, n, generator)
+            sampled[i] = v.tokens[-1]
+            spec.accepted.append(v.accepted)
+            runs.append(v.tokens)
+        return runs
+
+    @staticmethod
+    def undo(batch: InputBatch, slots: np.ndarray, spec: Proposals) -> None:
+        """A step that failed: the rows know only their own tokens again."""
+        for row, n in zip(spec.rows, spec.known):
+            batch.num_tokens[slots[row]] = n
+
+    @staticmethod
+    def settle(batch: InputBatch, slots: np.ndarray, spec: Proposals) -> None:
+        """After the batch advanced by the step's counts: keep the accepted proposals as known
+        and computed tokens, forget the rest (the target's token is appended next)."""
+        for row, draft, n, a in zip(spec.rows, spec.drafts, spec.known, spec.accepted):
+            slot = slots[row]
+            batch.num_tokens[slot] = n + a
+            batch.num_computed[slot] -= len(draft) - a
+
+
+def result_columns(result, sampled_slots: np.ndarray, tokens: np.ndarray, slots: np.ndarray,
+                   spec: Proposals, runs: list[list[int]]) -> None:
+    """StepResult's token columns when rows speculated: each sampled row's run of tokens (one for
+    a row that proposed nothing) and how many of them were proposals."""
+    run_of = {int(slots[r]): (run, len(d)) for r, run, d in zip(spec.rows, runs, spec.drafts)}
+    token_ids, num_tokens, num_drafts = [], [], []
+    for s, t in zip(sampled_slots.tolist(), tokens.tolist()):
+        run, p = run_of.get(s, ((t,), 0))
+        token_ids += run
+        num_tokens.append(len(run))
+        num_drafts.append(p)
+    result.slots = pack(sampled_slots)
+    result.token_ids = pack(token_ids)
+    result.num_tokens = pack(num_tokens)
+    result.num_drafts = pack(num_drafts)
