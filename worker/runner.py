@@ -279,7 +279,11 @@ class ModelRunner:
         sampled_slots = inputs.sampled_slots
         if not len(sampled_slots):
             return np.zeros(0, np.int64), None
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        idx, speculated = inputs.logits_indices, spec is not None and bool(spec.rows)
+        if speculated:  # the proposals' positions too, in the same pass over the LM head
+            idx = torch.cat([idx, self.speculator.draft_logits_indices(spec, inputs).to(idx.device)])
+        logits = self.model.compute_logits(hidden[idx])
+        logits, draft_logits = logits[:len(sampled_slots)], logits[len(sampled_slots):]
         params = [batch.sampling[s] for s in sampled_slots.tolist()]
         history = [batch.tokens(s) for s in sampled_slots.tolist()]
         slot_list = sampled_slots.tolist()
@@ -291,9 +295,7 @@ class ModelRunner:
         sampled_logprobs(sampled_slots, params, logits, sampled, inputs.sample_positions,
                                result)
         runs = None
-        if spec and spec.rows:
-            draft_logits = self.model.compute_logits(
-                hidden[self.speculator.draft_logits_indices(spec, inputs).to(hidden.device)])
+        if speculated:
             runs = self.speculator.verify_rows(spec, slots, sampled_slots, params, draft_logits,
                                                logits, sampled, self.sampler.generator)
         return sampled.cpu().numpy(), runs

@@ -1,7 +1,9 @@
 """A real cluster whose worker is SmolLM2 on three tensor-parallel ranks (gloo on the CPU): when
 one of its ranks is killed mid-stream the worker leaves with a goodbye and every stream goes on,
 on another worker, to the very answer the one-process cluster gives (so the three ranks' tokens
-before the kill are the one process's too)."""
+before the kill are the one process's too). Both workers speculate (n-gram proposals, greedy:
+the same tokens as without), so the ranks verify proposals in step and rank 0's accepted counts
+reach the others."""
 from __future__ import annotations
 
 import os
@@ -21,10 +23,12 @@ from tests.unit.worker.test_worker_tensor_parallel import ROOT, alive, children
 pytestmark = pytest.mark.integration
 
 QUESTIONS = ["Tell me about rivers.", "Write a short poem about the sea.",
-             "Explain how a bicycle works.", "What is the capital of France?"]
+             "Repeat this line three times: the river runs down to the sea.",
+             "What is the capital of France?"]
 MAX_TOKENS = 32
 # The session cluster's flags (tests/conftest.py), so that only the split differs.
 FLAGS = ["--dtype", "float32", "--num-gpu-blocks-override", "256", "--max-num-seqs", "32"]
+SPECULATE = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
 
 
 def request(question: str) -> pb.GenerateRequest:
@@ -42,7 +46,7 @@ def answers(stub) -> list[pb.GenerateResponse]:
 def tp_cluster(tmp_path_factory):
     log = tmp_path_factory.mktemp("tp-cluster") / "cluster.log"
     # --worker-timeout: above a forward's time while a new worker loads beside it on two cores.
-    c = Cluster(*FLAGS, "--tensor-parallel-size", "3", "--worker-timeout", "20",
+    c = Cluster(*FLAGS, *SPECULATE, "--tensor-parallel-size", "3", "--worker-timeout", "20",
                 log_path=log).start(timeout=600)
     yield c
     code = c.stop()
@@ -63,11 +67,16 @@ def tp_worker_pid(cluster: Cluster) -> int | None:
     return None
 
 
+def accepted(cluster: Cluster, worker: str) -> float:
+    return sum(v for k, v in cluster.scheduler_metrics().items()
+               if k.startswith("pagoda_spec_decode_num_accepted_tokens_total{") and worker in k)
+
+
 def test_a_killed_rank_moves_its_streams_to_another_worker(stub, tp_cluster, tp_stub):
     one = answers(stub)  # the session's one-process cluster
     assert all(a.usage.completion_tokens == MAX_TOKENS for a in one)
     spare = subprocess.Popen(
-        [sys.executable, "-m", "worker.main", *FLAGS[:4], "--worker-id", "spare",
+        [sys.executable, "-m", "worker.main", *FLAGS[:4], *SPECULATE, "--worker-id", "spare",
          "--scheduler-worker-address", tp_cluster.worker_address,
          "--zmq-keys-dir", str(tp_cluster.keys_dir)],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -91,6 +100,7 @@ def test_a_killed_rank_moves_its_streams_to_another_worker(stub, tp_cluster, tp_
             assert len(ranks) == 2
             assert wait_for(lambda: streamed[0] >= 8, 300)  # mid-generation
             assert tp_worker_pid(tp_cluster) == rank0
+            assert wait_for(lambda: accepted(tp_cluster, f'-{rank0}"') > 0, 300)  # by three ranks
             os.kill(ranks[0], signal.SIGKILL)
             killed_at = time.monotonic()
             dead = f'-{rank0}"'
