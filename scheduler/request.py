@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proto import internal_pb2 as pb
+from scheduler.draft_length import DraftLength
 
 
 class Status(enum.Enum):
@@ -89,6 +90,9 @@ class Request:
     # writes nothing here.
     stream_started: bool = False
     num_unstreamed: int = 0
+    # Speculative decoding: how many tokens it may propose next (scheduler/draft_length.py),
+    # made at its first speculating step.
+    draft: DraftLength | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -28,6 +28,7 @@ def apply_result(sched: Batch, step: Step, result: pb.StepResult,
     runs = None  # speculative decoding: row j's tokens are res_tokens[runs[j]:runs[j + 1]]
     if result.num_tokens:
         runs = run_starts(sched, step, result, res_slots, len(res_tokens))
+        drafts, most = unpack_list(result.num_drafts), sched.config.num_speculative_tokens
     elif len(res_slots) != len(res_tokens):
         raise ValueError(f"step {result.step_id}: {len(res_slots)} slots but {len(res_tokens)} tokens")
     candidates = forward_logprobs(step, result.logprobs, outboxes) if result.logprobs else {}
@@ -42,6 +43,8 @@ def apply_result(sched: Batch, step: Step, result: pb.StepResult,
         j += 1
         if req.status is Status.FINISHED:
             continue
+        if runs is not None and drafts[j - 1] and req.draft is not None:
+            req.draft.update(drafts[j - 1], runs[j] - runs[j - 1] - 1, most)
         if runs is not None and runs[j] - runs[j - 1] > 1:
             if accept_run(sched, req, res_tokens[runs[j - 1]:runs[j]], outboxes, streams):
                 others.append(req)

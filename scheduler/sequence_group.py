@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from proto import internal_pb2 as pb
 from proto.speculation import may_speculate
+from scheduler.draft_length import DraftLength
 from scheduler.request import FinishReason, Request, Status
 
 if TYPE_CHECKING:
@@ -193,7 +194,8 @@ class Single(SequenceGroup):
             return
         n, kv = min(todo, step.budget), sched.kv
         k = sched.config.num_speculative_tokens  # 0 (off): no call on the decode path
-        k = _lookahead(k, seq, known, todo, step.budget) if k else 0
+        # A fork holding back its last tokens computes short of its end: no token, no proposals.
+        k = _lookahead(k, seq, known, step.budget) if k and not self.held_back else 0
         blocks = kv.allocate_slots(seq, n, num_lookahead_tokens=k) if k else None
         if blocks is None:  # no room for proposals: a plain decode, for which others may go
             k = 0
@@ -253,12 +255,14 @@ class Single(SequenceGroup):
         return [self.handle]
 
 
-def _lookahead(k: int, seq: Request, known: int, todo: int, budget: int) -> int:
+def _lookahead(k: int, seq: Request, known: int, budget: int) -> int:
     """Proposals a running sequence may verify this step: only a decode (one token to compute,
-    none on the way) whose sampling allows it, and no more than its length limit and the step's
-    budget leave room for."""
-    if todo != 1 or seq.num_pending or not seq.on_worker:
+    none on the way) whose sampling allows it, no more than its own draft length (which backs
+    off when its proposals fail) and than its length limit and the step's budget leave room for."""
+    if known - seq.num_computed_tokens != 1 or seq.num_pending or not seq.on_worker:
         return 0
-    if not may_speculate(seq.sampling, known - seq.num_prompt_tokens):
+    if not may_speculate(seq.sampling):
         return 0
-    return max(0, min(k, seq.length_limit - known - 1, budget - 1))
+    if seq.draft is None:
+        seq.draft = DraftLength(k)
+    return max(0, min(seq.draft.next(), seq.length_limit - known - 1, budget - 1))

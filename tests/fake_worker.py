@@ -122,9 +122,11 @@ class Seq:
 
 class FakeWorker:
     def __init__(self, num_blocks: int, block_size: int = 4, worker_id: str = "fake",
-                 num_cpu_blocks: int = 0, num_speculative_tokens: int = 0) -> None:
+                 num_cpu_blocks: int = 0, num_speculative_tokens: int = 0,
+                 always_wrong: bool = False) -> None:
         self.num_blocks, self.block_size, self.worker_id = num_blocks, block_size, worker_id
         self.num_speculative_tokens = num_speculative_tokens
+        self.always_wrong = always_wrong  # its proposer is never right (text that never repeats)
         self.drafts = self.accepted = 0  # proposals made, proposals accepted
         self.num_cpu_blocks = num_cpu_blocks
         self.cache = [-1] * (num_blocks * block_size)
@@ -241,7 +243,7 @@ class FakeWorker:
         assert n == 1 and not seq.beam_k and 1 <= k <= self.num_speculative_tokens, (sid, n, k)
         h = _fold(_FNV_BASIS, seq.tokens)
         p = 0 if h % 5 == 0 else k  # some rows find no n-gram
-        right = h % (p + 1)
+        right = 0 if self.always_wrong else h % (p + 1)
         known, truth = len(seq.tokens), []
         for _ in range(p):
             truth.append(next_token(seq.tokens + truth, seq.seed, seq.num_prompt_tokens, seq.min_tokens))

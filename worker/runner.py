@@ -296,7 +296,7 @@ class ModelRunner:
                                result)
         runs = None
         if speculated:
-            runs = self.speculator.verify_rows(spec, slots, sampled_slots, params, draft_logits,
+            runs = self.speculator.verify_rows(spec, batch, slots, sampled_slots, params, draft_logits,
                                                logits, sampled, self.sampler.generator)
         return sampled.cpu().numpy(), runs
 

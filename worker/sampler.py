@@ -69,9 +69,7 @@ class Sampler:
         if token_ids is None:
             token_ids, num_prompt_tokens = [()] * len(params), [0] * len(params)
         assert num_prompt_tokens is not None, "token_ids needs num_prompt_tokens"
-        logits = apply_min_tokens(logits, params, [len(t) - n for t, n in zip(token_ids, num_prompt_tokens)])
-        logits = apply_logit_bias(logits, params)
-        logits = apply_penalties(logits, params, token_ids, num_prompt_tokens)
+        logits = apply_processors(logits, params, token_ids, num_prompt_tokens)
         masked = allowed is not None and bool(allowed[0])
         if masked:
             logits = apply_grammar_mask(logits, *allowed)
@@ -101,6 +99,16 @@ class Sampler:
         if len(rows) == len(params):
             return sampled
         return out.index_copy_(0, torch.tensor(rows, device=out.device), sampled)
+
+
+def apply_processors(logits: torch.Tensor, params: Sequence[SamplingParams],
+                     token_ids: Sequence[Sequence[int]], num_prompt_tokens: Sequence[int]) -> torch.Tensor:
+    """The processors that read a row's history, in vLLM's order: the min_tokens mask,
+    logit_bias, penalties. Speculative verification applies them at each proposal's position
+    with the proposals before it as history, as if those had been sampled."""
+    logits = apply_min_tokens(logits, params, [len(t) - n for t, n in zip(token_ids, num_prompt_tokens)])
+    logits = apply_logit_bias(logits, params)
+    return apply_penalties(logits, params, token_ids, num_prompt_tokens)
 
 
 def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -9,9 +9,9 @@ after it. `settle` then makes the batch say what is true: the accepted proposals
 and computed tokens (their KV is in the cache), the rejected ones are forgotten (their KV
 slots are overwritten by later steps). The scheduler allocated the blocks for all of them.
 
-Only rows whose sampling the rejection sampler reproduces speculate (proto/speculation.py:
-no logits processors, logprobs or grammars); every rank proposes the same tokens from its own
-copy of the batch, and rank 0 alone verifies.
+Only rows whose sampling the verification reproduces speculate (proto/speculation.py: no
+logprobs, grammars or beams); every rank proposes the same tokens from its own copy of the
+batch, and rank 0 alone verifies.
 """
 from __future__ import annotations
 
@@ -21,10 +21,11 @@ import numpy as np
 import torch
 
 from proto.columns import pack, unpack
+from proto.speculation import may_speculate
 from worker.input_batch import InputBatch, StepInputs
 from worker.ngram_proposer import propose
 from worker.rejection_sampler import verify
-from worker.sampler import SAMPLING_EPS, probabilities
+from worker.sampler import SAMPLING_EPS, apply_processors, probabilities
 from worker.speculative_config import SpeculativeConfig
 
 
@@ -66,6 +67,8 @@ class Speculator:
             n = int(batch.num_tokens[slot]) if row is not None else -1
             if row is None or counts[row] != 1 or batch.num_computed[slot] != n - 1:
                 raise ValueError(f"slot {slot} speculates but is not a decode of this step")
+            if not may_speculate(batch.sampling[slot]):
+                raise ValueError(f"slot {slot} speculates, but its sampling needs one token a step")
             if n + k > batch.max_model_len:
                 raise ValueError(f"slot {slot}: {k} proposals run past max_model_len")
             draft = propose(batch.tokens(slot), k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
@@ -86,17 +89,25 @@ class Speculator:
         idx = [int(starts[r]) + j for r, d in zip(spec.rows, spec.drafts) for j in range(len(d))]
         return torch.tensor(idx, dtype=torch.int64)
 
-    def verify_rows(self, spec: Proposals, slots: np.ndarray, sampled_slots: np.ndarray, params,
-                    draft_logits: torch.Tensor, logits: torch.Tensor, sampled: torch.Tensor,
+    def verify_rows(self, spec: Proposals, batch: InputBatch, slots: np.ndarray,
+                    sampled_slots: np.ndarray, params, draft_logits: torch.Tensor,
+                    logits: torch.Tensor, sampled: torch.Tensor,
                     generator: torch.Generator) -> list[list[int]]:
         """Each speculating row's tokens (accepted proposals, then the target's); writes the
-        target's token into `sampled` at the row's place and fills spec.accepted."""
+        target's token into `sampled` at the row's place and fills spec.accepted. Position i
+        of a row sees the logits processors with the row's tokens and proposals 0..i-1 as its
+        history: penalties, logit_bias and min_tokens act as if those had been sampled."""
         place = {s: i for i, s in enumerate(sampled_slots.tolist())}
         runs, at = [], 0
         for row, draft, n in zip(spec.rows, spec.drafts, spec.known):
-            i = place[int(slots[row])]
+            slot = int(slots[row])
+            i = place[slot]
             p = len(draft)
-            target = torch.cat([draft_logits[at:at + p], logits[i:i + 1]])
+            param = [params[i]] * (p + 1)
+            tokens = batch.tokens(slot)  # the known tokens, then the proposals
+            target = apply_processors(torch.cat([draft_logits[at:at + p], logits[i:i + 1]]), param,
+                                      [tokens[:n + j] for j in range(p + 1)],
+                                      [int(batch.num_prompt[slot])] * (p + 1))
             at += p
             param = params[i]
             greedy = param.temperature < SAMPLING_EPS

@@ -162,3 +162,20 @@ def test_logprobs_rows_do_not_speculate_and_equal_the_plain_cluster(spec_stub, s
     assert list(got.token_ids) == list(plain.token_ids)
     for a, b in zip(got.logprobs, plain.logprobs):
         assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+def test_penalties_bias_and_min_tokens_act_at_every_verified_position(spec_stub, stub, reference):
+    """The processors that read the history see the proposals before each position as if they
+    had been sampled: greedy and seeded answers equal the plain cluster's, and they speculated."""
+    before = loads(spec_stub).spec_num_drafts
+    for name in ("rewrite", "count"):
+        ids, expected = reference[name]
+        for sampling in (dict(temperature=0, repetition_penalty=1.15, presence_penalty=0.3),
+                         dict(temperature=0, frequency_penalty=0.2, logit_bias={expected[3]: -5.0}),
+                         dict(temperature=0.7, seed=5, presence_penalty=0.4, repetition_penalty=1.1)):
+            request = pb.GenerateRequest(prompt_token_ids=ids, sampling=pb.SamplingParams(**sampling),
+                                         stopping=pb.StoppingCriteria(max_tokens=40, min_tokens=30))
+            got, plain = spec_stub.Generate(request, timeout=300), stub.Generate(request, timeout=300)
+            assert list(got.token_ids) == list(plain.token_ids), (name, sampling)
+            assert len(got.token_ids) >= 30
+    assert loads(spec_stub).spec_num_drafts > before

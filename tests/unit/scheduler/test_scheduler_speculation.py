@@ -64,29 +64,26 @@ def test_a_run_streams_as_one_update_of_several_tokens():
     assert out[("a", 0)]["tokens"] == reference_output([5, 6, 7], 40, 2)
 
 
-def test_rows_whose_sampling_needs_every_position_do_not_speculate():
+def test_only_rows_whose_tokens_need_one_step_each_do_not_speculate():
+    """Penalties, logit_bias and min_tokens are applied per verified position (the worker's
+    business), so those rows speculate; logprobs rows (an entry per token) do not."""
     router = make_router()
     workers = with_workers(router, FakeWorker(128, block_size=4, num_speculative_tokens=3))
-    add(router, "plain", [1, 2, 3], 20)
-    add(router, "penalty", [4, 5, 6], 20, sampling={"presence_penalty": 0.5})
-    add(router, "bias", [7, 8, 9], 20, sampling={"logit_bias": {5: 1.0}})
-    add(router, "min", [10, 11, 12], 20, sampling={"min_tokens": 8})
+    cases = {"plain": ([1, 2, 3], {}), "penalty": ([4, 5, 6], {"presence_penalty": 0.5}),
+             "bias": ([7, 8, 9], {"logit_bias": {5: 1.0}}), "min": ([10, 11, 12], {"min_tokens": 8}),
+             "logprobs": ([13, 14, 15], {"logprobs": 0})}
+    for rid, (prompt, sampling) in cases.items():
+        add(router, rid, prompt, 20, sampling=sampling)
     out, plans = {}, []
     run(router, workers, out, plans_seen=plans)
-    sched = router.workers[b"w0"].scheduler
     speculated = {s for p in plans for s in unpack_list(p.spec_slots)}
-    slot_of = {}
-    for p in plans:
-        for s in p.new_seqs:
-            slot_of[s.seq_id.split("#")[0]] = s.slot
-    assert slot_of["plain"] in speculated
-    assert not {slot_of["penalty"], slot_of["bias"]} & speculated
-    for rid, prompt in (("plain", [1, 2, 3]), ("penalty", [4, 5, 6]), ("bias", [7, 8, 9])):
-        assert out[(rid, 0)]["tokens"] == reference_output(prompt, 20, 0), rid
-    # min_tokens: one token a step while EOS is masked, then it may speculate.
-    assert out[("min", 0)]["tokens"] == reference_output([10, 11, 12], 20, 0, min_tokens=8)
-    assert slot_of["min"] in speculated
-    assert not sched.requests
+    slot_of = {s.seq_id.split("#")[0]: s.slot for p in plans for s in p.new_seqs}
+    assert {slot_of[r] for r in ("plain", "penalty", "bias", "min")} <= speculated
+    assert slot_of["logprobs"] not in speculated
+    for rid, (prompt, sampling) in cases.items():
+        expected = reference_output(prompt, 20, 0, min_tokens=sampling.get("min_tokens", 0))
+        assert out[(rid, 0)]["tokens"] == expected, rid
+    assert not router.workers[b"w0"].scheduler.requests
 
 
 @pytest.mark.parametrize("mode,cpu_blocks", [("recompute", 0), ("swap", 40)])
@@ -143,3 +140,35 @@ def test_a_result_that_accepts_more_than_the_plan_allowed_drops_the_worker():
     result.num_drafts = pack([4])
     router.on_result(wid, result)
     assert wid not in router.workers  # dropped: the blocks hold no fifth token
+
+
+def test_draft_lengths_follow_what_each_sequence_accepted():
+    from scheduler.draft_length import DraftLength
+    d = DraftLength(4)
+    d.update(4, 4, most=4)
+    assert d.next() == 4                 # accepted in full: as long as the worker allows
+    d.update(4, 1, most=4)
+    assert d.next() == 2                 # cut short: one more than was accepted
+    d.update(2, 2, most=4)
+    assert d.next() == 3
+    d.update(0, 0, most=4)
+    assert d.next() == 3                 # no n-gram matched: nothing learned
+    d.update(3, 0, most=4)
+    assert d.next() == 1
+    d.update(1, 0, most=4)               # the second draft in a row that failed outright
+    assert [d.next() for _ in range(5)] == [0, 0, 0, 0, 1]  # paused 4 steps, then one token
+    d.update(1, 0, most=4)
+    d.update(1, 0, most=4)
+    assert [d.next() for _ in range(9)] == [0] * 8 + [1]    # each pause twice the last
+
+
+def test_a_sequence_whose_proposals_always_fail_mostly_stops_proposing():
+    router = make_router()
+    worker = FakeWorker(64, block_size=4, num_speculative_tokens=4, always_wrong=True)
+    workers = with_workers(router, worker)
+    add(router, "a", [5, 6, 7], 120, seed=4)
+    out, plans = {}, []
+    run(router, workers, out, plans_seen=plans)
+    assert out[("a", 0)]["tokens"] == reference_output([5, 6, 7], 120, 4)
+    speculating = sum(bool(len(unpack_list(p.spec_slots))) for p in plans)
+    assert worker.accepted == 0 and 0 < speculating < len(plans) / 5

@@ -1,0 +1,47 @@
+"""How many tokens one sequence may propose next: speculation that backs off by itself.
+
+A wrong proposal costs a verification row and gains nothing, so each sequence's draft length
+follows what its own proposals came to (as adaptive draft lengths do in the literature):
+after a draft that was accepted in full it grows by one, up to the worker's k; after one that
+was cut short it becomes one more than was accepted. A sequence whose proposals keep failing
+outright (two drafts in a row of which nothing was accepted) pauses: it proposes nothing for a
+number of steps that doubles with every pause, up to MAX_PAUSE, and tries one token after it,
+so text that turns repetitive later is still found. Only the scheduler calls it; it decides
+the slots it allocates."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_PAUSE = 64  # steps
+
+
+@dataclass(slots=True)
+class DraftLength:
+    k: int                 # the next draft's length while not paused
+    misses: int = 0        # drafts in a row of which nothing was accepted
+    paused: int = 0        # steps left without proposals
+    pause: int = 4         # the next pause's length
+
+    def next(self) -> int:
+        """The lookahead this step (0 while paused); counts a paused step."""
+        if self.paused:
+            self.paused -= 1
+            return 0
+        return self.k
+
+    def update(self, proposed: int, accepted: int, most: int) -> None:
+        """A result: `proposed` tokens were verified (0: no n-gram matched, nothing learned),
+        `accepted` of them kept; `most` is the worker's k."""
+        if not proposed:
+            return
+        if accepted == proposed:
+            self.k, self.misses, self.pause = min(most, self.k + 1), 0, 4
+            return
+        self.k = accepted + 1
+        if accepted:
+            self.misses = 0
+            return
+        self.misses += 1
+        if self.misses >= 2:
+            self.misses, self.k = 0, 1
+            self.paused, self.pause = self.pause, min(MAX_PAUSE, 2 * self.pause)
