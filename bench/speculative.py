@@ -8,7 +8,9 @@ local text, one stream at a time and 16 at once:
 
 Greedy with speculation gives the very tokens it gives without (tests/integration/
 test_integration_speculation.py), so the two runs of a workload produce the same tokens and
-tokens/s compare directly: output tokens / wall time, cluster start and a warm-up excluded.
+tokens/s compare directly: output tokens / wall time end to end, and decode tokens/s (tokens
+after each request's first over the time from its first token to its last: the prefill, which
+speculation does not touch, left out); cluster start and a warm-up excluded.
 Configurations alternate (off, on, off, on, ...) and the table gives each one's median of
 --repeats runs, with the acceptance counters the scheduler reports (GetLoads).
 
@@ -83,15 +85,24 @@ def request(content: str, max_tokens: int) -> pb.GenerateRequest:
                               stopping=pb.StoppingCriteria(max_tokens=max_tokens))
 
 
-def measure(stub, prompts: list[str], streams: int, max_tokens: int) -> tuple[float, int]:
-    """Output tokens/s with `streams` requests in flight, and the tokens."""
-    def one(content: str) -> int:
-        return len(stub.Generate(request(content, max_tokens), timeout=3600).token_ids)
+def measure(stub, prompts: list[str], streams: int, max_tokens: int) -> tuple[float, float, int]:
+    """With `streams` requests in flight: output tokens/s end to end, decode tokens/s (each
+    request's tokens after its first over the time from its first token to its last, summed
+    over requests: the prefill left out) and the tokens."""
+    def one(content: str) -> tuple[int, float]:
+        n, first = 0, None
+        for msg in stub.GenerateStream(request(content, max_tokens), timeout=3600):
+            if msg.token_ids and first is None:
+                first, n = time.perf_counter(), n - 1  # the first token comes from the prefill
+            n += len(msg.token_ids)
+        return n, time.perf_counter() - first
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
-        tokens = sum(pool.map(one, prompts))
-    return tokens / (time.perf_counter() - t0), tokens
+        done = list(pool.map(one, prompts))
+    wall = time.perf_counter() - t0
+    tokens = sum(n for n, _ in done) + len(done)
+    return tokens / wall, sum(n for n, _ in done) / sum(t for _, t in done), tokens
 
 
 def run(dtype: str, spec: str | None, max_tokens: int, single: int) -> dict:
@@ -107,13 +118,13 @@ def run(dtype: str, spec: str | None, max_tokens: int, single: int) -> dict:
             for name, prompts in workloads().items():
                 for streams, subset in ((1, prompts[:single]), (16, prompts)):
                     before = stub.GetLoads(pb.GetLoadsRequest(), timeout=10).workers[0]
-                    rate, tokens = measure(stub, subset, streams, max_tokens)
+                    rate, decode, tokens = measure(stub, subset, streams, max_tokens)
                     after = stub.GetLoads(pb.GetLoadsRequest(), timeout=10).workers[0]
                     drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
                     accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
                     drafts = after.spec_num_drafts - before.spec_num_drafts
                     out[f"{name}/{streams}"] = {
-                        "tok_s": rate, "tokens": tokens,
+                        "tok_s": rate, "decode_tok_s": decode, "tokens": tokens,
                         "acceptance": accepted / drafted if drafted else 0.0,
                         "mean_len": 1 + accepted / drafts if drafts else 1.0}
     finally:
@@ -137,15 +148,18 @@ def main() -> None:
             print(config, json.dumps(runs[config][-1]), file=sys.stderr, flush=True)
     print(f"machine: {platform.processor() or platform.machine()}, dtype {args.dtype}, "
           f"spec {args.spec}, {args.repeats} alternating runs, median")
-    print("| workload | streams | off tok/s | on tok/s | speed-up | acceptance | mean accepted length |")
-    print("|---|---|---|---|---|---|---|")
+    print("| workload | streams | off tok/s | on tok/s | speed-up | off decode tok/s | on decode "
+          "tok/s | decode speed-up | acceptance | mean accepted length |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for key in runs["off"][0]:
-        off = statistics.median(r[key]["tok_s"] for r in runs["off"])
-        on = statistics.median(r[key]["tok_s"] for r in runs["on"])
-        acc = statistics.median(r[key]["acceptance"] for r in runs["on"])
-        mean_len = statistics.median(r[key]["mean_len"] for r in runs["on"])
+        med = {c: {f: statistics.median(r[key][f] for r in runs[c]) for f in runs[c][0][key]}
+               for c in runs}
+        off, on = med["off"], med["on"]
         name, streams = key.split("/")
-        print(f"| {name} | {streams} | {off:.1f} | {on:.1f} | {on / off:.2f}x | {acc:.0%} | {mean_len:.2f} |")
+        print(f"| {name} | {streams} | {off['tok_s']:.1f} | {on['tok_s']:.1f} | "
+              f"{on['tok_s'] / off['tok_s']:.2f}x | {off['decode_tok_s']:.1f} | {on['decode_tok_s']:.1f} | "
+              f"{on['decode_tok_s'] / off['decode_tok_s']:.2f}x | {on['acceptance']:.0%} | "
+              f"{on['mean_len']:.2f} |")
         tokens = {r[key]["tokens"] for r in runs["off"] + runs["on"]}
         if len(tokens) != 1:
             print(f"  ! {key}: token counts differ between runs: {sorted(tokens)}")

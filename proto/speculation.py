@@ -4,14 +4,13 @@ slots) and the worker (which proposes and verifies them) both apply to a Samplin
 A verified position must see everything the sampler would have seen had the proposals before it
 been sampled. Temperature, min-p, top-k and top-p depend on the position's logits alone;
 penalties, logit_bias and the min_tokens mask on the history too, which the verification builds
-per position (worker/speculative.py). Logprobs (one entry per token, not per run), a grammar
-(its matcher advances token by token) and beam search (its group picks the tokens) are not
-verified yet: such a sequence decodes one token a step, exactly as without speculation."""
+per position (worker/speculative.py), a grammar's mask too (its matcher advanced over the
+proposals and rolled back), and logprobs come for each token of a run. Beam search (its group
+picks the tokens from candidates) does not speculate: it decodes one token a step."""
 from __future__ import annotations
 
 from proto import internal_pb2 as pb
 
 
 def may_speculate(sampling: pb.SamplingConfig) -> bool:
-    return not (sampling.HasField("logprobs") or sampling.HasField("structured_output")
-                or sampling.beam_candidates)
+    return not sampling.beam_candidates

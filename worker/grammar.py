@@ -131,6 +131,38 @@ class GrammarRows:
             self.matchers[slots[i]].fill_next_token_bitmask(bitmask, j)
         return bitmask
 
+    def draft_masks(self, slot: int, draft: Sequence[int], vocab_size: int):
+        """For a row that speculates: the bitmask at each proposal's position and the one after,
+        as if the proposals before it had been sampled, for the leading proposals the grammar
+        accepts: (bitmask [m + 1, words], m). None for a row without a matcher. The matcher is
+        rolled back: it advances only by what is accepted (advance, then accept)."""
+        matcher = self.matchers.get(slot)
+        if matcher is None:
+            return None
+        import xgrammar as xgr
+        bitmask = xgr.allocate_token_bitmask(len(draft) + 1, vocab_size)
+        m = 0
+        for i in range(len(draft) + 1):
+            if matcher.is_terminated():  # a stop token ended it: nothing may follow
+                bitmask[i] = 0
+                break
+            matcher.fill_next_token_bitmask(bitmask, i)
+            if i == len(draft) or not matcher.accept_token(int(draft[i])):
+                break
+            m += 1
+        if m:
+            matcher.rollback(m)
+        return bitmask[:m + 1], m
+
+    def advance(self, slot: int, tokens: Sequence[int]) -> None:
+        """A speculating row's accepted proposals (its last token comes through accept)."""
+        matcher = self.matchers.get(slot)
+        for token in tokens if matcher is not None else ():
+            if not matcher.accept_token(int(token)):
+                self.matchers.pop(slot)
+                self.failed[slot] = f"token {token} does not match structured_output"
+                return
+
     def accept(self, slots: np.ndarray, tokens: np.ndarray) -> None:
         """The step's sampled tokens, for the rows that have a matcher."""
         if not self.matchers:

@@ -291,13 +291,13 @@ class ModelRunner:
         allowed = (rows, self.grammar.mask(slot_list, rows, logits.shape[1])) if rows else None
         sampled = self.sampler(logits, params, inputs.sample_positions, history,
                                batch.num_prompt[sampled_slots].tolist(), allowed)
+        runs, skip = None, ()
+        if speculated:  # their runs, with the runs' logprobs
+            runs, skip = self.speculator.verify_rows(
+                spec, batch, self.grammar, slots, sampled_slots, params, history, draft_logits,
+                logits, sampled, self.sampler.generator, result)
         self._fail_rows(slot_list, rows, params, history, sampled, result)
-        sampled_logprobs(sampled_slots, params, logits, sampled, inputs.sample_positions,
-                               result)
-        runs = None
-        if speculated:
-            runs = self.speculator.verify_rows(spec, batch, slots, sampled_slots, params, draft_logits,
-                                               logits, sampled, self.sampler.generator)
+        sampled_logprobs(sampled_slots, params, logits, sampled, inputs.sample_positions, result, skip)
         return sampled.cpu().numpy(), runs
 
     def _fail_rows(self, slots, rows, params, history, sampled, result) -> None:

@@ -10,7 +10,7 @@ and computed tokens (their KV is in the cache), the rejected ones are forgotten 
 slots are overwritten by later steps). The scheduler allocated the blocks for all of them.
 
 Only rows whose sampling the verification reproduces speculate (proto/speculation.py: no
-logprobs, grammars or beams); every rank proposes the same tokens from its own copy of the
+beams); every rank proposes the same tokens from its own copy of the
 batch, and rank 0 alone verifies.
 """
 from __future__ import annotations
@@ -22,9 +22,11 @@ import torch
 
 from proto.columns import pack, unpack
 from proto.speculation import may_speculate
+from worker.grammar import GrammarRows, apply_grammar_mask
 from worker.input_batch import InputBatch, StepInputs
 from worker.ngram_proposer import propose
 from worker.rejection_sampler import verify
+from worker.step_logprobs import run_logprobs
 from worker.sampler import SAMPLING_EPS, apply_processors, probabilities
 from worker.speculative_config import SpeculativeConfig
 
@@ -89,14 +91,21 @@ class Speculator:
         idx = [int(starts[r]) + j for r, d in zip(spec.rows, spec.drafts) for j in range(len(d))]
         return torch.tensor(idx, dtype=torch.int64)
 
-    def verify_rows(self, spec: Proposals, batch: InputBatch, slots: np.ndarray,
-                    sampled_slots: np.ndarray, params, draft_logits: torch.Tensor,
-                    logits: torch.Tensor, sampled: torch.Tensor,
-                    generator: torch.Generator) -> list[list[int]]:
-        """Each speculating row's tokens (accepted proposals, then the target's); writes the
-        target's token into `sampled` at the row's place and fills spec.accepted. Position i
+    def verify_rows(self, spec: Proposals, batch: InputBatch, grammar: GrammarRows,
+                    slots: np.ndarray, sampled_slots: np.ndarray, params, history: list,
+                    draft_logits: torch.Tensor, logits: torch.Tensor, sampled: torch.Tensor,
+                    generator: torch.Generator, result) -> tuple[list[list[int]], set[int]]:
+        """Each speculating row's tokens (accepted proposals, then the target's), and those rows'
+        places among the sampled rows; writes the target's token into `sampled` at the row's
+        place, fills spec.accepted and cuts the row's `history` back to its known tokens. Position i
         of a row sees the logits processors with the row's tokens and proposals 0..i-1 as its
-        history: penalties, logit_bias and min_tokens act as if those had been sampled."""
+        history: penalties, logit_bias and min_tokens act as if those had been sampled. Rows
+        that asked for logprobs get those of their whole run (from the raw logits) in result.
+        A constrained row is masked at each position by its grammar as it would stand there
+        (worker/grammar.py draft_masks): proposals past the first one the grammar refuses are
+        not verified, and a position that leaves no token ends the run before it (the next step
+        finds it so and fails the row as a plain step would); at the first position, the row
+        gets -1, which the caller's failure path reports."""
         place = {s: i for i, s in enumerate(sampled_slots.tolist())}
         runs, at = [], 0
         for row, draft, n in zip(spec.rows, spec.drafts, spec.known):
@@ -105,10 +114,23 @@ class Speculator:
             p = len(draft)
             param = [params[i]] * (p + 1)
             tokens = batch.tokens(slot)  # the known tokens, then the proposals
-            target = apply_processors(torch.cat([draft_logits[at:at + p], logits[i:i + 1]]), param,
+            raw = torch.cat([draft_logits[at:at + p], logits[i:i + 1]])
+            target = apply_processors(raw, param,
                                       [tokens[:n + j] for j in range(p + 1)],
                                       [int(batch.num_prompt[slot])] * (p + 1))
             at += p
+            masks = grammar.draft_masks(slot, draft, raw.shape[1]) if grammar.matchers else None
+            if masks is not None:
+                bitmask, m = masks
+                target = apply_grammar_mask(target[:m + 1], list(range(m + 1)), bitmask)
+                dead = torch.isneginf(target).all(dim=-1).nonzero().flatten().tolist()
+                if dead and dead[0] == 0:
+                    sampled[i] = -1
+                    spec.accepted.append(0)
+                    runs.append([])
+                    continue
+                p = min(m, dead[0] - 1) if dead else m
+                target, draft = target[:p + 1], draft[:p]
             param = params[i]
             greedy = param.temperature < SAMPLING_EPS
             probs = target if greedy else probabilities(target, [param] * (p + 1))
@@ -117,7 +139,13 @@ class Speculator:
             sampled[i] = v.tokens[-1]
             spec.accepted.append(v.accepted)
             runs.append(v.tokens)
-        return runs
+            if masks is not None:
+                grammar.advance(slot, v.tokens[:-1])
+            if param.HasField("logprobs"):
+                run_logprobs(slot, param.logprobs, n, raw, v.tokens, result)
+        for row, n in zip(spec.rows, spec.known):  # a failure names the count before proposals
+            history[place[int(slots[row])]] = history[place[int(slots[row])]][:n]
+        return runs, {place[int(slots[row])] for row in spec.rows}
 
     @staticmethod
     def undo(batch: InputBatch, slots: np.ndarray, spec: Proposals) -> None:

@@ -14,10 +14,11 @@ from worker.logits import compute_logprobs
 PROMPT_LOGPROBS_ROWS = 512
 
 
-def sampled_logprobs(slots, params, logits, sampled, positions, result) -> None:
-    """Logprobs of the sampled tokens, for the sequences that asked."""
+def sampled_logprobs(slots, params, logits, sampled, positions, result, skip=()) -> None:
+    """Logprobs of the sampled tokens, for the sequences that asked; rows in `skip` (those that
+    speculated: run_logprobs) are left to the caller."""
     asking = [i for i, p in enumerate(params)
-              if (p.HasField("logprobs") or p.beam_candidates) and sampled[i] >= 0]
+              if (p.HasField("logprobs") or p.beam_candidates) and sampled[i] >= 0 and i not in skip]
     if not asking:
         return
     index = torch.tensor(asking, device=logits.device)
@@ -60,3 +61,13 @@ def logprobs_message(slot: int, prompt: bool, first_position: int, token_ids: to
         token_ids=pack(token_ids[lo:hi].cpu().numpy()), logprobs=pack_f32(values.float().numpy()),
         ranks=pack(ranks.numpy()), k=k, top_token_ids=pack(top_ids[:, :k].reshape(-1).numpy()),
         top_logprobs=pack_f32(top_values[:, :k].reshape(-1).float().numpy()))
+
+
+def run_logprobs(slot: int, k: int, first_position: int, raw: torch.Tensor, run: list[int],
+                 result) -> None:
+    """Logprobs of a speculating row's run of tokens (its accepted proposals, then the target's),
+    from the raw logits at their positions: one message of len(run) positions. The gateway keeps
+    only those of the tokens the scheduler kept (a stop inside the run drops the rest)."""
+    tokens = torch.tensor(run, dtype=torch.int64, device=raw.device)
+    lps = compute_logprobs(raw[:len(run)], tokens, k)
+    result.logprobs.append(logprobs_message(slot, False, first_position, tokens, lps, 0, len(run), k))

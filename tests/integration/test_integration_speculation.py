@@ -1,8 +1,8 @@
 """Speculative decoding (--speculative-config, n-gram) with the real model over the real stack:
 greedy answers are transformers' tokens, ending where transformers' end, alone and preempted in a
 crowded pool; stop strings and stop ids inside accepted runs end the answer exactly there; a
-seeded sampled request gives what the non-speculative session cluster gives; rows asking for
-logprobs decode one token a step and equal the session cluster's; GetLoads and Prometheus count
+seeded sampled request gives what the non-speculative session cluster gives; logprobs come for
+every accepted token and equal the session cluster's; GetLoads and Prometheus count
 drafts and accepted tokens. Every prompt's greedy path keeps a margin between its top two
 logits (asserted), so that a 1-row and a 5-row verification cannot disagree on a near-tie."""
 from __future__ import annotations
@@ -152,16 +152,25 @@ def test_seeded_sampling_gives_what_the_plain_cluster_gives(spec_stub, stub, ref
         assert len(plain[n][0]) == 48 and plain[n][0] != plain[n][1]
 
 
-def test_logprobs_rows_do_not_speculate_and_equal_the_plain_cluster(spec_stub, stub, reference):
-    ids, _ = reference["json"]
-    request = greedy(ids, max_tokens=24)
+def test_logprobs_of_every_accepted_token_equal_the_plain_clusters(spec_stub, stub, reference):
+    ids, expected = reference["rewrite"]  # a quoted paragraph: long accepted runs
+    request = greedy(ids, max_tokens=48)
     request.sampling.logprobs = 2
-    before = loads(spec_stub).spec_num_drafts
+    before = loads(spec_stub)
     got, plain = spec_stub.Generate(request, timeout=300), stub.Generate(request, timeout=300)
-    assert loads(spec_stub).spec_num_drafts == before
+    after = loads(spec_stub)
+    assert after.spec_num_accepted_tokens > before.spec_num_accepted_tokens  # runs, not steps
     assert list(got.token_ids) == list(plain.token_ids)
+    assert list(got.token_ids) == expected and len(got.logprobs) == len(expected)
     for a, b in zip(got.logprobs, plain.logprobs):
-        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert (a.token_id, a.rank) == (b.token_id, b.rank)
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
+        assert [t.token_id for t in a.top_logprobs] == [t.token_id for t in b.top_logprobs]
+    # A stop id inside a run: the answer and its logprobs end at the same token.
+    request.stopping.stop_token_ids.append(expected[20])
+    cut = spec_stub.Generate(request, timeout=300)
+    assert list(cut.token_ids) == expected[:expected.index(expected[20]) + 1]
+    assert [lp.token_id for lp in cut.logprobs] == list(cut.token_ids)
 
 
 def test_penalties_bias_and_min_tokens_act_at_every_verified_position(spec_stub, stub, reference):
@@ -179,3 +188,26 @@ def test_penalties_bias_and_min_tokens_act_at_every_verified_position(spec_stub,
             assert list(got.token_ids) == list(plain.token_ids), (name, sampling)
             assert len(got.token_ids) >= 30
     assert loads(spec_stub).spec_num_drafts > before
+
+
+SERVICE = {"type": "object", "properties": {"name": {"type": "string"}, "workers": {"type": "integer"},
+                                            "blocks": {"type": "integer"}, "cache": {"type": "boolean"}},
+           "required": ["name", "workers", "blocks", "cache"], "additionalProperties": False}
+
+
+def test_structured_answers_verify_proposals_against_the_grammar(spec_stub, stub, reference):
+    """The grammar masks each verified position as it would stand there: the answer is the
+    plain cluster's, it validates against its schema, and proposals were accepted."""
+    import jsonschema
+    ids, _ = reference["json"]
+    before = loads(spec_stub).spec_num_accepted_tokens
+    for sampling in (dict(temperature=0), dict(temperature=0.8, seed=3)):
+        request = pb.GenerateRequest(
+            prompt_token_ids=ids, stopping=pb.StoppingCriteria(max_tokens=64),
+            sampling=pb.SamplingParams(**sampling, structured_output=pb.StructuredOutput(
+                json_schema=json.dumps(SERVICE))))
+        got, plain = spec_stub.Generate(request, timeout=300), stub.Generate(request, timeout=300)
+        assert list(got.token_ids) == list(plain.token_ids), sampling
+        jsonschema.validate(json.loads(got.text), SERVICE)
+        assert got.finish_reason == pb.FINISH_REASON_STOP
+    assert loads(spec_stub).spec_num_accepted_tokens > before

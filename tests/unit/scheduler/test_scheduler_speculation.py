@@ -64,9 +64,11 @@ def test_a_run_streams_as_one_update_of_several_tokens():
     assert out[("a", 0)]["tokens"] == reference_output([5, 6, 7], 40, 2)
 
 
-def test_only_rows_whose_tokens_need_one_step_each_do_not_speculate():
-    """Penalties, logit_bias and min_tokens are applied per verified position (the worker's
-    business), so those rows speculate; logprobs rows (an entry per token) do not."""
+def test_every_row_speculates_but_a_beam_search():
+    """Penalties, logit_bias and min_tokens are applied per verified position and logprobs come
+    for each token of a run (the worker's business), so those rows speculate; a beam search's
+    group picks its tokens from candidates, one step at a time, and does not."""
+    from tests.unit.scheduler.test_scheduler_beam import add_beam
     router = make_router()
     workers = with_workers(router, FakeWorker(128, block_size=4, num_speculative_tokens=3))
     cases = {"plain": ([1, 2, 3], {}), "penalty": ([4, 5, 6], {"presence_penalty": 0.5}),
@@ -74,12 +76,17 @@ def test_only_rows_whose_tokens_need_one_step_each_do_not_speculate():
              "logprobs": ([13, 14, 15], {"logprobs": 0})}
     for rid, (prompt, sampling) in cases.items():
         add(router, rid, prompt, 20, sampling=sampling)
+    add_beam(router, "beam", [16, 17, 18], 8, width=2)
     out, plans = {}, []
     run(router, workers, out, plans_seen=plans)
     speculated = {s for p in plans for s in unpack_list(p.spec_slots)}
-    slot_of = {s.seq_id.split("#")[0]: s.slot for p in plans for s in p.new_seqs}
-    assert {slot_of[r] for r in ("plain", "penalty", "bias", "min")} <= speculated
-    assert slot_of["logprobs"] not in speculated
+    slots_of: dict[str, set[int]] = {}
+    for p in plans:
+        for s in p.new_seqs:
+            slots_of.setdefault(s.seq_id.split("#")[0], set()).add(s.slot)
+    for rid in cases:
+        assert slots_of[rid] & speculated, rid
+    assert not slots_of["beam"] & speculated
     for rid, (prompt, sampling) in cases.items():
         expected = reference_output(prompt, 20, 0, min_tokens=sampling.get("min_tokens", 0))
         assert out[(rid, 0)]["tokens"] == expected, rid

@@ -53,7 +53,6 @@ def test_a_failed_step_leaves_the_rows_as_they_were():
 
 
 @pytest.mark.parametrize("sampling,k,counts,why", [
-    (pb.SamplingConfig(logprobs=0), 2, [1], "one token a step"),
     (pb.SamplingConfig(beam_candidates=2), 2, [1], "one token a step"),
     (pb.SamplingConfig(), 5, [1], r"outside \[1, 4\]"),
     (pb.SamplingConfig(), 2, [3], "not a decode"),
