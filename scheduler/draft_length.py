@@ -5,9 +5,10 @@ follows what its own proposals came to (as adaptive draft lengths do in the lite
 after a draft that was accepted in full it grows by one, up to the worker's k; after one that
 was cut short it becomes one more than was accepted. A sequence whose proposals keep failing
 outright (two drafts in a row of which nothing was accepted) pauses: it proposes nothing for a
-number of steps that doubles with every pause, up to MAX_PAUSE, and tries one token after it,
-so text that turns repetitive later is still found. Only the scheduler calls it; it decides
-the slots it allocates."""
+number of decode steps that doubles with every pause, up to MAX_PAUSE, and tries one token
+after it, so text that turns repetitive later is still found. While every running sequence is
+paused, the scheduler plans ahead again (Scheduler.can_plan). Only the scheduler calls it; it
+decides the slots it allocates."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,8 +23,17 @@ class DraftLength:
     paused: int = 0        # steps left without proposals
     pause: int = 4         # the next pause's length
 
+    @property
+    def ready(self) -> bool:
+        return not self.paused
+
+    def tick(self) -> None:
+        """A decode step planned ahead (it cannot propose): a pause runs down all the same."""
+        if self.paused:
+            self.paused -= 1
+
     def next(self) -> int:
-        """The lookahead this step (0 while paused); counts a paused step."""
+        """The lookahead of a decode step that may propose (0 while paused; counts the step)."""
         if self.paused:
             self.paused -= 1
             return 0

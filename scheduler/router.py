@@ -89,7 +89,7 @@ class Router:
             # The worker sized its memory for steps of at most this many tokens.
             max_num_batched_tokens=min(self.config.max_num_batched_tokens,
                                        hello.max_num_batched_tokens or self.config.max_num_batched_tokens),
-            max_plans_in_flight=1 if hello.num_speculative_tokens else self.config.max_plans_in_flight,
+            max_plans_in_flight=self.config.max_plans_in_flight,
             num_speculative_tokens=hello.num_speculative_tokens,
             enable_prefix_caching=self.config.enable_prefix_caching,
             eos_token_ids=frozenset(hello.eos_token_ids),

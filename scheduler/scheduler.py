@@ -26,6 +26,7 @@ from collections import deque
 from operator import attrgetter
 
 from proto import internal_pb2 as pb
+from proto.speculation import may_speculate
 from scheduler.config import SchedulerConfig
 from scheduler.grammar_waits import GrammarWaits
 from scheduler.kv_cache_manager import KVCacheManager
@@ -105,7 +106,19 @@ class Scheduler:
 
     @property
     def can_plan(self) -> bool:
-        return len(self.in_flight) < self.config.max_plans_in_flight
+        if len(self.in_flight) >= self.config.max_plans_in_flight:
+            return False
+        if not self.in_flight or not self.config.num_speculative_tokens:
+            return True
+        # Speculation and the plan ahead: a plan built before the last result is back cannot
+        # know how many tokens that result brings, so none follows a plan that speculates, and
+        # none goes ahead while a sequence would propose in the next one (docs/design.md).
+        return not self.in_flight[-1].spec_slots and not self._would_speculate()
+
+    def _would_speculate(self) -> bool:
+        return any(seq.draft is None or seq.draft.ready for group in self.queues.running
+                   for seq in group.seqs() if seq.status is Status.RUNNING
+                   and may_speculate(seq.sampling))
 
     def tables(self) -> list[list[int]]:
         return [r.block_ids for r in self.queues.requests.values()]

@@ -259,10 +259,11 @@ def _lookahead(k: int, seq: Request, known: int, budget: int) -> int:
     """Proposals a running sequence may verify this step: only a decode (one token to compute,
     none on the way) whose sampling allows it, no more than its own draft length (which backs
     off when its proposals fail) and than its length limit and the step's budget leave room for."""
-    if known - seq.num_computed_tokens != 1 or seq.num_pending or not seq.on_worker:
-        return 0
-    if not may_speculate(seq.sampling):
+    if known - seq.num_computed_tokens != 1 or not seq.on_worker or not may_speculate(seq.sampling):
         return 0
     if seq.draft is None:
         seq.draft = DraftLength(k)
+    if seq.num_pending:  # a plan ahead: its last token is not known yet
+        seq.draft.tick()
+        return 0
     return max(0, min(seq.draft.next(), seq.length_limit - known - 1, budget - 1))

@@ -179,3 +179,30 @@ def test_a_sequence_whose_proposals_always_fail_mostly_stops_proposing():
     assert out[("a", 0)]["tokens"] == reference_output([5, 6, 7], 120, 4)
     speculating = sum(bool(len(unpack_list(p.spec_slots))) for p in plans)
     assert worker.accepted == 0 and 0 < speculating < len(plans) / 5
+
+
+def test_while_every_sequence_has_paused_its_drafts_the_scheduler_plans_ahead():
+    """Speculation and the plan ahead: one plan at a time while any sequence would propose,
+    two in flight while all have paused, never a plan behind one that speculates."""
+    router = make_router()
+    worker = FakeWorker(64, block_size=4, num_speculative_tokens=4, always_wrong=True)
+    workers = with_workers(router, worker)
+    add(router, "a", [5, 6, 7], 150, seed=4)
+    add(router, "b", [8, 9], 150, seed=5)
+    sched = router.workers[b"w0"].scheduler
+    out, depth, behind_spec = {}, [], 0
+    while True:
+        while sent := router.plans():  # as many as the scheduler will have in flight
+            for wid, plan in sent:
+                if worker.inbox and len(unpack_list(worker.inbox[-1].spec_slots)):
+                    behind_spec += 1
+                worker.inbox.append(plan)
+        depth.append(len(sched.in_flight))
+        if not worker.inbox:
+            break
+        router.on_result(b"w0", worker.execute(worker.inbox.popleft()))
+        collect(router, out)
+    assert behind_spec == 0 and 2 in depth and 1 in depth
+    assert depth.count(2) > len(depth) / 2  # paused most of the time: mostly planned ahead
+    assert out[("a", 0)]["tokens"] == reference_output([5, 6, 7], 150, 4)
+    assert out[("b", 0)]["tokens"] == reference_output([8, 9], 150, 5)
