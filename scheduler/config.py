@@ -22,6 +22,7 @@ class SchedulerConfig:
     # Speculative decoding: proposals a decode row may verify per step (the worker's hello says;
     # 0 = off). It plans one step at a time: the next plan needs to know how many were accepted.
     num_speculative_tokens: int = 0
+    spec_disable_by_batch_size: int = 0  # no proposals with more running sequences (0: never)
 
 
 @dataclass

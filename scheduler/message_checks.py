@@ -77,6 +77,7 @@ def check_worker_hello(h: pb.WorkerHello) -> str | None:
         _float("swap_bytes_per_s", h.swap_bytes_per_s, 0.0, 1e15),
         _float("prefill_tokens_per_s", h.prefill_tokens_per_s, 0.0, 1e12),
         _int("num_speculative_tokens", h.num_speculative_tokens, 0, MAX_SPECULATIVE_TOKENS),
+        _int("speculative_disable_by_batch_size", h.speculative_disable_by_batch_size, 0, 1 << 16),
         _tokens("eos_token_ids", h.eos_token_ids, h.vocab_size, MAX_LIST))
 
 

@@ -115,7 +115,16 @@ class Scheduler:
         # none goes ahead while a sequence would propose in the next one (docs/design.md).
         return not self.in_flight[-1].spec_slots and not self._would_speculate()
 
+    @property
+    def speculates(self) -> bool:
+        """Whether this step may carry proposals: speculation is on and the batch is small enough."""
+        cfg = self.config
+        return bool(cfg.num_speculative_tokens) and not (
+            cfg.spec_disable_by_batch_size and self.queues.num_running > cfg.spec_disable_by_batch_size)
+
     def _would_speculate(self) -> bool:
+        if not self.speculates:
+            return False
         return any(seq.draft is None or seq.draft.ready for group in self.queues.running
                    for seq in group.seqs() if seq.status is Status.RUNNING
                    and may_speculate(seq.sampling))

@@ -51,7 +51,8 @@ class FakeRunner:
         # --speculative-config as the real worker takes it; the fake proposes (tests/fake_worker.py).
         spec = SpeculativeConfig.parse(args.speculative_config) if args.speculative_config else None
         self.fake = FakeWorker(args.num_gpu_blocks_override or 256, args.block_size, self.worker_id,
-                               num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+                               num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                               disable_by_batch_size=spec.disable_by_batch_size if spec else 0)
         self.max_model_len = args.max_model_len or 4096
         self.max_num_seqs, self.max_num_batched_tokens = args.max_num_seqs, args.max_num_batched_tokens
         self.step_s = args.step_delay

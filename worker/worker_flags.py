@@ -37,8 +37,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(kernels/cpu_gemm_int8.c; CPU, --dtype float32, one rank)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s fields: {"method": "ngram", '
-                        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} '
-                        "(default: off)")
+                        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5, '
+                        '"disable_by_batch_size": 8} (default: off; disable_by_batch_size 0: never '
+                        "off by batch size; docs/design.md)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="default: the model's max_position_embeddings, at most 8192")

@@ -154,6 +154,9 @@ CASES = {
     "tile_edges": ([14, 15, 62, 63, 125], [1, 1, 1, 2, 3], 2, 1, 32, 16, {}),
     # SmolLM2's heads: decodes of many lengths (a first token among them) around a prefill.
     "smollm2_mixed": ([37, 200, 0, 64, 130, 15, 0], [1, 1, 1, 17, 1, 1, 6], 9, 3, 64, 16, {}),
+    # A speculative verification step with k = 4: each decode verifies up to 4 proposals (query
+    # lengths 1 + p), across block edges, beside plain decodes.
+    "verify_k4": ([14, 31, 100, 0, 47, 63], [5, 5, 3, 5, 1, 2], 9, 3, 64, 16, {}),
 }
 
 

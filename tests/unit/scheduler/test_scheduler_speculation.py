@@ -206,3 +206,21 @@ def test_while_every_sequence_has_paused_its_drafts_the_scheduler_plans_ahead():
     assert depth.count(2) > len(depth) / 2  # paused most of the time: mostly planned ahead
     assert out[("a", 0)]["tokens"] == reference_output([5, 6, 7], 150, 4)
     assert out[("b", 0)]["tokens"] == reference_output([8, 9], 150, 5)
+
+
+def test_no_proposals_while_more_sequences_run_than_disable_by_batch_size():
+    router = make_router()
+    workers = with_workers(router, FakeWorker(128, block_size=4, num_speculative_tokens=3,
+                                              disable_by_batch_size=2))
+    lengths = {"a": 10, "b": 20, "c": 60}
+    for i, (rid, n) in enumerate(lengths.items()):
+        add(router, rid, [i + 1, i + 2, i + 3], n, seed=i)
+    out, plans = {}, []
+    run(router, workers, out, plans_seen=plans)
+    for plan in plans:
+        running = len(unpack_list(plan.running_slots)) + len(plan.new_seqs)
+        if running > 2:
+            assert not len(unpack_list(plan.spec_slots)), plan.step_id
+    assert any(len(unpack_list(p.spec_slots)) for p in plans)  # once "a" finished
+    for i, (rid, n) in enumerate(lengths.items()):
+        assert out[(rid, 0)]["tokens"] == reference_output([i + 1, i + 2, i + 3], n, i)

@@ -46,6 +46,9 @@ def test_speculative_config_takes_vllms_fields_and_names_the_bad_one():
     assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (4, 4)
     d = SpeculativeConfig.parse('{"method": "draft_model", "model": "/m", "num_speculative_tokens": 2}')
     assert (d.method, d.model, d.num_speculative_tokens) == ("draft_model", "/m", 2)
+    assert c.disable_by_batch_size == 8  # pagoda's default on the CPU (vLLM's: never)
+    never = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}')
+    assert never.disable_by_batch_size == 0
     for text, field in [('{"method": "eagle", "num_speculative_tokens": 2}', "method"),
                         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
                         ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, '
@@ -53,6 +56,8 @@ def test_speculative_config_takes_vllms_fields_and_names_the_bad_one():
                         ('{"method": "ngram", "num_speculative_tokens": 2, "speculative_model": "x"}',
                          "'speculative_model'"),
                         ('{"method": "draft_model", "num_speculative_tokens": 2}', "model"),
+                        ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": -1}',
+                         "disable_by_batch_size"),
                         ("[1]", "JSON object"), ("{", "not JSON")]:
         with pytest.raises(ValueError, match=field):
             SpeculativeConfig.parse(text)
