@@ -36,9 +36,10 @@ def check(router):
         assert len(sched.running) <= sched.config.max_num_seqs
 
 
-def step(router, workers, outputs, plans_seen=None):
+def step(router, workers, outputs, plans_seen=None, collect_fn=None):
     """As the real loop runs: every worker gets plans up to the scheduler's plans in flight
-    (one ahead), then each executes its oldest and the result comes back."""
+    (one ahead), then each executes its oldest and the result comes back; collect_fn (default
+    collect) reads the streams."""
     while True:
         sent = router.plans()
         if not sent:
@@ -53,7 +54,7 @@ def step(router, workers, outputs, plans_seen=None):
             busy = True
             router.on_result(wid, worker.execute(worker.inbox.popleft()))
             check(router)
-    collect(router, outputs)
+    (collect_fn or collect)(router, outputs)
     return busy
 
 
@@ -70,9 +71,9 @@ def collect(router, outputs):
             entry["message"] = delta.error.message
 
 
-def run(router, workers, outputs, max_steps=10000, plans_seen=None):
+def run(router, workers, outputs, max_steps=10000, plans_seen=None, collect_fn=None):
     for _ in range(max_steps):
-        if not step(router, workers, outputs, plans_seen):
+        if not step(router, workers, outputs, plans_seen, collect_fn):
             return
     raise AssertionError("did not finish")
 

@@ -17,6 +17,7 @@ from scheduler.router import Rejected, Router, RouterConfig
 from tests.beam_reference import reference_beam_search
 from tests.fake_worker import EOS, POISON_MARK, FakeWorker, beam_distribution
 from tests.unit.scheduler.test_scheduler import check, with_workers
+from tests.unit.scheduler.test_scheduler import run as scheduler_run, step as scheduler_step
 
 GW = b"gw"
 
@@ -44,26 +45,11 @@ def collect(router, outputs):
 
 
 def step(router, workers, outputs, plans=None):
-    while sent := router.plans():
-        for wid, plan in sent:
-            if plans is not None:
-                plans.append(plan)
-            workers[wid].inbox.append(plan)
-    busy = False
-    for wid, worker in workers.items():
-        if worker.inbox:
-            busy = True
-            router.on_result(wid, worker.execute(worker.inbox.popleft()))
-            check(router)
-    collect(router, outputs)
-    return busy
+    return scheduler_step(router, workers, outputs, plans, collect_fn=collect)
 
 
 def run(router, workers, outputs, plans=None):
-    for _ in range(20000):
-        if not step(router, workers, outputs, plans):
-            return
-    raise AssertionError("did not finish")
+    scheduler_run(router, workers, outputs, 20000, plans, collect_fn=collect)
 
 
 def path_logprob(prompt, tokens):
