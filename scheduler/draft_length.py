@@ -35,7 +35,7 @@ class DraftLength:
     def next(self) -> int:
         """The lookahead of a decode step that may propose (0 while paused; counts the step)."""
         if self.paused:
-            self.paused -= 1
+            self.tick()
             return 0
         return self.k
 

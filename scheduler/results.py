@@ -27,7 +27,7 @@ def apply_result(sched: Batch, step: Step, result: pb.StepResult,
     res_slots, res_tokens = unpack_list(result.slots), unpack_list(result.token_ids)
     runs = None  # speculative decoding: row j's tokens are res_tokens[runs[j]:runs[j + 1]]
     if result.num_tokens:
-        runs = run_starts(sched, step, result, res_slots, len(res_tokens))
+        runs = run_starts(sched, step, result, res_slots)
         drafts, most = unpack_list(result.num_drafts), sched.config.num_speculative_tokens
     elif len(res_slots) != len(res_tokens):
         raise ValueError(f"step {result.step_id}: {len(res_slots)} slots but {len(res_tokens)} tokens")
@@ -43,12 +43,14 @@ def apply_result(sched: Batch, step: Step, result: pb.StepResult,
         j += 1
         if req.status is Status.FINISHED:
             continue
-        if runs is not None and drafts[j - 1] and req.draft is not None:
-            req.draft.update(drafts[j - 1], runs[j] - runs[j - 1] - 1, most)
-        if runs is not None and runs[j] - runs[j - 1] > 1:
-            if accept_run(sched, req, res_tokens[runs[j - 1]:runs[j]], outboxes, streams):
-                others.append(req)
-            continue
+        if runs is not None:
+            start, end = runs[j - 1], runs[j]
+            if drafts[j - 1] and req.draft is not None:
+                req.draft.update(drafts[j - 1], end - start - 1, most)
+            if end - start > 1:
+                if accept_run(sched, req, res_tokens[start:end], outboxes, streams):
+                    others.append(req)
+                continue
         req.num_pending -= 1
         if req.group.picks_tokens:
             picked.append((req, slot))  # its candidates, not its sampled token, matter
@@ -65,10 +67,7 @@ def apply_result(sched: Batch, step: Step, result: pb.StepResult,
         elif len(tokens) >= req.length_limit:
             sched.finish(req, FinishReason.LENGTH)
         elif req.stream_started and not req.num_unstreamed:
-            appends = streams.get(req.gateway)
-            if appends is None:
-                box = outboxes[req.gateway]
-                appends = streams[req.gateway] = box.appends()
+            appends = streams.get(req.gateway) or open_stream(streams, outboxes, req.gateway)
             add_id, add_index, add_count, add_offset, add_token = appends
             add_id(req.request_id)
             add_index(req.index)
@@ -86,14 +85,11 @@ def apply_result(sched: Batch, step: Step, result: pb.StepResult,
     return others
 
 
-def run_starts(sched: Batch, step: Step, result: pb.StepResult, slots: list[int],
-               num_tokens: int) -> list[int]:
+def run_starts(sched: Batch, step: Step, result: pb.StepResult, slots: list[int]) -> list[int]:
     """Where each row's run of tokens starts in result.token_ids, and the end: [0, ..., n].
     message_checks.check_result saw that the runs cover the tokens; here, that no row accepted
     more proposals than the plan gave it slots for (the blocks hold no more)."""
     counts = unpack_list(result.num_tokens)
-    if len(counts) != len(slots) or sum(counts) != num_tokens:
-        raise ValueError(f"step {result.step_id}: the runs do not cover the result's tokens")
     sched.speculation.record(counts, unpack_list(result.num_drafts))
     room = dict(zip(step.spec_slots, step.spec_num_tokens))
     starts = [0] * (len(slots) + 1)
@@ -131,9 +127,7 @@ def accept_run(sched: Batch, req: Request, run: list[int], outboxes: Outboxes,
     if req.status is Status.FINISHED or not req.stream_started or req.num_unstreamed:
         req.num_unstreamed += kept
         return True
-    appends = streams.get(req.gateway)
-    if appends is None:
-        appends = streams[req.gateway] = outboxes[req.gateway].appends()
+    appends = streams.get(req.gateway) or open_stream(streams, outboxes, req.gateway)
     add_id, add_index, add_count, add_offset, add_token = appends
     add_id(req.request_id)
     add_index(req.index)
@@ -142,6 +136,12 @@ def accept_run(sched: Batch, req: Request, run: list[int], outboxes: Outboxes,
     for token in run[:kept]:
         add_token(token)
     return False
+
+
+def open_stream(streams: dict[bytes, tuple], outboxes: Outboxes, gateway: bytes) -> tuple:
+    """The column appends of a gateway's outbox, looked up once per result."""
+    appends = streams[gateway] = outboxes[gateway].appends()
+    return appends
 
 
 def pick_tokens(sched: Batch, picked: list[tuple[Request, int]],

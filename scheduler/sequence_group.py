@@ -30,7 +30,6 @@ class Batch(Protocol):
     queues: Queues
     preemption: PreemptionPolicy
     speculation: SpeculationStats
-    speculates: bool  # this step may carry proposals
 
     def add_sequence(self, seq: Request) -> None: ...
     def finish(self, seq: Request, reason: FinishReason) -> None: ...
@@ -194,10 +193,9 @@ class Single(SequenceGroup):
                 self._reach_held_back(sched, step)
             return
         n, kv = min(todo, step.budget), sched.kv
-        k = sched.config.num_speculative_tokens  # 0 (off): no call on the decode path
-        if k and not sched.speculates:
-            k = 0
-        # A fork holding back its last tokens computes short of its end: no token, no proposals.
+        # 0 (off, or the batch too large): no call on the decode path. A fork holding back its
+        # last tokens computes short of its end: no token, no proposals.
+        k = step.lookahead
         k = _lookahead(k, seq, known, step.budget) if k and not self.held_back else 0
         blocks = kv.allocate_slots(seq, n, num_lookahead_tokens=k) if k else None
         if blocks is None:  # no room for proposals: a plain decode, for which others may go

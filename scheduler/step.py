@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 class Step:
     step_id: int
     budget: int                     # tokens still free in this step
+    lookahead: int = 0              # proposals a decode may verify (0: none this step)
     # (sequence, tokens to compute): new to the worker (sent whole), or held by it (by slot).
     new: list[tuple["Request", int]] = field(default_factory=list)
     held: list[tuple["Request", int]] = field(default_factory=list)

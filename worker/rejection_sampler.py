@@ -54,17 +54,12 @@ def verify(probs: torch.Tensor, draft: Sequence[int], draft_probs: torch.Tensor 
             tokens.append(race(probs[i], seed, first_position + i, generator))
             if i == k or tokens[-1] != int(draft[i]):
                 return Verified(tokens, i)
-    for i in range(k):
+    for i in range(k):  # a draft distribution q: accept d with min(1, p(d) / q(d)), else resample
         d = int(draft[i])
-        p = float(probs[i, d])
-        q = 1.0 if draft_probs is None else float(draft_probs[i, d])
+        p, q = float(probs[i, d]), float(draft_probs[i, d])
         if q > 0 and _uniform(seed, first_position + i, generator) * q <= p:
             continue
-        residual = probs[i].clone()
-        if draft_probs is None:
-            residual[d] = 0.0
-        else:
-            residual = (residual - draft_probs[i]).clamp_(min=0.0)
+        residual = (probs[i] - draft_probs[i]).clamp_(min=0.0)
         if not residual.sum() > 0:  # p == q where both are defined: any draw of p will do
             residual = probs[i]
         return Verified(list(draft[:i]) + [_draw(residual, seed, first_position + i, generator)], i)

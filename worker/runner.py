@@ -283,7 +283,7 @@ class ModelRunner:
             return np.zeros(0, np.int64), None
         idx, speculated = inputs.logits_indices, spec is not None and bool(spec.rows)
         if speculated:  # the proposals' positions too, in the same pass over the LM head
-            idx = torch.cat([idx, self.speculator.draft_logits_indices(spec, inputs).to(idx.device)])
+            idx = torch.cat([idx, self.speculator.draft_logits_indices(spec, counts).to(idx.device)])
         logits = self.model.compute_logits(hidden[idx])
         logits, draft_logits = logits[:len(sampled_slots)], logits[len(sampled_slots):]
         params = [batch.sampling[s] for s in sampled_slots.tolist()]

@@ -10,8 +10,8 @@ and computed tokens (their KV is in the cache), the rejected ones are forgotten 
 slots are overwritten by later steps). The scheduler allocated the blocks for all of them.
 
 Only rows whose sampling the verification reproduces speculate (proto/speculation.py: no
-beams); every rank proposes the same tokens from its own copy of the
-batch, and rank 0 alone verifies.
+beams); every rank proposes the same tokens from its own copy of the batch, and rank 0 alone
+verifies.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch
 from proto.columns import pack, unpack
 from proto.speculation import may_speculate
 from worker.grammar import GrammarRows, apply_grammar_mask
-from worker.input_batch import InputBatch, StepInputs
+from worker.input_batch import InputBatch
 from worker.ngram_proposer import propose
 from worker.rejection_sampler import verify
 from worker.step_logprobs import run_logprobs
@@ -84,10 +84,12 @@ class Speculator:
             out.known.append(n)
         return out
 
-    def draft_logits_indices(self, spec: Proposals, inputs: StepInputs) -> torch.Tensor:
-        """Rows of the hidden states at each proposal's position; the row's last position (after
-        its last proposal) is among the step's sampled rows already."""
-        starts = inputs.meta.query_start_loc
+    @staticmethod
+    def draft_logits_indices(spec: Proposals, counts: np.ndarray) -> torch.Tensor:
+        """Rows of the hidden states at each proposal's position, from the step's query counts on
+        the host (no read of the device's query_start_loc); the row's last position (after its
+        last proposal) is among the step's sampled rows already."""
+        starts = np.cumsum(counts) - counts
         idx = [int(starts[r]) + j for r, d in zip(spec.rows, spec.drafts) for j in range(len(d))]
         return torch.tensor(idx, dtype=torch.int64)
 
