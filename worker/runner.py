@@ -147,9 +147,7 @@ class ModelRunner:
             max_num_batched_tokens=self.args.max_num_batched_tokens,
             max_num_seqs=self.args.max_num_seqs,
             protocol_version=PROTOCOL_VERSION,
-            num_speculative_tokens=self.speculator.num_speculative_tokens if self.speculator else 0,
-            speculative_disable_by_batch_size=(
-                self.speculator.config.disable_by_batch_size if self.speculator else 0),
+            **(self.speculator.hello_fields() if self.speculator else {}),
         )
 
     def forget_all(self) -> None:

@@ -51,6 +51,11 @@ class Speculator:
     def num_speculative_tokens(self) -> int:
         return self.config.num_speculative_tokens
 
+    def hello_fields(self) -> dict:
+        """What the scheduler needs to know of it (WorkerHello)."""
+        return {"num_speculative_tokens": self.num_speculative_tokens,
+                "speculative_disable_by_batch_size": self.config.disable_by_batch_size}
+
     def propose(self, batch: InputBatch, plan_spec_slots: bytes, plan_spec_k: bytes,
                 slots: np.ndarray, counts: np.ndarray) -> Proposals:
         """Writes each speculating row's proposals into the batch and grows its count in place."""
