@@ -3,7 +3,6 @@ SIGTERM when the launcher dies), what happens when one exits (a restart after a 
 giving up on it: launch/restarts.py), and the stop in order."""
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -61,22 +60,15 @@ def is_stopped(pid: int) -> bool:
     return stat[stat.rindex(")") + 2:].startswith("T")  # the state follows the command's ")"
 
 
-def own_group_and_die_with_parent() -> None:
-    # A process group of its own: Ctrl-C reaches the launcher only, which stops the others in
-    # order. PR_SET_PDEATHSIG: a launcher killed with -9 still takes its children along.
-    os.setpgid(0, 0)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-
-
 def spawn(cmd: list[str], env: dict, **popen) -> subprocess.Popen:
-    """A child as the launcher starts one: in its own process group, sent SIGTERM when the
-    launcher dies, and told the launcher's pid (PARENT_ENV), by which it notices it is orphaned
-    even when that SIGTERM never came."""
+    """A child as the launcher starts one: in a process group of its own (Ctrl-C reaches the
+    launcher only, which stops the others in order), and told the launcher's pid (PARENT_ENV):
+    the child then asks for SIGTERM when the launcher dies, and notices it is orphaned even when
+    that SIGTERM never came (launch/lifetime.py). No preexec_fn: subprocess would fork() this
+    process instead of vfork(), and gRPC's fork handlers can abort the child (LLM's process
+    has gRPC running)."""
     return subprocess.Popen(cmd, cwd=ROOT, env={**env, PARENT_ENV: str(os.getpid())},
-                            preexec_fn=own_group_and_die_with_parent, **popen)
+                            process_group=0, **popen)
 
 
 def start(child: Child, env: dict) -> None:

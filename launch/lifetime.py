@@ -6,8 +6,11 @@ in hand) plus MARGIN_S to exit; past that the thread calls os._exit(EXIT_CODE). 
 that started it is gone (the launcher sets PARENT_ENV to its pid; getppid() then differs), the
 drain is cut to ORPHAN_DRAIN_S: nobody supervises an orphan, and one that drained for its whole
 grace period, or forever with a wedged loop, would hold its ports against the next `make run`.
-PR_SET_PDEATHSIG sends the orphan SIGTERM; this thread sends one itself when that did not happen
-(the launcher died before prctl ran), so it drains as it would on a stop.
+PR_SET_PDEATHSIG, which start() sets when a launcher started this process, sends the orphan
+SIGTERM; this thread sends one itself when that did not happen (the launcher died before prctl
+ran), so it drains as it would on a stop. The child sets it, not the launcher in a preexec_fn:
+that makes subprocess fork() rather than vfork() the launcher, whose gRPC fork handlers restart
+their pollers in the child, and those abort once the child closes its inherited descriptors.
 
 The thread learns of a signal through signal.set_wakeup_fd, which Python writes from its C
 handler: it needs no cooperation from the loop, as long as the process handles the signal in
@@ -18,6 +21,7 @@ stuck in C code that holds the GIL. Standard library only: the scheduler imports
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import select
 import signal
@@ -30,6 +34,7 @@ EXIT_CODE = 124     # as timeout(1): the process outstayed its bound
 MARGIN_S = 3.0      # past the drain: closing sockets, flushing logs
 ORPHAN_DRAIN_S = 2.0
 CHECK_S = 0.25
+PR_SET_PDEATHSIG = 1
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -75,9 +80,20 @@ def start(drain_s: float, watch_signals: bool = True) -> Lifetime:
     global _life
     parent = os.environ.pop(PARENT_ENV, "")  # popped: a grandchild's parent is not the launcher
     _life = Lifetime(drain_s, int(parent) if parent.isdigit() else None)
+    if _life.parent_pid is not None:
+        die_with_parent(signal.SIGTERM)
     wakeup = _wakeup_pipe() if watch_signals else None
     threading.Thread(target=_watch, args=(_life, wakeup), name="lifetime", daemon=True).start()
     return _life
+
+
+def die_with_parent(signum: int) -> None:
+    """PR_SET_PDEATHSIG: signum when the parent dies. Check getppid() afterwards: a parent that
+    died before this call sent nothing."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum))
+    except (OSError, AttributeError):
+        pass
 
 
 def stopping(why: str = "a stop") -> None:

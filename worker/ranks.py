@@ -11,7 +11,6 @@ exit by themselves when a collective with it fails.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from launch import lifetime
 from proto import internal_pb2
 from worker.parallel import (COLLECTIVE_TIMEOUT_S, FLAG, FORGET, KEEPALIVE, PLAN, STOP, GroupLost,
                              TensorParallel, init_group, refusal)
@@ -36,12 +36,6 @@ STOP_WAIT_S = 5.0
 
 def is_follower() -> bool:
     return RANK_ENV in os.environ
-
-
-def _die_with_parent() -> None:
-    # SIGKILL: a rank holds nothing worth a clean exit, and must not outlive rank 0 in a
-    # collective that would wait COLLECTIVE_TIMEOUT_S for it.
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
 
 
 class RankGroup:
@@ -107,7 +101,7 @@ def start_group(args: argparse.Namespace, argv: list[str], device: torch.device)
             env = dict(os.environ, **{RANK_ENV: str(rank), PORT_ENV: str(store.port),
                                       PARENT_ENV: str(os.getpid())})
             children.append(subprocess.Popen([sys.executable, "-m", "worker.main", *argv], cwd=ROOT,
-                                             env=env, preexec_fn=_die_with_parent))
+                                             env=env))
             logger.info("started tensor-parallel rank %d of %d (pid %d)", rank, size, children[-1].pid)
         if device.type == "cpu":
             _cpu_threads(size)
@@ -120,6 +114,10 @@ def start_group(args: argparse.Namespace, argv: list[str], device: torch.device)
 
 def join_group(args: argparse.Namespace, device: torch.device) -> TensorParallel:
     """Ranks 1..N-1: join the group rank 0 started this process for."""
+    # SIGKILL: a rank holds nothing worth a clean exit, and must not outlive rank 0 in a
+    # collective that would wait COLLECTIVE_TIMEOUT_S for it. Set here, not in a preexec_fn,
+    # so that rank 0 is vfork()ed (launch/lifetime.py says why).
+    lifetime.die_with_parent(signal.SIGKILL)
     if os.getppid() != int(os.environ[PARENT_ENV]):  # rank 0 died before PR_SET_PDEATHSIG held
         raise SystemExit("rank 0 of this worker is gone")
     # Stopped by rank 0 alone: a Ctrl-C meant for the terminal's foreground job must not take

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from launch import lifetime, watchdog
-from launch.children import Child, reap
+from launch.children import Child, reap, spawn
 from launch.loop_metrics import start_metrics_server
 from launch.restarts import RestartPolicy, after_death
 from tests.cluster import free_port
@@ -100,6 +100,19 @@ def test_the_health_page_answers_503_once_the_loop_stalls():
 def child_process(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tests.lifetime_child", *args], cwd=ROOT,
                             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_the_launcher_starts_a_child_in_its_own_group_without_forking_itself():
+    # LLM's process runs gRPC. A fork() (which a preexec_fn forces on subprocess) runs gRPC's fork
+    # handlers, which restart its pollers in the child; those abort once the child closes the
+    # descriptors it inherited (CI saw LLM's scheduler exit -6 that way). vfork() runs no fork
+    # handlers, Python's own included: they stand witness here.
+    forks: list[int] = []
+    os.register_at_fork(before=lambda: forks.append(1))
+    proc = spawn([sys.executable, "-c", "import os; print(os.getpgid(0) == os.getpid())"], ENV,
+                 stdout=subprocess.PIPE, text=True)
+    assert proc.communicate(timeout=30)[0].strip() == "True"
+    assert forks == []
 
 
 @pytest.mark.integration
