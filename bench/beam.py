@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from proto import internal_pb2, pagoda_pb2  # noqa: E402
 from proto.token_stream import updates  # noqa: E402
 from scheduler.router import Router, RouterConfig  # noqa: E402
+from tests.plan_driver import run_router  # noqa: E402
 from worker.runner import ModelRunner  # noqa: E402
 from worker.worker_flags import worker_args  # noqa: E402
 
@@ -47,15 +48,8 @@ def pagoda_run(runner: ModelRunner, prompts, width: int, max_tokens: int) -> tup
             sampling=internal_pb2.SamplingConfig(),
             beam_search=pagoda_pb2.BeamSearchParams(beam_width=width, length_penalty=1.0,
                                                    early_stopping="false")))
-    pool, peak, inbox = router.workers[b"w"].scheduler.kv.pool, 0, []
     start = time.perf_counter()
-    while True:
-        for _, plan in router.plans():
-            inbox.append(plan)
-            peak = max(peak, pool.num_used)
-        if not inbox:
-            break
-        router.on_result(b"w", runner.execute(inbox.pop(0)))
+    peak = run_router(router, runner, b"w")
     seconds = time.perf_counter() - start
     outputs = [u for m in router.take_outbox().values() for u in updates(m)]
     assert len(outputs) == len(prompts) * width

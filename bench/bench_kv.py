@@ -48,7 +48,7 @@ def main() -> None:
         router.take_outbox()
         steps += 1
         live = [r for r in sched.requests.values() if r.status is Status.RUNNING]
-        used = sched.kv.pool.num_used
+        used = sched.kv.num_used
         if used:
             held = sum(r.num_computed_tokens for r in live)
             utils.append((used, held / (used * bs)))

@@ -50,6 +50,15 @@ class KVCacheManager:
     def has_swap_space(self) -> bool:
         return self.cpu_pool.num_blocks > 0
 
+    @property
+    def num_cpu_free(self) -> int:
+        """CPU swap blocks nobody holds."""
+        return self.cpu_pool.num_free
+
+    def ref_count(self, block: int) -> int:
+        """How many sequences hold a device block (forks and beams share theirs)."""
+        return self.pool.ref_cnt[block]
+
     def prefix_stats(self) -> tuple[int, int]:
         """(tokens looked up, tokens found) in the prefix cache, at first admissions."""
         return self.pool.queries, self.pool.hits

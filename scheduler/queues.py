@@ -1,7 +1,10 @@
 """One worker's queues: which sequence groups wait, run, are swapped out, wait apart as suspects or
 are not ready yet, and how many sequences wait. Every move between them is a verb here, and so is
-every change of a sequence's status, so that the counts and the heap stay true; nothing else
-touches these containers.
+every change of the status of a sequence in them, so that the counts and the heap stay true;
+nothing else touches these containers. A request outside them has its status set by its owner:
+the handle of a beam search (its beams are the sequences here) by its group
+(scheduler/beam_search.py), which the queues read as the group's status; one no worker holds (a
+pending, drained or refused request) by the router and the scheduler's drain.
 
 Entries are sequence groups (scheduler/sequence_group.py). A group that leaves a queue by ending
 (or by being admitted through the suspects) is dropped from it lazily: prune() at each step's start,

@@ -65,7 +65,32 @@ def sum_metric(metrics: dict[str, float], name: str) -> float:
     return sum(v for k, v in metrics.items() if k.split("{")[0] == name)
 
 
-class Cluster:
+class LoopbackStack:
+    """What every stack of the tests answers on: its gRPC port, its HTTP port and its
+    scheduler's /metrics page, all on loopback (Cluster, and tests/fake_cluster.py's FakeCluster)."""
+    grpc_port: int
+    http_port: int
+    metrics_port: int
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI-compatible API (a FakeCluster's with http=True), as the `openai` client
+        takes it."""
+        return f"http://127.0.0.1:{self.http_port}/v1"
+
+    def scheduler_metrics(self) -> dict[str, float]:
+        return read_metrics(self.metrics_port)
+
+    def metric(self, name: str) -> float:
+        """Summed over workers."""
+        return sum_metric(self.scheduler_metrics(), name)
+
+
+class Cluster(LoopbackStack):
     def __init__(self, *flags: str, num_workers: int = 1, log_path: Path | None = None) -> None:
         self.grpc_port = free_port()
         self.metrics_port = free_port()
@@ -89,15 +114,6 @@ class Cluster:
         ]
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
-
-    @property
-    def base_url(self) -> str:
-        """The OpenAI-compatible API, as the `openai` client takes it."""
-        return f"http://127.0.0.1:{self.http_port}/v1"
 
     def start(self, timeout: float = 300) -> "Cluster":
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
@@ -140,13 +156,6 @@ class Cluster:
                 return True
             time.sleep(0.5)
         return False
-
-    def scheduler_metrics(self) -> dict[str, float]:
-        return read_metrics(self.metrics_port)
-
-    def metric(self, name: str) -> float:
-        """Summed over workers."""
-        return sum_metric(self.scheduler_metrics(), name)
 
     def stop(self) -> int:
         if self.proc and self.proc.poll() is None:

@@ -17,13 +17,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import pagoda_pb2_grpc
 from proto.auth import create_keys
-from tests.cluster import FAST_RECONNECT, ROOT, free_port, read_metrics, sum_metric, wait_for
+from tests.cluster import FAST_RECONNECT, ROOT, LoopbackStack, free_port, sum_metric, wait_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-class FakeCluster:
+class FakeCluster(LoopbackStack):
     def __init__(self, log_dir: Path, scheduler_flags=(), gateway_flags=(), worker_flags=(),
                  http: bool = False, gateway_address_space: int | None = None,
                  worker_module: str = "tests.fake_worker_main"):
@@ -46,15 +46,6 @@ class FakeCluster:
         self.channel = grpc.insecure_channel(self.target, options=FAST_RECONNECT)
         self.stub = pagoda_pb2_grpc.GenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
-
-    @property
-    def base_url(self) -> str:
-        """The OpenAI-compatible API (http=True), as the `openai` client takes it."""
-        return f"http://127.0.0.1:{self.http_port}/v1"
 
     def _spawn(self, name: str, module: str, *flags: str,
                address_space: int | None = None) -> subprocess.Popen:
@@ -87,6 +78,13 @@ class FakeCluster:
         self.workers.append(proc)
         return proc
 
+    def __enter__(self) -> "FakeCluster":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        """`with FakeCluster(...) as cluster:` stops it however the block ends."""
+        self.stop()
+
     def start(self, num_workers: int = 1, timeout: float = 60) -> "FakeCluster":
         try:
             self.start_scheduler()
@@ -109,13 +107,6 @@ class FakeCluster:
     def wait_health(self, status: int, timeout: float) -> bool:
         return wait_for(lambda: self.health_status() == status, timeout)
 
-    def scheduler_metrics(self) -> dict[str, float]:
-        return read_metrics(self.metrics_port)
-
-    def metric(self, name: str) -> float:
-        """Summed over workers."""
-        return sum_metric(self.scheduler_metrics(), name)
-
     def num_workers(self) -> int:
         try:
             return sum(1 for k in self.scheduler_metrics() if k.startswith("pagoda_kv_blocks_total{"))
@@ -125,7 +116,7 @@ class FakeCluster:
     def idle_and_free(self) -> bool:
         """No sequence running or waiting anywhere, and every KV block free."""
         m = self.scheduler_metrics()
-        total = lambda name: sum(v for k, v in m.items() if k.split("{")[0] == name)  # noqa: E731
+        total = lambda name: sum_metric(m, name)  # noqa: E731
         return (total("pagoda_num_requests_running") == 0 and total("pagoda_num_requests_waiting") == 0
                 and total("pagoda_num_requests_swapped") == 0
                 and total("pagoda_kv_blocks_free") == total("pagoda_kv_blocks_total"))

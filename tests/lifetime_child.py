@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from tests.stand_in_serving import until_sigterm
+
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -29,11 +31,7 @@ def say(text: str) -> None:
 def child(drain_s: float) -> None:
     from launch import lifetime
     lifetime.start(drain_s)
-    stop: list[int] = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    say("ready")
-    while not stop:
-        time.sleep(0.02)
+    until_sigterm(lambda: say("ready"), poll_s=0.02)
     say("draining")
     while True:  # a drain that never ends, in Python code
         pass

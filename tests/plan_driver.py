@@ -1,5 +1,6 @@
 """A tiny offline scheduler for worker tests: allocates blocks, builds StepPlans (chunked prefill,
-then one decode token per step) and feeds them to a ModelRunner, the way scheduler/ would."""
+then one decode token per step) and feeds them to a ModelRunner, the way scheduler/ would; and
+run_router, the real scheduler/ feeding one ModelRunner in process."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -33,6 +34,21 @@ def add_running(plan: internal_pb2.StepPlan, slot: int, n: int, new_blocks=()) -
     plan.running_num_tokens += pack([n])
     plan.new_block_slots += pack([slot] * len(new_blocks))
     plan.new_block_ids += pack(new_blocks)
+
+
+def run_router(router, runner, worker_id: bytes = b"w") -> int:
+    """Runs a Router's requests to their end on runner, registered as worker_id: every plan the
+    router makes is queued, the oldest executed and its result applied, until no plan is left.
+    Returns the most KV blocks in use after any plan was made (blocks are taken when a plan is
+    made and freed when its result comes)."""
+    kv, peak, inbox = router.workers[worker_id].scheduler.kv, 0, []
+    while True:
+        for _, plan in router.plans():
+            inbox.append(plan)
+            peak = max(peak, kv.num_used)
+        if not inbox:
+            return peak
+        router.on_result(worker_id, runner.execute(inbox.pop(0)))
 
 
 class PlanDriver:

@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import time
+from typing import Callable
 
 
 def note(what: str) -> None:
@@ -15,12 +16,18 @@ def note(what: str) -> None:
             f.write(f"{what} {os.getpid()} {time.time():.3f}\n")
 
 
-def main() -> int:
+def until_sigterm(ready: Callable[[], None], poll_s: float = 0.05) -> None:
+    """Catches SIGTERM, calls ready() (so that whoever waits for it may signal from then on) and
+    returns once SIGTERM came."""
     stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    note("serving")
+    ready()
     while not stop:
-        time.sleep(0.05)
+        time.sleep(poll_s)
+
+
+def main() -> int:
+    until_sigterm(lambda: note("serving"))
     note("stopped")
     return 0
 

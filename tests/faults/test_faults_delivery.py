@@ -42,33 +42,33 @@ async def ending(call) -> grpc.aio.AioRpcError:
     return e.value
 
 
-def test_a_lost_message_ends_the_stream_unavailable_and_aborts_it(run):
+def lose_one_message(h, add, peer) -> ipb.SchedulerMessage:
+    h.scheduler.seqs[peer] += 1  # this number's message never arrives
+    return ipb.SchedulerMessage(deltas=[ipb.TokenDelta(
+        request_id=add.request_id, index=0, token_ids=TOKENS[1:2])])
+
+
+def repeat_the_first_token(h, add, peer) -> ipb.SchedulerMessage:
+    h.scheduler.sent_tokens[(add.request_id, 0)] -= 1  # the first token again
+    return ipb.SchedulerMessage(deltas=[ipb.TokenDelta(
+        request_id=add.request_id, index=0, token_ids=TOKENS[:1])])
+
+
+@pytest.mark.parametrize("fault,details", [
+    (lose_one_message, "1 messages from the scheduler were lost"),
+    (repeat_the_first_token, "index 0: expected output token 1 from the scheduler, got 0: a "
+                             "message was lost or repeated"),
+], ids=["a-lost-message", "a-repeated-token"])
+def test_a_lost_or_repeated_message_ends_the_stream_unavailable_and_aborts_it(run, fault, details):
+    """Never a token twice: the stream ends at once, and the gateway aborts the request."""
     async def body():
         async with harness() as h:
             call, add, peer = await started_stream(h)
-            h.scheduler.seqs[peer] += 1  # this number's message never arrives
-            await h.scheduler.send(peer, ipb.SchedulerMessage(deltas=[ipb.TokenDelta(
-                request_id=add.request_id, index=0, token_ids=TOKENS[1:2])]))
+            await h.scheduler.send(peer, fault(h, add, peer))
             error = await asyncio.wait_for(ending(call), 5)
-            print(f"\nlost message: {error.code().name}: {error.details()}")
+            print(f"\n{fault.__name__}: {error.code().name}: {error.details()}")
             assert error.code() == grpc.StatusCode.UNAVAILABLE
-            assert error.details() == "1 messages from the scheduler were lost"
-            await until(lambda: add.request_id in h.scheduler.aborts)
-    run(body())
-
-
-def test_a_repeated_token_is_never_streamed_twice(run):
-    async def body():
-        async with harness() as h:
-            call, add, peer = await started_stream(h)
-            h.scheduler.sent_tokens[(add.request_id, 0)] -= 1  # the first token again
-            await h.scheduler.send(peer, ipb.SchedulerMessage(deltas=[ipb.TokenDelta(
-                request_id=add.request_id, index=0, token_ids=TOKENS[:1])]))
-            error = await asyncio.wait_for(ending(call), 5)
-            print(f"\nrepeated token: {error.code().name}: {error.details()}")
-            assert error.code() == grpc.StatusCode.UNAVAILABLE
-            assert error.details() == ("index 0: expected output token 1 from the scheduler, "
-                                       "got 0: a message was lost or repeated")
+            assert error.details() == details
             await until(lambda: add.request_id in h.scheduler.aborts)
     run(body())
 

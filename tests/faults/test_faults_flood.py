@@ -44,9 +44,8 @@ def normal_request(max_tokens: int = 16) -> pb.GenerateRequest:
 def test_a_flood_of_adds_drops_no_worker_and_the_gateway_serves_on(tmp_path):
     # Half the default --worker-timeout: a loop that served the flood before the heartbeats
     # (as it once did) drops the worker within the flood's first second.
-    cluster = FakeCluster(tmp_path, scheduler_flags=["--worker-timeout", "0.75"],
-                          worker_flags=["--num-gpu-blocks-override", "4096"])
-    try:
+    with FakeCluster(tmp_path, scheduler_flags=["--worker-timeout", "0.75"],
+                     worker_flags=["--num-gpu-blocks-override", "4096"]) as cluster:
         cluster.start()
         # Its receive queue is unbounded, so that every answer can be counted afterwards.
         ctx, flood = gateway_peer(cluster, b"hostile", hwm=0)
@@ -88,8 +87,6 @@ def test_a_flood_of_adds_drops_no_worker_and_the_gateway_serves_on(tmp_path):
         assert list(answer.token_ids) == reference_output([10, 20, 30, 40], 16, seed=3)
         assert wait_for(cluster.idle_and_free, 10), cluster.scheduler_metrics()
         assert cluster.health_status() == SERVING
-    finally:
-        cluster.stop()
 
 
 def read_all(sock: zmq.Socket, quiet_ms: int = 300) -> list[ipb.SchedulerMessage]:
@@ -102,9 +99,8 @@ def read_all(sock: zmq.Socket, quiet_ms: int = 300) -> list[ipb.SchedulerMessage
 
 
 def test_a_gateway_silent_past_its_timeout_and_heard_again_gets_its_link_numbers_on(tmp_path):
-    cluster = FakeCluster(tmp_path, scheduler_flags=["--gateway-timeout", "1"],
-                          worker_flags=["--step-delay", "0.02"])
-    try:
+    with FakeCluster(tmp_path, scheduler_flags=["--gateway-timeout", "1"],
+                     worker_flags=["--step-delay", "0.02"]) as cluster:
         cluster.start_scheduler()
         cluster.start_worker()
         assert wait_for(lambda: cluster.num_workers() == 1, 30), cluster.log_tail()
@@ -130,13 +126,10 @@ def test_a_gateway_silent_past_its_timeout_and_heard_again_gets_its_link_numbers
         assert len({m.epoch for m in messages}) == 1
         assert ends == [("long", "UNAVAILABLE")]
         assert len(after) == 1 and after[0].HasField("info")  # the answer to its hello
-    finally:
-        cluster.stop()
 
 
 def test_a_request_that_kills_its_worker_twice_ends_internal(tmp_path):
-    cluster = FakeCluster(tmp_path, worker_flags=["--num-gpu-blocks-override", "256"])
-    try:
+    with FakeCluster(tmp_path, worker_flags=["--num-gpu-blocks-override", "256"]) as cluster:
         cluster.start_scheduler()
         doomed = [cluster.start_worker("--die-on-mark") for _ in range(2)]
         cluster.start_gateway()
@@ -160,5 +153,3 @@ def test_a_request_that_kills_its_worker_twice_ends_internal(tmp_path):
         assert list(answer.token_ids) == reference_output([10, 20, 30, 40], 16, seed=3)
         assert wait_for(cluster.idle_and_free, 5), cluster.scheduler_metrics()
         assert cluster.metric("pagoda_kv_blocks_free") == 256
-    finally:
-        cluster.stop()

@@ -80,9 +80,8 @@ def test_gateway_killed_its_requests_are_aborted_and_blocks_freed(cluster):
 
 
 def test_streams_nobody_reads_end_resource_exhausted_with_bounded_memory(tmp_path):
-    cluster = FakeCluster(tmp_path, gateway_flags=["--max-unread-deltas", "64"],
-                          worker_flags=["--num-gpu-blocks-override", "20000", "--step-delay", "0.005"])
-    try:
+    with FakeCluster(tmp_path, gateway_flags=["--max-unread-deltas", "64"], worker_flags=[
+            "--num-gpu-blocks-override", "20000", "--step-delay", "0.005"]) as cluster:
         cluster.start()
         before = rss_bytes(cluster.gateway.pid)
         # A client that reads nothing and lets HTTP/2 flow control say so at once (no window
@@ -113,14 +112,11 @@ def test_streams_nobody_reads_end_resource_exhausted_with_bounded_memory(tmp_pat
         assert max(received) < 3000 and grown < 50e6
         assert reader.code == grpc.StatusCode.OK and reader.tokens == expected(20, 200)
         slow.close()
-    finally:
-        cluster.stop()
 
 
 def test_killed_worker_survivor_takes_over_then_no_worker_means_unavailable(tmp_path):
-    cluster = FakeCluster(tmp_path, scheduler_flags=["--no-worker-timeout", "2"],
-                          worker_flags=["--num-gpu-blocks-override", "4096", "--step-delay", "0.02"])
-    try:
+    with FakeCluster(tmp_path, scheduler_flags=["--no-worker-timeout", "2"], worker_flags=[
+            "--num-gpu-blocks-override", "4096", "--step-delay", "0.02"]) as cluster:
         cluster.start(num_workers=2)
         streams = [Stream(cluster.stub, request(i, 120)) for i in range(8)]
         assert wait_for(lambda: all(len(s.tokens) >= 10 for s in streams), 30), cluster.log_tail()
@@ -150,8 +146,6 @@ def test_killed_worker_survivor_takes_over_then_no_worker_means_unavailable(tmp_
               f"(--no-worker-timeout 2, --worker-timeout 1.5)")
         assert [s.code for s in waiting] == [grpc.StatusCode.UNAVAILABLE] * 2
         assert "no worker" in waiting[0].details and took < 2 + 1.5 + 1
-    finally:
-        cluster.stop()
 
 
 def storm_request(i: int, max_tokens: int) -> pb.GenerateRequest:
@@ -161,8 +155,7 @@ def storm_request(i: int, max_tokens: int) -> pb.GenerateRequest:
 
 
 def test_cancel_storm_leaks_nothing_and_the_rest_is_token_exact(tmp_path):
-    cluster = FakeCluster(tmp_path, worker_flags=["--num-gpu-blocks-override", "1024"])
-    try:
+    with FakeCluster(tmp_path, worker_flags=["--num-gpu-blocks-override", "1024"]) as cluster:
         cluster.start()
         rng = random.Random(10)
         # (index, max_tokens, None or how many responses to read before cancelling)
@@ -207,16 +200,13 @@ def test_cancel_storm_leaks_nothing_and_the_rest_is_token_exact(tmp_path):
               f"{1000 - len(cancelled) - len(wrong)} of {1000 - len(cancelled)} others token-exact")
         assert failed == [] and wrong == []
         assert leaked == 0 and cluster.metric("pagoda_num_requests_running") == 0, m
-    finally:
-        cluster.stop()
 
 
 def test_overload_fills_the_queue_to_its_bound_and_refuses_the_rest(tmp_path):
     # 16 blocks of 4 tokens hold 4 requests of 3 + 10 tokens (and --max-num-seqs 4 runs no
     # more, so nothing is preempted back into the queue); 40 arrive together.
-    cluster = FakeCluster(tmp_path, scheduler_flags=["--max-waiting-requests", "8", "--max-num-seqs", "4"],
-                          worker_flags=["--num-gpu-blocks-override", "16", "--step-delay", "0.05"])
-    try:
+    with FakeCluster(tmp_path, scheduler_flags=["--max-waiting-requests", "8", "--max-num-seqs", "4"],
+                     worker_flags=["--num-gpu-blocks-override", "16", "--step-delay", "0.05"]) as cluster:
         cluster.start()
         before = rss_bytes(cluster.scheduler.pid)
         peak, done = [0.0], threading.Event()
@@ -250,15 +240,12 @@ def test_overload_fills_the_queue_to_its_bound_and_refuses_the_rest(tmp_path):
                 list(storm_request(i, 1).prompt_token_ids), 10, seed=i)
         assert grown < 20e6
         assert wait_for(cluster.idle_and_free, 10)
-    finally:
-        cluster.stop()
 
 
 def test_a_step_longer_than_the_worker_timeout_does_not_drop_the_worker(tmp_path):
     # Each step takes 2 s, longer than --worker-timeout (1.5 s): only the heartbeat thread
     # keeps the worker registered while it runs.
-    cluster = FakeCluster(tmp_path, worker_flags=["--step-delay", "2.0"])
-    try:
+    with FakeCluster(tmp_path, worker_flags=["--step-delay", "2.0"]) as cluster:
         cluster.start()
         started = time.monotonic()
         answer = cluster.stub.Generate(request(0, 2), timeout=30)
@@ -268,5 +255,3 @@ def test_a_step_longer_than_the_worker_timeout_does_not_drop_the_worker(tmp_path
               f"worker kept")
         assert list(answer.token_ids) == expected(0, 2) and took >= 4
         assert "dropped" not in log and cluster.num_workers() == 1
-    finally:
-        cluster.stop()

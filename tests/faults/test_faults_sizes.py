@@ -139,8 +139,8 @@ def test_the_largest_valid_messages_pass_and_one_byte_more_is_dropped():
 
 
 def test_an_oversized_frame_to_the_scheduler_drops_the_peer_and_it_serves_on(tmp_path):
-    cluster = FakeCluster(tmp_path).start()
-    try:
+    with FakeCluster(tmp_path) as cluster:
+        cluster.start()
         bounds = {cluster.gateway_address: (largest_gateway_message(LEN), "gateway"),
                   cluster.worker_address: (largest_worker_message(SEQS, TOKENS, MAX_LOGPROBS), "worker")}
         print()
@@ -165,8 +165,6 @@ def test_an_oversized_frame_to_the_scheduler_drops_the_peer_and_it_serves_on(tmp
             assert dropped and list(answer.token_ids) == expected(0, 8)
             assert cluster.scheduler.poll() is None
         assert wait_for(lambda: cluster.num_workers() == 1, 5)
-    finally:
-        cluster.stop()
 
 
 

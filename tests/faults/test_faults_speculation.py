@@ -18,9 +18,8 @@ MAX_TOKENS = 120
 
 
 def test_a_speculating_worker_killed_mid_stream_loses_no_request(tmp_path):
-    cluster = FakeCluster(tmp_path, worker_flags=["--num-gpu-blocks-override", "256",
-                                                  "--speculative-config", SPEC, "--step-delay", "0.01"])
-    try:
+    with FakeCluster(tmp_path, worker_flags=["--num-gpu-blocks-override", "256", "--speculative-config",
+                                             SPEC, "--step-delay", "0.01"]) as cluster:
         cluster.start(num_workers=2)
         got = {i: [] for i in range(len(PROMPTS))}
 
@@ -42,5 +41,3 @@ def test_a_speculating_worker_killed_mid_stream_loses_no_request(tmp_path):
             assert got[i] == reference_output(prompt, MAX_TOKENS, seed=i), i
         assert wait_for(lambda: cluster.num_workers() == 1, 30)
         assert wait_for(cluster.idle_and_free, 10), cluster.scheduler_metrics()
-    finally:
-        cluster.stop()

@@ -72,11 +72,10 @@ async def load(target: str) -> tuple[list[float], int, list[str]]:
 
 
 def test_ten_times_the_admitted_concurrency_is_served_or_refused_and_nothing_leaks(tmp_path):
-    cluster = FakeCluster(tmp_path, gateway_address_space=3 << 30,
-                          scheduler_flags=["--max-waiting-requests", str(MAX_WAITING),
-                                           "--max-num-seqs", str(MAX_RUNNING)],
-                          worker_flags=["--num-gpu-blocks-override", "4096", "--step-delay", "0.005"])
-    try:
+    with FakeCluster(tmp_path, gateway_address_space=3 << 30,
+                     scheduler_flags=["--max-waiting-requests", str(MAX_WAITING),
+                                      "--max-num-seqs", str(MAX_RUNNING)],
+                     worker_flags=["--num-gpu-blocks-override", "4096", "--step-delay", "0.005"]) as cluster:
         cluster.start()
         before = rss_bytes(cluster.gateway.pid)
         served, refused, wrong = asyncio.run(load(cluster.target))
@@ -91,5 +90,3 @@ def test_ten_times_the_admitted_concurrency_is_served_or_refused_and_nothing_lea
         assert wait_for(cluster.idle_and_free, 30), cluster.scheduler_metrics()
         assert grown < 200e6
         assert cluster.health_status() == SERVING
-    finally:
-        cluster.stop()

@@ -255,8 +255,8 @@ def test_a_salted_request_hits_only_blocks_of_its_own_salt():
     cached = {rid: out[(rid, 0)]["cached"] for rid in ("a1", "a2", "b1", "none", "none2")}
     print(f"\ncached prompt tokens by salt: {cached}")
     assert cached == {"a1": 0, "a2": 40, "b1": 0, "none": 0, "none2": 40}
-    pool = router.workers[b"w0"].scheduler.kv.pool
-    assert pool.num_free == pool.num_blocks
+    kv = router.workers[b"w0"].scheduler.kv
+    assert kv.num_free == kv.num_blocks
 
 
 # ---------------------------------------------------------------------------- API keys and TLS

@@ -1,7 +1,8 @@
 """Beam search with the real model in fp32: the answers equal transformers' generate(num_beams=k,
 num_return_sequences=k, do_sample=False, ...) token for token and in order, over the real stack;
 and a width-4 search over a 256-token prompt holds far fewer KV blocks than four independent
-sequences (the real worker, driven in-process by the real router, whose pool is read each step)."""
+sequences (the real worker, driven in-process by the real router, whose KV blocks in use are
+read after each plan)."""
 from __future__ import annotations
 
 import random
@@ -12,6 +13,7 @@ import torch
 
 from proto import internal_pb2, pagoda_pb2 as pb
 from scheduler.router import Router, RouterConfig
+from tests.plan_driver import run_router
 from tests.unit.worker.test_model_parity import SMOLLM2_PROMPTS as PARITY_PROMPTS
 from tests.worker_tiny_models import runner_args
 from worker.runner import ModelRunner
@@ -85,15 +87,9 @@ def peak_blocks(runner: ModelRunner, add_requests) -> int:
     router.register(b"w", runner.hello())
     runner.forget_all()
     add_requests(router)
-    pool, peak, inbox = router.workers[b"w"].scheduler.kv.pool, 0, []
-    while True:
-        for _, plan in router.plans():
-            inbox.append(plan)
-            peak = max(peak, pool.num_used)
-        if not inbox:
-            break
-        router.on_result(b"w", runner.execute(inbox.pop(0)))
-    assert not router.seqs and pool.num_free == pool.num_blocks
+    peak = run_router(router, runner, b"w")
+    kv = router.workers[b"w"].scheduler.kv
+    assert not router.seqs and kv.num_free == kv.num_blocks
     return peak
 
 

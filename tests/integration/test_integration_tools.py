@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 
-import httpx2 as httpx
 import jsonschema
 import openai
 from openai.lib.streaming.chat import ChatCompletionStreamState
 import pytest
+
+from tests.tool_calls import after_a_call, rendered
 
 
 pytestmark = pytest.mark.integration
@@ -69,21 +70,15 @@ def test_named_calls_sampled_n2_each_validate(client, model):
 
 def test_a_conversation_with_calls_and_results_is_rendered_and_answered(client, model, cluster):
     result = '{"city": "Paris", "temperature": 21, "sky": "sunny", "mark": "quokka-7731"}'
-    messages = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [{
-            "id": "call_abc", "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-        {"role": "tool", "tool_call_id": "call_abc", "content": result}]
+    messages = after_a_call(ASK, "call_abc", "get_weather", '{"city": "Paris", "unit": "celsius"}',
+                            result)
     r = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=24,
                                        temperature=0)
     answer = r.choices[0]
     assert answer.finish_reason in ("stop", "length", "tool_calls")
     assert answer.message.content or answer.message.tool_calls
-    root = cluster.base_url.removesuffix("/v1")
-    tokens = httpx.post(f"{root}/tokenize", timeout=30, json={
-        "model": model, "messages": messages, "tools": TOOLS}).json()["tokens"]
+    tokens, prompt = rendered(cluster.base_url, {"model": model, "messages": messages, "tools": TOOLS})
     assert len(tokens) == r.usage.prompt_tokens
-    prompt = httpx.post(f"{root}/detokenize", timeout=30, json={"tokens": tokens}).json()["prompt"]
     assert f"<tool_response>\n{result}\n</tool_response>" in prompt
     assert '"arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>' in prompt
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-import httpx2 as httpx
 import openai
 from openai.lib.streaming.chat import ChatCompletionStreamState
 import pytest
@@ -16,6 +15,7 @@ import pytest
 from gateway.tokenizer import load_tokenizer
 from tests.fake_cluster import FakeCluster
 from tests.fake_worker_canned import byte_tokens
+from tests.tool_calls import after_a_call, rendered
 
 TOK = load_tokenizer("")
 MODEL = TOK.name
@@ -117,18 +117,12 @@ def test_parallel_tool_calls_false_keeps_the_first_and_none_parses_nothing(clien
 
 def test_a_conversation_with_calls_and_results_renders_them(client, stack):
     result = "21 degrees <|im_end|> and sunny"
-    messages = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [{
-            "id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": result}]
+    messages = after_a_call(ASK, "call_1", "get_weather", '{"city": "Paris", "unit": "c"}', result)
     r = ask(client, 12, messages=messages)
     assert r.choices[0].message.content == CANNED[12]
-    root = stack.base_url.removesuffix("/v1")
-    body = {"model": MODEL, "messages": messages, "tools": [WEATHER, TIME]}
-    tokens = httpx.post(f"{root}/tokenize", json=body).json()["tokens"]
+    tokens, text = rendered(stack.base_url, {"model": MODEL, "messages": messages,
+                                             "tools": [WEATHER, TIME]})
     assert len(tokens) == r.usage.prompt_tokens  # what the chat rendered
-    text = httpx.post(f"{root}/detokenize", json={"tokens": tokens}).json()["prompt"]
     assert f"<tool_response>\n{result}\n</tool_response>" in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}' in text
     assert json.dumps(WEATHER) in text  # the tools, in the system turn

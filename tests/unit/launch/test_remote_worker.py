@@ -30,9 +30,8 @@ def host_address() -> str:
 
 def test_a_worker_joins_a_scheduler_through_a_non_loopback_address(tmp_path):
     host, port = host_address(), free_port()
-    cluster = FakeCluster(tmp_path)
-    cluster.worker_address = f"tcp://0.0.0.0:{port}"  # what the scheduler binds
-    try:
+    with FakeCluster(tmp_path) as cluster:
+        cluster.worker_address = f"tcp://0.0.0.0:{port}"  # what the scheduler binds
         cluster.start_scheduler()
         cluster.start_worker("--scheduler-worker-address", f"tcp://{host}:{port}",
                              "--worker-id", "remote-0")
@@ -43,8 +42,6 @@ def test_a_worker_joins_a_scheduler_through_a_non_loopback_address(tmp_path):
             prompt_token_ids=[5, 6, 7], stopping=pb.StoppingCriteria(max_tokens=8)), timeout=30)
         assert len(out.token_ids) == 8
         assert wait_for(cluster.idle_and_free, 10), cluster.log_tail()
-    finally:
-        cluster.stop()
 
 
 def test_a_worker_without_keys_is_refused_a_remote_address():

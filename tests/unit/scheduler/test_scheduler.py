@@ -95,8 +95,8 @@ def test_single_request_matches_reference():
     run(router, workers, out)
     assert out[("a", 0)]["tokens"] == reference_output([5, 6, 7, 8, 9], 12)
     assert out[("a", 0)]["finish"] == pb.LENGTH
-    pool = router.workers[b"w0"].scheduler.kv.pool
-    assert pool.num_free == pool.num_blocks  # freed the moment it finished
+    kv = router.workers[b"w0"].scheduler.kv
+    assert kv.num_free == kv.num_blocks  # freed the moment it finished
 
 
 def test_chunked_prefill_respects_budget_and_decodes_keep_running():
@@ -140,7 +140,7 @@ def test_preemption_gives_the_undisturbed_output(mode, cpu_blocks):
     assert sched.stats.num_preemptions[mode] > 0
     for rid, p in prompts.items():
         assert out[(rid, 0)]["tokens"] == reference_output(p, 12), rid
-    assert sched.kv.cpu_pool.num_free == cpu_blocks
+    assert sched.kv.num_cpu_free == cpu_blocks
 
 
 def test_prefix_cache_hit_is_reported_and_correct():
@@ -208,6 +208,19 @@ def test_worker_loss_requeues_and_output_continues():
     assert out[("x", 0)]["tokens"] == reference_output([7, 8, 9], 20)
 
 
+def abort_or_lose(router, workers, op, rng, victims, aborted) -> None:
+    """The random operations' "abort" (of one of victims, a sequence) and "lose" (of a worker,
+    while another is left)."""
+    if op == "abort" and victims:
+        victim = rng.choice(victims)
+        aborted.add(victim)
+        router.abort(victim)
+    elif op == "lose" and len(router.workers) > 1:
+        wid = rng.choice(sorted(router.workers))
+        router.remove(wid, "test")
+        workers[wid].inbox.clear()
+
+
 ops = st.lists(st.tuples(st.sampled_from(["add", "add_n", "step", "step", "steps", "abort", "lose"]),
                          st.integers(0, 10 ** 6)), min_size=1, max_size=60)
 # A tenth of the fake model's tokens: some sequences end on a stop token, most run to length.
@@ -251,20 +264,14 @@ def test_block_invariant_under_random_operations(speculate, operations):
         elif op == "steps":  # quiet stretches, one plan ahead
             for _ in range(rng.randrange(2, 20)):
                 step(router, workers, out)
-        elif op == "abort" and ids:
-            victim = rng.choice(ids)
-            aborted.add(victim)
-            router.abort(victim)
-        elif op == "lose" and len(router.workers) > 1:
-            wid = rng.choice(list(router.workers))
-            router.remove(wid, "test")
-            workers[wid].inbox.clear()
+        else:
+            abort_or_lose(router, workers, op, rng, ids, aborted)
         check(router)
     run(router, workers, out)
     check(router)
     for state in router.workers.values():
         assert not state.scheduler.requests
-        assert state.scheduler.kv.pool.num_free == state.scheduler.kv.pool.num_blocks
+        assert state.scheduler.kv.num_free == state.scheduler.kv.num_blocks
     for (rid, index), entry in out.items():
         prompt, seed, stops, max_tokens = prompts[rid]
         tokens = entry["tokens"]
@@ -282,7 +289,7 @@ def test_block_invariant_under_random_operations(speculate, operations):
         ended_on_stop = expected[-1] in stops | {EOS}
         assert entry["finish"] == (pb.STOP if ended_on_stop else pb.LENGTH)
     for state in router.workers.values():
-        assert state.scheduler.kv.cpu_pool.num_free == state.scheduler.kv.cpu_pool.num_blocks
+        assert state.scheduler.kv.num_cpu_free == state.hello.num_cpu_blocks
 
 
 def test_parallel_sampling_shares_the_prompt_and_copies_on_write():
@@ -298,7 +305,7 @@ def test_parallel_sampling_shares_the_prompt_and_copies_on_write():
     sched = router.workers[b"w0"].scheduler
     seqs = [sched.requests[f"p#{i}"] for i in range(3)]
     assert seqs[0].block_ids[:2] == seqs[1].block_ids[:2] == seqs[2].block_ids[:2]
-    assert sched.kv.pool.ref_cnt[seqs[0].block_ids[0]] == 3
+    assert sched.kv.ref_count(seqs[0].block_ids[0]) == 3
     assert len({s.block_ids[2] for s in seqs}) == 3  # the partial block was copied, not shared
     run(router, workers, out, plans_seen=plans)
     assert worker.copies == 2
@@ -320,15 +327,15 @@ def test_aborting_one_index_frees_its_blocks_and_the_others_go_on():
     for _ in range(4):
         step(router, workers, out)
     sched = router.workers[b"w0"].scheduler
-    used = sched.kv.pool.num_used
+    used = sched.kv.num_used
     router.abort("p", {1})
     check(router)
-    assert sched.kv.pool.num_used < used and "p#1" not in sched.requests
+    assert sched.kv.num_used < used and "p#1" not in sched.requests
     run(router, workers, out)
     for i in (0, 2):
         assert out[("p", i)]["tokens"] == reference_output(prompt, 8, seed=3 + i)
     assert out[("p", 1)]["finish"] == 0  # aborted: no finish delta, the gateway already ended it
-    assert "p" not in router.seqs and sched.kv.pool.num_free == sched.kv.pool.num_blocks
+    assert "p" not in router.seqs and sched.kv.num_free == sched.kv.num_blocks
 
 
 def test_metrics_report_steps_forward_time_and_queues():
@@ -381,12 +388,12 @@ def test_abort_while_a_step_runs_skips_only_that_sequence():
         step(router, workers, out)
     sched = router.workers[b"w0"].scheduler
     assert len(sched.in_flight) == 1 and len(fake.inbox) == 1  # one plan runs, q1 in it
-    free, held = sched.kv.pool.num_free, len(sched.requests["q1#0"].block_ids)
+    free, held = sched.kv.num_free, len(sched.requests["q1#0"].block_ids)
     streamed = len(out[("q1", 0)]["tokens"])
     router.abort("q1")  # the gateway's abort arrives while the worker computes
-    assert held > 0 and sched.kv.pool.num_free == free + held  # freed at once, not after the step
+    assert held > 0 and sched.kv.num_free == free + held  # freed at once, not after the step
     run(router, workers, out)
     assert out[("q0", 0)]["tokens"] == reference_output(prompts["q0"], 20)
     assert out[("q2", 0)]["tokens"] == reference_output(prompts["q2"], 20)
     assert out[("q1", 0)]["tokens"] == reference_output(prompts["q1"], 20)[:streamed]  # nothing after
-    assert sched.kv.pool.num_free == 64 and not sched.requests
+    assert sched.kv.num_free == 64 and not sched.requests

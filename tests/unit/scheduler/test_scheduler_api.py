@@ -110,8 +110,8 @@ def test_abort_by_public_id_ends_the_stream_with_abort_and_frees_blocks():
     check(router)
     assert router.abort_public(["theirs"]) == []  # already over
     run(router, workers, out)
-    pool = next(iter(router.workers.values())).scheduler.kv.pool
-    assert pool.num_free == pool.num_blocks
+    kv = next(iter(router.workers.values())).scheduler.kv
+    assert kv.num_free == kv.num_blocks
 
 
 def test_public_ids_are_unique_while_in_flight():
@@ -139,9 +139,10 @@ def test_loads_report_queues_and_kv_usage():
     run(router, workers, {})
     add(router, "again", [1, 2, 3, 4, 5, 99], 3)  # its first block is cached by now
     run(router, workers, {})
-    pool = router.workers[b"w0"].scheduler.kv.pool
-    assert router.loads().workers[0].prefix_cache_hit_rate == pytest.approx(pool.hits / pool.queries)
-    assert 0 < pool.hits < pool.queries
+    kv = router.workers[b"w0"].scheduler.kv
+    queries, hits = kv.prefix_stats()
+    assert router.loads().workers[0].prefix_cache_hit_rate == pytest.approx(hits / queries)
+    assert 0 < hits < queries
 
 
 def test_prompt_logprobs_skip_the_prefix_cache():
@@ -195,7 +196,7 @@ def test_one_plan_ahead_drops_the_token_computed_after_a_stop():
     assert len(decodes) == 3  # outputs 2 and 3 as planned, plus the one after the stop
     assert out[("e", 0)]["tokens"] == reference_output([EOS_MARK, 3, 5, 6], 20)
     assert len(out[("e", 0)]["tokens"]) == 3 and out[("e", 0)]["finish"] == pb.STOP
-    assert sched.kv.pool.num_free == 64 and not sched.requests
+    assert sched.kv.num_free == 64 and not sched.requests
 
 
 def test_length_is_known_ahead_and_costs_no_extra_step():

@@ -16,7 +16,7 @@ from proto.token_stream import updates
 from scheduler.router import Rejected, Router, RouterConfig
 from tests.beam_reference import reference_beam_search
 from tests.fake_worker import EOS, POISON_MARK, FakeWorker, beam_distribution
-from tests.unit.scheduler.test_scheduler import check, with_workers
+from tests.unit.scheduler.test_scheduler import abort_or_lose, check, with_workers
 from tests.unit.scheduler.test_scheduler import run as scheduler_run, step as scheduler_step
 
 GW = b"gw"
@@ -86,7 +86,7 @@ def test_beam_search_matches_transformers_algorithm(width, lp, early):
         assert_matches(out, rid, prompt, 12, width, lp, early)
     sched = router.workers[b"w0"].scheduler
     assert not sched.requests and not sched.groups and not router.seqs
-    assert sched.kv.pool.num_free == sched.kv.pool.num_blocks
+    assert sched.kv.num_free == sched.kv.num_blocks
 
 
 def test_forks_share_every_block_and_copy_a_partial_one_only_when_written():
@@ -102,7 +102,7 @@ def test_forks_share_every_block_and_copy_a_partial_one_only_when_written():
     assert len(beams) == 3 and worker.copies == 0
     # Forked, not copied: all three hold the same three blocks until one writes.
     assert beams[0].block_ids == beams[1].block_ids == beams[2].block_ids
-    assert [sched.kv.pool.ref_cnt[b] for b in beams[0].block_ids] == [3, 3, 3]
+    assert [sched.kv.ref_count(b) for b in beams[0].block_ids] == [3, 3, 3]
     prefix, shared = beams[0].block_ids[:2], beams[0].block_ids[2]
     step(router, workers, out, plans)
     plan = plans[-1]
@@ -131,9 +131,9 @@ def test_beam_search_uses_fewer_blocks_than_independent_sequences():
                 router.add(GW, pb.AddRequest(request_id=f"x{i}", prompt_token_ids=prompt,
                                              max_tokens=16, ignore_eos=True, sampling=pb.SamplingConfig()))
         out, peak = {}, 0
-        pool = router.workers[b"w0"].scheduler.kv.pool
+        kv = router.workers[b"w0"].scheduler.kv
         while step(router, workers, out):
-            peak = max(peak, pool.num_used)
+            peak = max(peak, kv.num_used)
         peaks[beam] = peak
     assert peaks[True] <= 0.65 * peaks[False], peaks
 
@@ -169,7 +169,7 @@ def test_abort_frees_every_beam_and_ends_every_index():
     assert len(sched.groups["a#0"].beams) == 4
     assert router.abort_public(["pub"]) == ["pub"]
     check(router)
-    assert not sched.requests and sched.kv.pool.num_free == 64 and not router.seqs
+    assert not sched.requests and sched.kv.num_free == 64 and not router.seqs
     run(router, workers, out)
     assert [out[("a", i)]["finish"] for i in range(4)] == [pb.ABORT] * 4
 
@@ -203,7 +203,7 @@ def test_a_group_that_breaks_the_worker_ends_with_internal_and_the_others_go_on(
     assert_matches(out, "good", [21, 22, 23], 8, 2)
     assert out[("plain", 0)]["finish"] == pb.LENGTH and not out[("plain", 0)]["error"]
     sched = router.workers[b"w0"].scheduler
-    assert not sched.requests and sched.kv.pool.num_free == 64
+    assert not sched.requests and sched.kv.num_free == 64
 
 
 def test_rejections():
@@ -249,19 +249,13 @@ def test_block_invariant_and_answers_under_random_operations(operations):
         elif op == "steps":
             for _ in range(rng.randrange(2, 15)):
                 step(router, workers, out)
-        elif op == "abort" and beams:
-            victim = rng.choice(sorted(beams))
-            aborted.add(victim)
-            router.abort(victim)
-        elif op == "lose" and len(router.workers) > 1:
-            wid = rng.choice(sorted(router.workers))
-            router.remove(wid, "test")
-            workers[wid].inbox.clear()
+        else:
+            abort_or_lose(router, workers, op, rng, sorted(beams), aborted)
         check(router)
     run(router, workers, out)
     for state in router.workers.values():
         assert not state.scheduler.requests and not state.scheduler.groups
-        assert state.scheduler.kv.pool.num_free == state.scheduler.kv.pool.num_blocks
+        assert state.scheduler.kv.num_free == state.scheduler.kv.num_blocks
     for rid, (prompt, max_tokens, width, lp, early) in beams.items():
         if rid in aborted:
             continue

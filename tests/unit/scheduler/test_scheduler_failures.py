@@ -63,7 +63,7 @@ def test_a_poisoned_sequence_ends_internal_and_the_others_finish_exact(
         assert out[(rid, 0)]["tokens"] == reference_output(prompt, 20), rid
         assert out[(rid, 0)]["finish"] == pb.LENGTH
     sched = router.workers[b"w0"].scheduler
-    assert not sched.requests and not sched.suspects and sched.kv.pool.num_free == num_blocks
+    assert not sched.requests and not sched.suspects and sched.kv.num_free == num_blocks
     # Once it failed, the poisoned sequence only ever ran alone.
     failed_at = next(i for i, p in enumerate(plans) if p.step_id == failed[0])
     later = [p for p in plans[failed_at + 1:] if any(s.seq_id == "bad#0" for s in p.new_seqs)]
@@ -89,7 +89,7 @@ def test_a_sequence_that_fails_once_and_then_succeeds_alone_is_cleared():
     check(router)
     sched = router.workers[b"w0"].scheduler
     assert sorted(r.seq_id for r in sched.suspects) == ["r0#0", "r1#0", "r2#0"]
-    assert sched.kv.pool.num_free == 64  # their blocks went back while they wait
+    assert sched.kv.num_free == 64  # their blocks went back while they wait
     run(router, workers, out)
     for rid, prompt in ps.items():
         assert out[(rid, 0)]["tokens"] == reference_output(prompt, 12)
@@ -146,7 +146,7 @@ def test_stale_repeated_and_unasked_results_are_dropped():
     run(router, workers, out)
     for rid, prompt in ps.items():
         assert out[(rid, 0)]["tokens"] == reference_output(prompt, 10)
-    assert sched.kv.pool.num_free == 64
+    assert sched.kv.num_free == 64
 
 
 def test_a_result_ahead_of_the_oldest_plan_drops_the_worker_and_requeues():
@@ -220,7 +220,7 @@ def test_failures_end_only_the_poisoned_under_random_operations(operations):
     check(router)
     for state in router.workers.values():
         assert not state.scheduler.requests and not state.scheduler.suspects
-        assert state.scheduler.kv.pool.num_free == state.scheduler.kv.pool.num_blocks
+        assert state.scheduler.kv.num_free == state.scheduler.kv.num_blocks
     for (rid, index), entry in out.items():
         prompt, seed, stops, max_tokens = prompts[rid]
         want = reference_output(prompt, max_tokens, seed + index, stop_token_ids=stops)

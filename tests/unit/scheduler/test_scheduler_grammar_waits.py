@@ -41,7 +41,7 @@ def test_a_grammar_request_waits_for_its_compile_and_others_run_meanwhile():
     run(router, workers, out)  # everything that may run, runs
     assert set(out) == {("plain", 0)}
     sched = router.workers[b"w0"].scheduler
-    assert sched.num_waiting == 4 and sched.kv.pool.num_free == sched.kv.pool.num_blocks
+    assert sched.num_waiting == 4 and sched.kv.num_free == sched.kv.num_blocks
     router.on_compiled(b"w0", pb.GrammarsCompiled(ready=[key(REGEX)]))
     run(router, workers, out)
     for rid, index, prompt in (("g", 0, [1, 2, 3]), ("g", 1, [1, 2, 3]), ("g2", 0, [4, 5, 6])):

@@ -28,7 +28,7 @@ def assert_nothing_held(router):
     for state in router.workers.values():
         sched = state.scheduler
         assert not sched.requests and not sched.groups and not sched.suspects
-        assert sched.kv.pool.num_free == sched.kv.pool.num_blocks
+        assert sched.kv.num_free == sched.kv.num_blocks
     assert not router.pending and not router.seqs
 
 

@@ -48,8 +48,8 @@ def test_runs_of_accepted_tokens_give_the_reference_output():
     assert any(len(unpack_list(p.spec_slots)) for p in plans)
     # Fewer steps than tokens: accepted runs are what speculation is for.
     assert len(plans) < sum(len(e["tokens"]) for e in out.values()) / 2
-    pool = router.workers[b"w0"].scheduler.kv.pool
-    assert pool.num_free == pool.num_blocks
+    kv = router.workers[b"w0"].scheduler.kv
+    assert kv.num_free == kv.num_blocks
 
 
 def test_a_run_streams_as_one_update_of_several_tokens():
@@ -108,8 +108,8 @@ def test_preemption_with_speculation_gives_the_undisturbed_output(mode, cpu_bloc
     assert sched.stats.num_preemptions[mode] > 0 and worker.accepted > 0
     for i, (rid, p) in enumerate(prompts.items()):
         assert out[(rid, 0)]["tokens"] == reference_output(p, 14, i), rid
-    assert sched.kv.pool.num_free == sched.kv.pool.num_blocks
-    assert sched.kv.cpu_pool.num_free == cpu_blocks
+    assert sched.kv.num_free == sched.kv.num_blocks
+    assert sched.kv.num_cpu_free == cpu_blocks
 
 
 def test_a_prefix_hit_over_generated_blocks_reads_only_accepted_tokens():
