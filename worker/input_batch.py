@@ -44,6 +44,8 @@ class InputBatch:
         self.block_table = np.zeros((rows, self.max_blocks), np.int32)
         self.num_tokens = np.zeros(rows, np.int64)       # known tokens (prompt + sampled)
         self.num_computed = np.zeros(rows, np.int64)     # tokens whose KV is in the cache
+        # Tokens whose KV is in a draft model's cache (worker/draft_model.py); 0 when added.
+        self.num_draft_computed = np.zeros(rows, np.int64)
         self.num_prompt = np.zeros(rows, np.int64)
         self.num_blocks = np.zeros(rows, np.int64)
         self.held = np.zeros(rows, bool)
@@ -66,6 +68,7 @@ class InputBatch:
         self.num_tokens[slot] = len(token_ids)
         self.num_blocks[slot] = len(block_ids)
         self.num_computed[slot] = num_computed
+        self.num_draft_computed[slot] = 0
         self.num_prompt[slot] = num_prompt
         self.held[slot] = True
         self.beam[slot] = sampling.beam_candidates > 0
@@ -99,11 +102,12 @@ class InputBatch:
 
     # ------------------------------------------------------------------ one step
 
-    def prepare(self, slots: np.ndarray, counts: np.ndarray) -> StepInputs:
-        """Row slots[i] computes counts[i] tokens from its num_computed on; a row that reaches
-        the end of its known tokens samples one."""
+    def prepare(self, slots: np.ndarray, counts: np.ndarray,
+                starts: np.ndarray | None = None) -> StepInputs:
+        """Row slots[i] computes counts[i] tokens from its num_computed on (from starts[i] for a
+        draft model's forward); a row that reaches the end of its known tokens samples one."""
         bs = self.block_size
-        starts = self.num_computed[slots]
+        starts = self.num_computed[slots] if starts is None else starts
         ends = starts + counts
         if (ends > self.num_tokens[slots]).any():
             raise ValueError("a step runs past the tokens its sequence has")
@@ -152,8 +156,8 @@ class InputBatch:
         if rows <= have:
             return
         new = max(rows, 2 * have)
-        for name in ("token_ids", "block_table", "num_tokens", "num_computed", "num_prompt",
-                     "num_blocks", "held", "beam"):
+        for name in ("token_ids", "block_table", "num_tokens", "num_computed",
+                     "num_draft_computed", "num_prompt", "num_blocks", "held", "beam"):
             old = getattr(self, name)
             grown = np.zeros((new, *old.shape[1:]), old.dtype)
             grown[:have] = old

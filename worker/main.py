@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     ranks = None
     if args.tensor_parallel_size != 1:
         from worker import ranks as tensor_parallel
-        from worker.platform import resolve_device
+        from worker.device import resolve_device
 
         device = resolve_device(args.device)
         if tensor_parallel.is_follower():

@@ -29,10 +29,9 @@ from worker.loader import load_weights
 from worker.model import build_model
 from worker.parallel import FORGET, PLAN, TensorParallel, shard_config
 from worker.plan_checks import check_compile, check_plan
-from worker.platform import resolve_device, resolve_dtype
+from worker.device import resolve_device, resolve_dtype
 from worker.sampler import Sampler
-from worker.speculative import Speculator, result_columns
-from worker.speculative_config import SpeculativeConfig
+from worker.speculative import build_speculator, result_columns
 from worker.step_logprobs import prompt_logprobs, sampled_logprobs
 from worker.worker_flags import default_worker_id
 
@@ -89,8 +88,11 @@ class ModelRunner:
             logger.warning("%s names no end-of-sequence token: answers end only at max_tokens, "
                            "a stop id or a stop string", self.model_path)
 
+        self.speculator = build_speculator(getattr(args, "speculative_config", None), self)
         stage("sizing the KV cache")
-        block_bytes = bytes_per_block(shard, self.block_size, self.dtype)
+        # A draft model's cache has a block for each of the target's, in the same budget.
+        block_bytes = bytes_per_block(shard, self.block_size, self.dtype) + (
+            self.speculator.draft_bytes_per_block(self.block_size) if self.speculator else 0)
         peak = self._profile_peak_memory() if self.device.type == "cuda" else 0
         num_blocks = num_device_blocks(
             override=args.num_gpu_blocks_override, device=self.device, block_bytes=block_bytes,
@@ -101,6 +103,8 @@ class ModelRunner:
         num_cpu_blocks = int(args.swap_space * 2**30) // block_bytes
         self.cache = CacheEngine(shard, num_blocks, num_cpu_blocks, self.block_size, self.dtype,
                                  self.device)
+        if self.speculator:
+            self.speculator.allocate_draft_cache(num_blocks, self.block_size)
         progress.update()
         stage("measuring swap bandwidth")
         self.swap_bytes_per_s = self.cache.measure_swap_bandwidth()
@@ -113,11 +117,6 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(args.seed))
         self.batch = InputBatch(self.max_model_len, self.block_size)
         self.grammar = GrammarRows(self._grammar_cache)
-        spec = getattr(args, "speculative_config", None)
-        try:
-            self.speculator = Speculator(SpeculativeConfig.parse(spec)) if spec else None
-        except ValueError as e:
-            raise SystemExit(str(e)) from None
         logger.info("worker %s ready: %s %s on %s, %d blocks of %d (+%d cpu), load %.1fs, prefill %.0f tok/s",
                     self.worker_id, self.config.architecture, self.dtype, self.device, num_blocks,
                     self.block_size, num_cpu_blocks, self.load_seconds, self.prefill_tokens_per_s)
@@ -317,8 +316,8 @@ class ModelRunner:
             result.failed.append(internal_pb2.SeqFailure(slot=slot, reason=why))
 
     def prepare_inputs(self, slots: np.ndarray, counts: np.ndarray,
-                       batch: InputBatch | None = None) -> StepInputs:
-        inputs = (batch or self.batch).prepare(slots, counts)
+                       batch: InputBatch | None = None, starts: np.ndarray | None = None) -> StepInputs:
+        inputs = (batch or self.batch).prepare(slots, counts, starts)
         if self.device.type == "cpu":
             return inputs
         to = self._to_device

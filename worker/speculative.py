@@ -1,4 +1,5 @@
-"""Speculative decoding in the worker (n-gram proposals, verified in the step's own forward).
+"""Speculative decoding in the worker (n-gram or draft-model proposals, verified in the step's
+own forward).
 
 The plan names rows that compute one decode token and may propose up to k more
 (StepPlan.spec_slots). Before the forward, each such row's proposals are written after its
@@ -40,12 +41,38 @@ class Proposals:
     accepted: list[int] = field(default_factory=list)  # set by verify_rows (or by rank 0)
 
 
+def build_speculator(text: str | None, runner) -> "Speculator | None":
+    """The --speculative-config's Speculator (None without the flag), its draft model loaded
+    for the runner's vocabulary, attention backend, length, device and dtype; SystemExit naming
+    the field when the flag is wrong."""
+    if not text:
+        return None
+    try:
+        config = SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    draft = None
+    if config.method == "draft_model":
+        from worker.draft_model import DraftModel
+        draft = DraftModel(config.model, runner.config.vocab_size, runner.backend,
+                           runner.max_model_len, runner.device, runner.dtype)
+    return Speculator(config, draft, runner.prepare_inputs)
+
+
 class Speculator:
-    def __init__(self, config: SpeculativeConfig) -> None:
-        if config.method != "ngram":
-            raise SystemExit(f"--speculative-config.method {config.method!r} is not built yet; "
-                             "use ngram")
+    """Proposes (n-gram lookup, or a draft model: worker/draft_model.py), verifies, settles."""
+
+    def __init__(self, config: SpeculativeConfig, draft=None, prepare=None) -> None:
         self.config = config
+        self.draft = draft          # a DraftModel for method draft_model
+        self.prepare = prepare      # ModelRunner.prepare_inputs, for the draft's forwards
+
+    def draft_bytes_per_block(self, block_size: int) -> int:
+        return self.draft.bytes_per_block(block_size) if self.draft else 0
+
+    def allocate_draft_cache(self, num_blocks: int, block_size: int) -> None:
+        if self.draft:
+            self.draft.allocate_cache(num_blocks, block_size)
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -68,7 +95,6 @@ class Speculator:
         if (spec_k < 1).any() or (spec_k > self.num_speculative_tokens).any():
             raise ValueError(f"a plan proposes outside [1, {self.num_speculative_tokens}] tokens")
         row_of = {int(s): i for i, s in enumerate(slots.tolist())}
-        cfg = self.config
         for slot, k in zip(spec_slots.tolist(), spec_k.tolist()):
             row = row_of.get(slot)
             n = int(batch.num_tokens[slot]) if row is not None else -1
@@ -78,9 +104,10 @@ class Speculator:
                 raise ValueError(f"slot {slot} speculates, but its sampling needs one token a step")
             if n + k > batch.max_model_len:
                 raise ValueError(f"slot {slot}: {k} proposals run past max_model_len")
-            draft = propose(batch.tokens(slot), k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        for slot, draft in zip(spec_slots.tolist(), self._drafts(batch, spec_slots, spec_k)):
             if not len(draft):
                 continue
+            row, n = row_of[slot], int(batch.num_tokens[slot])
             batch.token_ids[slot, n:n + len(draft)] = draft
             batch.num_tokens[slot] = n + len(draft)
             counts[row] += len(draft)
@@ -88,6 +115,13 @@ class Speculator:
             out.drafts.append(draft)
             out.known.append(n)
         return out
+
+    def _drafts(self, batch: InputBatch, slots: np.ndarray, k: np.ndarray) -> list[np.ndarray]:
+        if self.draft is not None:
+            return self.draft.propose(batch, slots.astype(np.int64), k.astype(np.int64), self.prepare)
+        cfg = self.config
+        return [propose(batch.tokens(s), n, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+                for s, n in zip(slots.tolist(), k.tolist())]
 
     @staticmethod
     def draft_logits_indices(spec: Proposals, counts: np.ndarray) -> torch.Tensor:
@@ -154,20 +188,23 @@ class Speculator:
             history[place[int(slots[row])]] = history[place[int(slots[row])]][:n]
         return runs, {place[int(slots[row])] for row in spec.rows}
 
-    @staticmethod
-    def undo(batch: InputBatch, slots: np.ndarray, spec: Proposals) -> None:
-        """A step that failed: the rows know only their own tokens again."""
+    def undo(self, batch: InputBatch, slots: np.ndarray, spec: Proposals) -> None:
+        """A step that failed: the rows know only their own tokens again (and a draft model's
+        cache holds none of the proposals')."""
         for row, n in zip(spec.rows, spec.known):
             batch.num_tokens[slots[row]] = n
+            if self.draft is not None:
+                self.draft.settle(batch, slots[row], n, 0)
 
-    @staticmethod
-    def settle(batch: InputBatch, slots: np.ndarray, spec: Proposals) -> None:
+    def settle(self, batch: InputBatch, slots: np.ndarray, spec: Proposals) -> None:
         """After the batch advanced by the step's counts: keep the accepted proposals as known
         and computed tokens, forget the rest (the target's token is appended next)."""
         for row, draft, n, a in zip(spec.rows, spec.drafts, spec.known, spec.accepted):
             slot = slots[row]
             batch.num_tokens[slot] = n + a
             batch.num_computed[slot] -= len(draft) - a
+            if self.draft is not None:
+                self.draft.settle(batch, slot, n, a)
 
 
 def result_columns(result, sampled_slots: np.ndarray, tokens: np.ndarray, slots: np.ndarray,

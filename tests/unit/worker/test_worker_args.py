@@ -6,7 +6,7 @@ import argparse
 import pytest
 import torch
 
-from worker.platform import resolve_device, resolve_dtype
+from worker.device import resolve_device, resolve_dtype
 from worker.worker_flags import add_worker_args, parse_bytes, worker_args
 
 
@@ -40,6 +40,16 @@ def test_flag_names_are_the_contract():
                      "--scheduler-worker-address", "--worker-id", "--max-message-bytes", "--max-num-seqs",
                      "--log-level", "--tensor-parallel-size", "--busy-poll-us", "--zmq-hwm",
                      "--zmq-keys-dir", "--insecure", "--speculative-config"}
+
+
+def test_quantization_formats(capsys):
+    assert worker_args().quantization is None
+    for kind in ("int8", "q8_0", "q4_1"):
+        assert worker_args(["--quantization", kind]).quantization == kind
+    with pytest.raises(SystemExit):
+        worker_args(["--quantization", "q4_0"])
+    err = capsys.readouterr().err  # how argparse quotes the choices varies by Python version
+    assert "invalid choice: 'q4_0'" in err and all(kind in err for kind in ("int8", "q8_0", "q4_1"))
 
 
 def test_auto_device_and_dtype():

@@ -39,7 +39,7 @@ def test_proposals_follow_the_known_tokens_and_settle_to_the_accepted_ones():
     assert batch.tokens(0).tolist() == QUOTED + [8, 9, 10, 11]
     batch.advance(slots, counts)  # the forward computed all five positions
     spec.accepted = [2]
-    Speculator.settle(batch, slots, spec)
+    speculator().settle(batch, slots, spec)
     assert batch.num_tokens[0] == n + 2 and batch.num_computed[0] == n + 2
     assert batch.tokens(0).tolist() == QUOTED + [8, 9]  # the target's token is appended next
 
@@ -48,7 +48,7 @@ def test_a_failed_step_leaves_the_rows_as_they_were():
     batch = batch_with((QUOTED, pb.SamplingConfig()))
     slots, counts = np.array([0]), np.array([1])
     spec = speculator().propose(batch, pack([0]), pack([3]), slots, counts)
-    Speculator.undo(batch, slots, spec)
+    speculator().undo(batch, slots, spec)
     assert batch.tokens(0).tolist() == QUOTED and batch.num_computed[0] == len(QUOTED) - 1
 
 

@@ -1,0 +1,130 @@
+"""Speculative decoding with a draft model (--speculative-config method draft_model) over the real
+stack: SmolLM2 as its own draft proposes transformers' greedy tokens, so every proposal is
+accepted; a draft with perturbed weights proposes wrong tokens too, and the answers are still
+transformers' tokens, preempted in a crowded pool; a seeded
+sampled request gives the same tokens every time. The prompts' greedy paths keep a margin
+between their top two logits (asserted), so that a 1-row and a 5-row forward cannot disagree."""
+from __future__ import annotations
+
+import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from proto import pagoda_pb2 as pb, pagoda_pb2_grpc
+from tests.cluster import Cluster
+from tests.integration.test_integration_api import IM_END, chat_ids, hf_tokenizer  # noqa: F401
+from tests.integration.test_integration_speculation import MIN_MARGIN, PROMPTS, _streamed, greedy, loads
+
+pytestmark = pytest.mark.integration
+
+K = 4
+MAX_TOKENS = 40
+NAMES = ("rewrite", "rename", "count", "json")
+NOISE = 0.3      # times each weight matrix's standard deviation
+
+
+def draft_spec(model: str) -> str:
+    return json.dumps({"method": "draft_model", "model": model, "num_speculative_tokens": K})
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_hf, hf_tokenizer):  # noqa: F811
+    """Each prompt's ids and transformers' greedy path of MAX_TOKENS, past the end of the answer
+    too (as with ignore_eos), with the margin asserted all along."""
+    out = {}
+    with torch.inference_mode():
+        for name in NAMES:
+            ids = chat_ids(hf_tokenizer, PROMPTS[name])
+            step = smollm2_hf(torch.tensor([ids]), use_cache=True)
+            path = []
+            for _ in range(MAX_TOKENS):
+                logits = step.logits[0, -1]
+                top2 = logits.topk(2).values
+                assert float(top2[0] - top2[1]) > MIN_MARGIN, (name, len(path))
+                path.append(int(logits.argmax()))
+                step = smollm2_hf(torch.tensor([[path[-1]]]), past_key_values=step.past_key_values,
+                                  use_cache=True)
+            out[name] = (ids, path)
+    return out
+
+
+def answer(path: list[int]) -> list[int]:
+    """The greedy answer: the path up to its end of turn, if it has one."""
+    return path[:path.index(IM_END) + 1] if IM_END in path else path
+
+
+@pytest.fixture(scope="module")
+def perturbed_draft(tmp_path_factory):
+    """SmolLM2's weights with Gaussian noise on every matrix, as a HF folder."""
+    from modelfiles.resolve import cache_dir, resolve_model
+    from worker.loader import CACHE_FILE, CACHE_NAME, load_weights
+    load_weights(resolve_model(""))  # converts the GGUF once, if no test did yet
+    source = cache_dir(resolve_model(""), CACHE_NAME)
+    out = tmp_path_factory.mktemp("perturbed-draft")
+    shutil.copy(source / "config.json", out / "config.json")
+    g = torch.Generator().manual_seed(0)
+    weights = {name: w + NOISE * w.std() * torch.randn(w.shape, generator=g, dtype=w.dtype)
+               if w.dim() == 2 else w for name, w in load_file(str(source / CACHE_FILE)).items()}
+    save_file(weights, str(out / CACHE_FILE))
+    return str(out)
+
+
+def _cluster(tmp_path_factory, draft: str, *flags: str) -> Cluster:
+    log = tmp_path_factory.mktemp("draft-model") / "cluster.log"
+    return Cluster("--dtype", "float32", "--speculative-config", draft_spec(draft), "--max-model-len",
+                   "512", *flags, log_path=log).start()
+
+
+def _run(c: Cluster, requests: list[pb.GenerateRequest],
+         streamed: tuple[pb.GenerateRequest, ...] = ()) -> tuple[list, pb.WorkerLoad]:
+    """Every request at once: the answers of `requests` (Generate), then the tokens by index of
+    `streamed` (GenerateStream), and the worker's load after."""
+    with grpc.insecure_channel(c.target) as ch:
+        stub = pagoda_pb2_grpc.GenerationStub(ch)
+        calls = [lambda r=r: stub.Generate(r, timeout=600) for r in requests]
+        calls += [lambda r=r: _streamed(stub, r) for r in streamed]
+        with ThreadPoolExecutor(len(calls)) as pool:
+            got = list(pool.map(lambda call: call(), calls))
+        return got, loads(stub)
+
+
+def test_the_target_as_its_own_draft_has_every_proposal_accepted(tmp_path_factory, reference):
+    # ignore_eos: the answers run the whole path, so every proposal falls where the margin holds.
+    c = _cluster(tmp_path_factory, "smollm2")
+    requests = [greedy(reference[n][0], MAX_TOKENS, ignore_eos=True) for n in NAMES]
+    try:
+        got, load = _run(c, requests)
+    finally:
+        assert c.stop() == 0, c.log_tail()
+    for name, response in zip(NAMES, got):
+        assert list(response.token_ids) == reference[name][1], name
+    assert load.spec_num_draft_tokens > MAX_TOKENS  # rows speculated, several steps each
+    assert load.spec_num_accepted_tokens == load.spec_num_draft_tokens, load
+
+
+def test_a_perturbed_draft_is_rejected_at_times_and_the_answers_stay_the_targets(
+        tmp_path_factory, reference, perturbed_draft):
+    # 20 blocks of 16: the crowd outgrows the pool and is preempted.
+    c = _cluster(tmp_path_factory, perturbed_draft, "--num-gpu-blocks-override", "20",
+                 "--max-num-seqs", "8")
+    sampled = pb.GenerateRequest(prompt_token_ids=reference["count"][0],
+                                 sampling=pb.SamplingParams(temperature=0.8, top_p=0.95, seed=5, n=2),
+                                 stopping=pb.StoppingCriteria(max_tokens=MAX_TOKENS, ignore_eos=True))
+    crowd_names = [n for n in NAMES for _ in range(2)]
+    try:
+        crowd, load = _run(c, [greedy(reference[n][0], MAX_TOKENS) for n in crowd_names],
+                           streamed=(sampled, sampled))
+        preemptions = c.metric("pagoda_num_preemptions_total")
+    finally:
+        assert c.stop() == 0, c.log_tail()
+    for name, response in zip(crowd_names, crowd):
+        assert list(response.token_ids) == answer(reference[name][1]), name
+    assert preemptions > 0
+    first, again = crowd[-2:]  # a seeded n = 2 request, twice in the same crowd
+    assert first == again and len(first[0]) == MAX_TOKENS and first[0] != first[1]
+    assert 0 < load.spec_num_accepted_tokens < load.spec_num_draft_tokens, load
