@@ -15,7 +15,11 @@ Configurations alternate (off, on, off, on, ...) and the table gives each one's 
 --repeats runs, with the acceptance counters the scheduler reports (GetLoads).
 
     .venv/bin/python bench/speculative.py [--dtype float32] [--repeats 3] [--max-tokens 128]
-        [--spec '{"method": "ngram", "num_speculative_tokens": 4}'] [--json out.json]
+        [--spec '{"method": "ngram", "num_speculative_tokens": 4}' [--spec ...]]
+        [--only repetitive/1,non-repetitive/16] [--json out.json]
+
+Each --spec is a configuration of its own, alternating with the others and with no speculation;
+a table per --spec compares it with no speculation. --only measures those workload/streams.
 """
 from __future__ import annotations
 
@@ -105,7 +109,7 @@ def measure(stub, prompts: list[str], streams: int, max_tokens: int) -> tuple[fl
     return tokens / wall, sum(n for n, _ in done) / sum(t for _, t in done), tokens
 
 
-def run(dtype: str, spec: str | None, max_tokens: int, single: int) -> dict:
+def run(dtype: str, spec: str | None, max_tokens: int, single: int, only: set[str]) -> dict:
     flags = ["--dtype", dtype, "--max-num-seqs", "16", "--num-gpu-blocks-override", "1024"]
     if spec:
         flags += ["--speculative-config", spec]
@@ -117,6 +121,8 @@ def run(dtype: str, spec: str | None, max_tokens: int, single: int) -> dict:
             stub.Generate(request("Hello", 8), timeout=600)  # warm-up
             for name, prompts in workloads().items():
                 for streams, subset in ((1, prompts[:single]), (16, prompts)):
+                    if only and f"{name}/{streams}" not in only:
+                        continue
                     before = stub.GetLoads(pb.GetLoadsRequest(), timeout=10).workers[0]
                     rate, decode, tokens = measure(stub, subset, streams, max_tokens)
                     after = stub.GetLoads(pb.GetLoadsRequest(), timeout=10).workers[0]
@@ -138,33 +144,43 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--single", type=int, default=4, help="requests of each single-stream run")
-    ap.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 4}')
+    ap.add_argument("--spec", action="append",
+                    help='default: {"method": "ngram", "num_speculative_tokens": 4}')
+    ap.add_argument("--only", default="", help="workload/streams keys, comma-separated")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    runs: dict[str, list[dict]] = {"off": [], "on": []}
+    specs = args.spec or ['{"method": "ngram", "num_speculative_tokens": 4}']
+    only = {k for k in args.only.split(",") if k}
+    configs = [("off", None)] + [(f"on{i}" if len(specs) > 1 else "on", s) for i, s in enumerate(specs)]
+    runs: dict[str, list[dict]] = {c: [] for c, _ in configs}
     for _ in range(args.repeats):
-        for config, spec in (("off", None), ("on", args.spec)):
-            runs[config].append(run(args.dtype, spec, args.max_tokens, args.single))
+        for config, spec in configs:
+            runs[config].append(run(args.dtype, spec, args.max_tokens, args.single, only))
             print(config, json.dumps(runs[config][-1]), file=sys.stderr, flush=True)
+    for (config, spec) in configs[1:]:
+        table(runs, config, spec, args)
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "runs": runs}, indent=1))
+
+
+def table(runs: dict[str, list[dict]], config: str, spec: str, args) -> None:
     print(f"machine: {platform.processor() or platform.machine()}, dtype {args.dtype}, "
-          f"spec {args.spec}, {args.repeats} alternating runs, median")
+          f"spec {spec}, {args.repeats} alternating runs, median")
     print("| workload | streams | off tok/s | on tok/s | speed-up | off decode tok/s | on decode "
           "tok/s | decode speed-up | acceptance | mean accepted length |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for key in runs["off"][0]:
         med = {c: {f: statistics.median(r[key][f] for r in runs[c]) for f in runs[c][0][key]}
-               for c in runs}
-        off, on = med["off"], med["on"]
+               for c in ("off", config)}
+        off, on = med["off"], med[config]
         name, streams = key.split("/")
         print(f"| {name} | {streams} | {off['tok_s']:.1f} | {on['tok_s']:.1f} | "
               f"{on['tok_s'] / off['tok_s']:.2f}x | {off['decode_tok_s']:.1f} | {on['decode_tok_s']:.1f} | "
               f"{on['decode_tok_s'] / off['decode_tok_s']:.2f}x | {on['acceptance']:.0%} | "
               f"{on['mean_len']:.2f} |")
-        tokens = {r[key]["tokens"] for r in runs["off"] + runs["on"]}
+        tokens = {r[key]["tokens"] for r in runs["off"] + runs[config]}
         if len(tokens) != 1:
             print(f"  ! {key}: token counts differ between runs: {sorted(tokens)}")
-    if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,9 @@ import time
 
 from launch.children import (Child, kill_if_stopped_too_long, module_command, reap, start,
                              stop_in_order)
+from launch import lifetime
 from launch.flag_routing import process_parsers, route_flags, with_keys
+from launch.lifetime import PARENT_ENV
 from launch.restarts import RestartPolicy
 
 
@@ -79,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     stopping = []
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    # Started by a supervisor that named itself (a test's or a benchmark's Cluster): stop in
+    # order when it dies, however it dies, rather than serve on with nobody to stop us.
+    supervisor = env.pop(PARENT_ENV, "")
+    if supervisor.isdigit():
+        lifetime.die_with_parent(signal.SIGTERM)
     for child in children:
         start(child, env)
     code = 0
@@ -96,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                 start(child, env)
             elif child.proc is not None and opts.stopped_timeout:
                 kill_if_stopped_too_long(child, now, opts.stopped_timeout)
+        if supervisor.isdigit() and os.getppid() != int(supervisor):
+            stopping.append(True)  # it died before prctl took hold
         time.sleep(0.1)
     print("pagoda: stopping: gateway, then scheduler, then workers", flush=True)
     stop_in_order(children, gateway_grace)

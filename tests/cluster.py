@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from launch.lifetime import PARENT_ENV
 from proto.auth import create_keys
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,7 +120,8 @@ class Cluster(LoopbackStack):
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen([sys.executable, "-m", "launch", *self.flags], cwd=ROOT,
                                      stdout=log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1",
+                                              **{PARENT_ENV: str(os.getpid())}),
                                      start_new_session=True)
         try:
             self.wait_serving(timeout)

@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import pagoda_pb2_grpc
+from launch.lifetime import PARENT_ENV
 from proto.auth import create_keys
 from tests.cluster import FAST_RECONNECT, ROOT, LoopbackStack, free_port, sum_metric, wait_for
 
@@ -51,7 +52,8 @@ class FakeCluster(LoopbackStack):
                address_space: int | None = None) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")
         proc = subprocess.Popen([sys.executable, "-m", module, *flags], cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1",
+                                                                   **{PARENT_ENV: str(os.getpid())}))
         if address_space:
             # Set from outside, not in a preexec_fn: that makes subprocess fork this process,
             # whose gRPC threads' fork handlers can then hang the child before it execs.

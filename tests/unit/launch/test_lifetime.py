@@ -257,3 +257,30 @@ def test_a_stopped_worker_is_killed_and_restarted(tmp_path):
         assert proc.wait(15) == 0
     finally:
         proc.kill()
+
+
+@pytest.mark.integration
+def test_a_launcher_whose_supervisor_dies_stops_its_children(tmp_path):
+    """A test's or a benchmark's Cluster names itself to the launcher (PARENT_ENV): when it is
+    killed before it can stop the stack, the launcher stops everything in order by itself."""
+    launch = [sys.executable, "-m", "launch", "--insecure", "--scheduler-module",
+              "tests.stand_in_serving", "--gateway-module", "tests.stand_in_serving",
+              "--worker-module", "tests.stand_in_serving"]
+    script = ("import os, subprocess, sys, time; "
+              f"p = subprocess.Popen({launch!r}, env=dict(os.environ, {lifetime.PARENT_ENV}=str(os.getpid()))); "
+              "print(p.pid, flush=True); time.sleep(600)")
+    supervisor = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
+                                  env=dict(ENV, PAGODA_STAND_IN_LOG=str(tmp_path / "stand-ins.log")))
+    launcher_pid = int(supervisor.stdout.readline())
+    try:
+        wait_for(lambda: len(notes(tmp_path, "serving")) == 3, 20)
+        supervisor.kill()
+        wait_for(lambda: len(notes(tmp_path, "stopped")) == 3, 15)
+    finally:
+        supervisor.kill()
+        for pid in [launcher_pid] + [p for p, _ in notes(tmp_path, "serving")]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert sorted(p for p, _ in notes(tmp_path, "stopped")) == sorted(p for p, _ in notes(tmp_path, "serving"))
