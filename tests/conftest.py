@@ -2,14 +2,24 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import grpc
-import pytest
-import uvloop
+import torch
 
-from proto import pagoda_pb2_grpc
-from tests.cluster import Cluster
+# Triton takes TRITON_INTERPRET when it is first imported: its language's own @jit helpers are
+# made then, and a kernel interpreted later cannot call them. Without CUDA the kernel tests run
+# under the interpreter, so it is set before any test module (or a library) imports Triton;
+# which module did first used to depend on the test order (pytest-randomly).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import grpc  # noqa: E402
+import pytest  # noqa: E402
+import uvloop  # noqa: E402
+
+from proto import pagoda_pb2_grpc  # noqa: E402
+from tests.cluster import Cluster  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -32,14 +32,17 @@ def add_worker_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto = bf16 on CUDA, bf16 on a CPU with AMX, else fp32")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--quantization", default=None, choices=["int8"],
-                   help="int8: weight-only, per output channel, with fp32 activations "
-                        "(kernels/cpu_gemm_int8.c; CPU, --dtype float32, one rank)")
+    g.add_argument("--quantization", default=None, choices=["int8", "q8_0", "q4_1"],
+                   help="weight-only, with fp32 activations (CPU, --dtype float32, one rank): "
+                        "int8 per output channel (kernels/cpu_gemm_int8.c); q8_0, q4_1: GGUF's "
+                        "blocks of 32, a GGUF's own where it stores that format, else made with "
+                        "the gguf package (kernels/cpu_gemm_gguf.c)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s fields: {"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5, '
-                        '"disable_by_batch_size": 8} (default: off; disable_by_batch_size 0: never '
-                        "off by batch size; docs/design.md)")
+                        '"disable_by_batch_size": 8}, or {"method": "draft_model", "model": PATH, '
+                        '"num_speculative_tokens": 4} (a draft of the same vocabulary) (default: off; '
+                        "disable_by_batch_size 0: never off by batch size; docs/design.md)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="default: the model's max_position_embeddings, at most 8192")
