@@ -1,14 +1,18 @@
-"""--quantization int8 on the real model, against transformers in float64 with the same dequantized
-weights (the tied vocabulary projection quantized apart from the embedding): greedy tokens equal
-over 8 prompts of up to 64 tokens (the issue's bar: at least 7 of 8), the largest logit error,
-and a single stream's decode step, fp32 weights vs int8, in the same run.
+"""--quantization int8, q8_0 and q4_1 on the real model, each against transformers in float64 with
+the same dequantized weights (the tied vocabulary projection quantized apart from the embedding;
+for q4_1 the GGUF's own Q4_1 blocks where it stores them): greedy tokens equal over 8 prompts of
+up to 64 tokens (the issue's bar: at least 7 of 8), the largest logit error; then a single
+stream's decode step, fp32 weights and each format, alternating in the same run, and the median
+over the rounds of each one's speed-up on fp32 in the same round.
 
-    .venv/bin/python bench/quantized_accuracy.py [--threads 2] [--tokens 64]
+    .venv/bin/python bench/quantized_accuracy.py [--threads 2] [--tokens 64] [--formats int8,q8_0,q4_1] [--rounds 2]
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,13 +20,37 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kernels import cpu_gemm_gguf, cpu_gemm_int8  # noqa: E402
+from modelfiles.resolve import resolve_model  # noqa: E402
 from tests.conftest import _load_smollm2_hf  # noqa: E402
 from tests.plan_driver import PlanDriver  # noqa: E402
-from tests.unit.worker.test_worker_int8 import dequantized_float64  # noqa: E402
+from tests.unit.worker.test_worker_gguf_quant import dequantized_float64 as dequantized_gguf  # noqa: E402
+from tests.unit.worker.test_worker_int8 import dequantized_float64 as dequantized_int8  # noqa: E402
 from tests.worker_tiny_models import runner_args  # noqa: E402
+from worker.layers import Linear  # noqa: E402
+from worker.loader import gguf_blocks  # noqa: E402
 from worker.runner import ModelRunner  # noqa: E402
 
 PROMPTS = [[504, 3575, 282, 4649, 314, 47, 33, 1000 + i * 37, 260, 3000 + i] for i in range(8)]
+
+
+def machine() -> str:
+    """lscpu's model name and the instruction sets the kernels choose between."""
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    flags = set(info.get("Flags", "").split())
+    have = [f for f in ("avx512f", "avx2", "fma", "f16c", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags]
+    return (f"{info.get('Model name', '?').strip()}, {torch.get_num_threads()} threads; flags: "
+            f"{' '.join(have)}; int8 kernel {cpu_gemm_int8.isa()}, q8_0/q4_1 kernel {cpu_gemm_gguf.isa()}")
+
+
+def weight_mb(model) -> float:
+    tensors = list(model.state_dict().values())
+    for m in model.modules():
+        if isinstance(m, Linear):
+            tensors += [t for t in (m.w8, m.scale, m.blocks) if t is not None]
+    tensors += [t for t in (model.lm_head_int8 or ()) + (model.lm_head_gguf or ())[:1]]
+    return sum(t.numel() * t.element_size() for t in tensors) / 1e6
 
 
 def decode_step_ms(runner, steps: int = 20) -> float:
@@ -44,29 +72,51 @@ def decode_step_ms(runner, steps: int = 20) -> float:
     return statistics.median(times) * 1e3
 
 
+def accuracy(runner, ref, tokens: int) -> tuple[int, float]:
+    """(prompts whose greedy tokens equal the reference's, the largest logit error)."""
+    equal, worst = 0, 0.0
+    for prompt, seq in zip(PROMPTS, PlanDriver(runner).generate(PROMPTS, tokens)):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([prompt]), max_new_tokens=tokens,
+                                do_sample=False)[0, len(prompt):].tolist()
+            logits = ref(torch.tensor([prompt + want])).logits[0, len(prompt) - 1:-1]
+        equal += seq.output[:len(want)] == want
+        n = min(len(want), len(seq.logits))
+        worst = max(worst, (torch.stack(seq.logits[:n]).double() - logits[:n]).abs().max().item())
+    return equal, worst
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--formats", default="int8,q8_0,q4_1")
+    ap.add_argument("--rounds", type=int, default=2, help="decode-step timings of each, alternating")
     opts = ap.parse_args()
     torch.set_num_threads(opts.threads)
-    ref = dequantized_float64(_load_smollm2_hf())
-    runner = ModelRunner(runner_args("", "--quantization", "int8", num_blocks=256))
-    got = PlanDriver(runner).generate(PROMPTS, opts.tokens)
-    equal, worst = 0, 0.0
-    for prompt, seq in zip(PROMPTS, got):
-        want = ref.generate(torch.tensor([prompt]), max_new_tokens=opts.tokens,
-                            do_sample=False)[0, len(prompt):].tolist()
-        equal += seq.output[:len(want)] == want
-        with torch.no_grad():
-            logits = ref(torch.tensor([prompt + want])).logits[0, len(prompt) - 1:-1]
-        n = min(len(want), len(seq.logits))
-        worst = max(worst, (torch.stack(seq.logits[:n]).double() - logits[:n]).abs().max().item())
-    print(f"int8: greedy equal to float64 on the dequantized weights for {equal} of {len(PROMPTS)} "
-          f"prompts over up to {opts.tokens} tokens; largest logit error {worst:.2e}")
-    fp32 = ModelRunner(runner_args("", num_blocks=256))
-    for name, r in (("fp32", fp32), ("int8", runner), ("fp32", fp32), ("int8", runner)):
-        print(f"{name} one-sequence decode step (300-token context): {decode_step_ms(r):.1f} ms")
+    print(machine())
+    hf = _load_smollm2_hf()
+    runners = {"fp32": ModelRunner(runner_args("", num_blocks=256))}
+    for kind in opts.formats.split(","):
+        runners[kind] = ModelRunner(runner_args("", "--quantization", kind, num_blocks=256))
+        ref = dequantized_int8(hf) if kind == "int8" else \
+            dequantized_gguf(hf, kind, gguf_blocks(resolve_model(""), kind))
+        equal, worst = accuracy(runners[kind], ref, opts.tokens)
+        del ref
+        gc.collect()
+        print(f"{kind} ({weight_mb(runners[kind].model):.0f} MB of weights): greedy equal to float64 on "
+              f"the dequantized weights for {equal} of {len(PROMPTS)} prompts over up to {opts.tokens} "
+              f"tokens; largest logit error {worst:.2e}", flush=True)
+    ratios = {name: [] for name in runners}
+    for _ in range(opts.rounds):  # alternating, so that a change of the machine's load hits all
+        times = {}
+        for name, r in runners.items():
+            times[name] = decode_step_ms(r)
+            print(f"{name} one-sequence decode step (300-token context): {times[name]:.1f} ms", flush=True)
+        for name, t in times.items():
+            ratios[name].append(times["fp32"] / t)
+    print("median over the rounds of fp32's step / each one's, in the same round: " +
+          ", ".join(f"{name} {statistics.median(r):.2f}x" for name, r in ratios.items() if name != "fp32"))
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ class IsaKernel:
                  argtypes: list, names: dict[int, str], off: str) -> None:
         self.source, self.flags, self.names, self.off = source, flags, names, off
         self.isa_symbol, self.fn_symbol, self.argtypes = isa_symbol, fn_symbol, argtypes
-        self.fn = None
+        self.fn = self.lib = None  # lib: for a library's other entry points
         self.best = 0
         self._tried = False
 
@@ -83,7 +83,7 @@ class IsaKernel:
                 return False
             fn = getattr(lib, self.fn_symbol)
             fn.argtypes, fn.restype = self.argtypes, None
-            self.fn = fn
+            self.fn, self.lib = fn, lib
         return self.fn is not None
 
     def isa(self) -> str | None:

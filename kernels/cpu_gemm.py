@@ -103,6 +103,11 @@ if __name__ == "__main__":
         print(f"kernels/cpu_gemm_int8: {cbuild.build(cpu_gemm_int8.SOURCE, cpu_gemm_int8.FLAGS)}")
     except RuntimeError as e:
         print(f"kernels/cpu_gemm_int8: not built ({e}); --quantization int8 multiplies dequantized weights")
+    from kernels import cpu_gemm_gguf
+    try:
+        print(f"kernels/cpu_gemm_gguf: {cbuild.build(cpu_gemm_gguf.SOURCE, cpu_gemm_gguf.FLAGS)}")
+    except RuntimeError as e:
+        print(f"kernels/cpu_gemm_gguf: not built ({e}); --quantization q8_0 / q4_1 multiply dequantized weights")
     from kernels import grammar_mask  # plain C: any CPU
     try:
         print(f"kernels/grammar_mask: {cbuild.build(grammar_mask.SOURCE, grammar_mask.FLAGS)}")

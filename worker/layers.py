@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_gemm, cpu_gemm_bf16, cpu_gemm_int8
+from kernels import cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8
 
 
 # Rows up to which an fp32 CPU projection runs through kernels/cpu_gemm.c: it beats MKL's sgemm
@@ -87,20 +87,61 @@ def int8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
     return F.linear(x, cpu_gemm_int8.dequantize(w8, scale, x.dtype), bias)
 
 
+# Rows up to which a Q8_0 / Q4_1 projection runs through kernels/cpu_gemm_gguf.c; above, the
+# blocks are dequantized (in C, one pass) for torch's matmul. Where int8's is: SmolLM2's
+# projections in Q4_1, one thread (bench/bench_gemm.py --quantization q4_1), take 97 ms through
+# the kernel against 316 ms dequantized into MKL with 16 rows, 446 against 463 with 64 (Q8_0: 345
+# against 288), 746 against 528 with 128.
+GGUF_KERNEL_MAX_ROWS = 64
+
+
+def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T (+ bias), W as GGUF blocks of kind "q8_0" or "q4_1" (--quantization q8_0 / q4_1)."""
+    if x.dim() == 2 and x.shape[0] <= GGUF_KERNEL_MAX_ROWS and x.dtype == torch.float32 \
+            and cpu_gemm_gguf.available():
+        out = cpu_gemm_gguf.xwt(x, blocks, kind)
+        return out if bias is None else out.add_(bias)
+    return F.linear(x, cpu_gemm_gguf.dequantize(blocks, kind, x.dtype), bias)
+
+
 class Linear(nn.Linear):
-    """nn.Linear through linear() above, or int8_linear() once quantize_int8() ran."""
+    """nn.Linear through linear() above, or int8_linear() once quantize_int8() ran, or
+    gguf_linear() once quantize_gguf() ran."""
 
     w8: torch.Tensor | None = None
     scale: torch.Tensor | None = None
+    blocks: torch.Tensor | None = None  # GGUF blocks of self.kind
+    kind: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w8 is not None:
             return int8_linear(x, self.w8, self.scale, self.bias)
+        if self.blocks is not None:
+            return gguf_linear(x, self.blocks, self.kind, self.bias)
         return linear(x, self.weight, self.bias)
 
     def quantize_int8(self) -> None:
         """Per-output-channel int8 weights in place of the float ones, which are freed."""
         self.w8, self.scale = cpu_gemm_int8.quantize(self.weight)
+        self.weight = None
+
+    def quantize_gguf(self, kind: str, parts: list[tuple[int, torch.Tensor | None]]) -> None:
+        """GGUF blocks of kind in place of the float weights, which are freed. parts: the rows in
+        order (a fused projection's q, k, v or gate, up), each (count, its blocks as the file
+        stores them, in this weight's row order) or (count, None): quantized here from its float
+        rows with gguf's reference quantizer."""
+        rows, start = [], 0
+        for count, stored in parts:
+            if stored is None:
+                stored = cpu_gemm_gguf.quantize(self.weight[start:start + count], kind)
+            elif stored.shape[0] != count or cpu_gemm_gguf.in_features(stored, kind) != self.in_features:
+                raise ValueError(f"{kind} blocks {tuple(stored.shape)} for {count} rows of {self.in_features}")
+            rows.append(stored)
+            start += count
+        if start != self.out_features:
+            raise ValueError(f"{kind} parts of {start} rows for a weight of {self.out_features}")
+        self.blocks, self.kind = torch.cat(rows).contiguous(), kind
         self.weight = None
 
 

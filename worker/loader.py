@@ -2,6 +2,8 @@
 
 A GGUF file is dequantized once and cached as a HF directory (config.json + model.safetensors)
 under modelfiles.resolve.cache_dir(path, "weights"); later starts memory-map that instead.
+gguf_blocks() reads a GGUF's tensors as their quantized blocks instead (--quantization q8_0 /
+q4_1 keeps those stored in its format as they are).
 """
 from __future__ import annotations
 
@@ -112,6 +114,36 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         weights[name] = torch.from_numpy(arr)
     logger.info("dequantized %d tensors from %s in %.2fs", len(weights), path, time.perf_counter() - start)
     return config, weights
+
+
+def gguf_blocks(path: Path, kind: str) -> dict[str, torch.Tensor]:
+    """--quantization q8_0 / q4_1: the tensors a .gguf file stores in that format, as their own
+    blocks (uint8 [rows, bytes a row], kernels/cpu_gemm_gguf.py), HF-named and in HF's row order
+    (q/k rows unpermuted like load_gguf's floats; a block never spans rows, so this moves whole
+    rows of blocks). These are used as they are, not requantized from their dequantized floats,
+    which could round to other blocks. A HF directory stores none: {}."""
+    path = Path(path)
+    if path.is_dir() or path.suffix != ".gguf":
+        return {}
+    import gguf
+    from kernels.cpu_gemm_gguf import ggml_type
+
+    reader = gguf.GGUFReader(str(path))
+    config = ModelConfig.from_gguf(reader)
+    permuted = config.architecture in ("llama", "mistral")
+    blocks: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        if t.tensor_type != ggml_type(kind) or len(t.shape) != 2:
+            continue
+        name = _hf_name(t.name)
+        arr = np.asarray(t.data)  # [rows, bytes a row], memory-mapped
+        if permuted and ".q_proj." in name:
+            arr = _unpermute(arr, config.num_heads)
+        elif permuted and ".k_proj." in name:
+            arr = _unpermute(arr, config.num_kv_heads)
+        blocks[name] = torch.from_numpy(np.ascontiguousarray(arr).copy())
+    logger.info("%d tensors of %s stored as %s", len(blocks), path.name, kind)
+    return blocks
 
 
 def _hf_name(gguf_name: str) -> str:

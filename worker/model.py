@@ -13,9 +13,9 @@ from worker.attention_backends import AttentionBackend
 from worker.attention import PagedAttention
 from worker.attention_metadata import AttentionMetadata
 from worker.config import ModelConfig
-from kernels import cpu_gemm_int8
+from kernels import cpu_gemm_gguf, cpu_gemm_int8
 from worker.layers import (Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary, bf16_kernel_fits,
-                           int8_linear, kernel_fits, linear)
+                           gguf_linear, int8_linear, kernel_fits, linear)
 from worker.parallel import TensorParallel, row_parallel_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -28,6 +28,9 @@ _PACKED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
+# Fused parameter -> its HF shards in order.
+_SHARDS = {fused: [n for n, (f, _) in sorted(_PACKED.items(), key=lambda kv: kv[1][1]) if f == fused]
+           for fused, _ in _PACKED.values()}
 
 
 class LlamaAttention(nn.Module):
@@ -139,6 +142,48 @@ class LlamaForCausalLM(nn.Module):
         return sum(t.numel() * t.element_size() for t in (*self.state_dict().values(), *self.lm_head_int8)) + \
             sum(m.w8.numel() + 4 * m.scale.numel() for m in self.modules() if isinstance(m, Linear))
 
+    lm_head_gguf: tuple[torch.Tensor, str] | None = None  # (blocks, kind): quantize_gguf
+
+    def quantize(self, kind: str, model_path) -> int:
+        """--quantization kind; returns the bytes the weights take now. For q8_0 / q4_1 a GGUF
+        file's tensors already stored in that format are used as they are (the loader reads
+        their blocks), the others are quantized from the float weights."""
+        if kind == "int8":
+            return self.quantize_int8()
+        from worker.loader import gguf_blocks
+        return self.quantize_gguf(kind, gguf_blocks(model_path, kind))
+
+    def quantize_gguf(self, kind: str, stored: dict[str, torch.Tensor]) -> int:
+        """Every projection's weights, and the vocabulary projection's (a copy when tied: the
+        embedding lookup keeps its float rows), as GGUF blocks of kind ("q8_0", "q4_1"). stored:
+        HF tensor name -> its blocks in that format (worker/loader.py gguf_blocks), taken as they
+        are; every other weight is quantized with gguf's reference quantizer."""
+        for name, module in self.named_modules():
+            if not isinstance(module, Linear):
+                continue
+            owner, _, leaf = name.rpartition(".")
+            if leaf not in _SHARDS:
+                module.quantize_gguf(kind, [(module.out_features, stored.get(f"{name}.weight"))])
+                continue
+            parts = []
+            for i, (shard, rows) in enumerate(zip(_SHARDS[leaf], self.get_submodule(owner).shard_sizes)):
+                blocks = stored.get(f"{owner}.{shard}.weight")
+                if blocks is not None and leaf == "qkv_proj" and i < 2:  # load_weights' row order
+                    blocks = blocks[_pair_rotary_halves(torch.arange(rows), self.config.head_dim)]
+                parts.append((rows, blocks))
+            module.quantize_gguf(kind, parts)
+        tied = self.config.tie_word_embeddings
+        name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        blocks = stored.get(name)
+        if blocks is None:
+            head = self.model.embed_tokens.weight if tied else self.lm_head.weight
+            blocks = cpu_gemm_gguf.quantize(head, kind)
+        self.lm_head_gguf = (blocks.contiguous(), kind)
+        if not tied:
+            del self.lm_head
+        return sum(t.numel() * t.element_size() for t in self.state_dict().values()) + blocks.numel() + \
+            sum(m.blocks.numel() for m in self.modules() if isinstance(m, Linear))
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden_size]."""
@@ -148,6 +193,8 @@ class LlamaForCausalLM(nn.Module):
         """Only for the rows that sample: the vocab projection is the largest matmul per token."""
         if self.lm_head_int8 is not None:
             return int8_linear(hidden, *self.lm_head_int8).float()
+        if self.lm_head_gguf is not None:
+            return gguf_linear(hidden, *self.lm_head_gguf).float()
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         if hidden.device.type != "cpu" or kernel_fits(hidden, weight) or bf16_kernel_fits(hidden, weight):
             return linear(hidden, weight).float()

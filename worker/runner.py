@@ -77,10 +77,12 @@ class ModelRunner:
         self.model = build_model(shard, weights, self.backend, self.max_model_len, self.device,
                                  self.dtype, self.tp)
         del weights
-        if args.quantization == "int8":
+        if args.quantization:
             if self.device.type != "cpu" or self.dtype != torch.float32 or self.tp.size != 1:
-                raise SystemExit("--quantization int8 runs on the CPU, with --dtype float32, on one rank")
-            logger.info("int8 weights: %.0f MB", self.model.quantize_int8() / 1e6)
+                raise SystemExit(f"--quantization {args.quantization} runs on the CPU, with --dtype "
+                                 "float32, on one rank")
+            logger.info("%s weights: %.0f MB", args.quantization,
+                        self.model.quantize(args.quantization, self.model_path) / 1e6)
         progress.update()
         self.load_seconds = time.perf_counter() - start
         self.eos_token_ids = eos_token_ids(self.model_path, self.config.eos_token_ids)

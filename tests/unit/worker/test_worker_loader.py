@@ -35,9 +35,11 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{GGUF_NAMES[module]}.{kind}"
 
 
-def write_gguf(model, path):
+def write_gguf(model, path, qtypes=None):
+    """qtypes: the format of the 2-D tensors whose HF name holds a key (default: the MLP's Q8_0)."""
     import gguf
 
+    qtypes = qtypes or {".mlp.": gguf.GGMLQuantizationType.Q8_0}
     c = model.config
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny llama")
@@ -60,9 +62,9 @@ def write_gguf(model, path):
             arr = llama_cpp_permute(arr, c.num_attention_heads)
         elif ".k_proj." in name:
             arr = llama_cpp_permute(arr, c.num_key_value_heads)
-        if arr.ndim == 2 and ".mlp." in name:  # exercise dequantization on part of the model
-            q = gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(gguf_name(name), q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        qtype = next((t for key, t in qtypes.items() if key in name), None) if arr.ndim == 2 else None
+        if qtype is not None:  # exercise dequantization on part of the model
+            w.add_tensor(gguf_name(name), gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name(name), arr)
     w.write_header_to_file()

@@ -1,0 +1,115 @@
+"""GGUF's block formats on the CPU (kernels/csrc/cpu_gemm_gguf.c): x (fp32) @ W^T with W stored as
+Q8_0 or Q4_1 blocks of 32 weights along each row, byte for byte as in a .gguf file
+(--quantization q8_0 / q4_1). For decode steps, which read every weight once per step: 1.06 and
+0.63 bytes a weight against fp32's 4.
+
+A weight is a uint8 tensor [N, K / 32 * block bytes], each row its blocks in order (gguf's own
+"byte shape"). quantize() is gguf's reference quantizer (gguf.quants.quantize, bit-exact with
+ggml-quants.c), so a tensor quantized here equals one llama.cpp would write; dequantize() is the
+format (Q8_0: d * q, Q4_1: d * q + m, fp16 d and m). reference() is the product in float64 on
+the dequantized weights, which the kernel is held to. The instruction set is chosen at run time:
+AVX-512F, else AVX2 + FMA (both with F16C), else none (available() is False and the caller
+multiplies the dequantized weights with torch).
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kernels import cbuild
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_gemm_gguf.c"
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+ISA_NAMES = {2: "AVX-512F", 1: "AVX2+FMA"}
+BLOCK = 32
+# --quantization name -> (ggml type number, bytes a block): gguf.GGMLQuantizationType's values.
+FORMATS = {"q8_0": (8, 34), "q4_1": (3, 20)}
+
+_kernel = cbuild.IsaKernel(
+    SOURCE, FLAGS, "pagoda_gguf_isa", "pagoda_gguf_xwt",
+    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+     ctypes.c_int],
+    ISA_NAMES, "multiplying dequantized weights")
+available, isa, supported_isas = _kernel.available, _kernel.isa, _kernel.supported_isas
+
+
+def ggml_type(kind: str):
+    import gguf
+    return gguf.GGMLQuantizationType(FORMATS[kind][0])
+
+
+def quantize(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """The blocks (uint8 [N, K / 32 * bytes]) of a float weight [N, K], K a multiple of 32."""
+    from gguf.quants import quantize as gguf_quantize
+    if w.shape[-1] % BLOCK:
+        raise ValueError(f"{kind}: rows of {w.shape[-1]} weights are not whole blocks of {BLOCK}")
+    arr = w.detach().to(torch.float32).cpu().numpy()
+    return torch.from_numpy(np.ascontiguousarray(gguf_quantize(arr, ggml_type(kind))))
+
+
+def in_features(blocks: torch.Tensor, kind: str) -> int:
+    return blocks.shape[-1] // FORMATS[kind][1] * BLOCK
+
+
+def dequantize(blocks: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[N, K] weights of their blocks: through the C library where it runs (one pass), else torch.
+    In float64 it is exact, which is what the float64 references use."""
+    if dtype == torch.float64 or not available():
+        return dequantize_torch(blocks, kind, dtype)
+    blocks = blocks.contiguous()
+    out = torch.empty(blocks.shape[0], in_features(blocks, kind), dtype=torch.float32)
+    if out.numel():
+        _dequantize_fn()(blocks.data_ptr(), blocks.stride(0), FORMATS[kind][0], out.data_ptr(),
+                         out.shape[0], out.shape[1], torch.get_num_threads())
+    return out.to(dtype)
+
+
+def dequantize_torch(blocks: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    nbytes = FORMATS[kind][1]
+    b = blocks.reshape(blocks.shape[0], -1, nbytes)  # [N, blocks, bytes]
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    d = b[..., 0:2].contiguous().view(torch.float16).to(work)  # [N, blocks, 1]
+    if kind == "q8_0":
+        w = b[..., 2:].view(torch.int8).to(work) * d
+    else:
+        m = b[..., 2:4].contiguous().view(torch.float16).to(work)
+        qs = b[..., 4:]
+        q = torch.cat([qs & 15, qs >> 4], dim=-1).to(work)  # low nibbles first: weights 0-15, then 16-31
+        w = torch.addcmul(m, q, d)
+    return w.reshape(blocks.shape[0], -1).to(dtype)
+
+
+_dequantize = None
+
+
+def _dequantize_fn():
+    global _dequantize
+    if _dequantize is None:
+        fn = _kernel.lib.pagoda_gguf_dequantize
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
+                       ctypes.c_int64, ctypes.c_int]
+        fn.restype = None
+        _dequantize = fn
+    return _dequantize
+
+
+def xwt(x: torch.Tensor, blocks: torch.Tensor, kind: str, isa: int | None = None) -> torch.Tensor:
+    """x [M, K] fp32 @ W^T, W [N, K] as blocks -> [M, N] fp32. Call only after available()."""
+    M, K = x.shape
+    N = blocks.shape[0]
+    if K != in_features(blocks, kind):
+        raise ValueError(f"x has {K} columns, the {kind} weights {in_features(blocks, kind)}")
+    x, blocks = cbuild.row_major(x, blocks)
+    out = torch.empty(M, N, dtype=torch.float32)
+    if M and N:
+        _kernel.fn(x.data_ptr(), x.stride(0), blocks.data_ptr(), blocks.stride(0), FORMATS[kind][0],
+                   out.data_ptr(), N, M, N, K, torch.get_num_threads(), isa or _kernel.best)
+    return out
+
+
+def reference(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    return x.double() @ dequantize(blocks, kind, torch.float64).t()

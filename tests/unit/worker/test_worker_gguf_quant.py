@@ -1,0 +1,100 @@
+"""--quantization q8_0 / q4_1: GGUF's blocks of 32 weights. The reference is transformers' model in
+float64 with the same dequantized weights (the file's own blocks where it stores that format,
+else gguf's reference quantizer on the float weights; a tied vocabulary projection quantized
+apart from the embedding, whose lookup keeps its float rows): greedy output equal to it and
+logits within a bound, on tiny checkpoints (bench/quantized_accuracy.py runs the real model)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from kernels import cpu_gemm_gguf
+from tests.plan_driver import PlanDriver
+from tests.unit.worker.test_worker_loader import write_gguf
+from tests.worker_tiny_models import make_hf_model, runner_args, save_model
+from worker.loader import gguf_blocks
+from worker.runner import ModelRunner
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [200, 3, 17]]
+NEW_TOKENS = 16
+
+
+def dequantized_float64(hf, kind: str, stored: dict[str, torch.Tensor] | None = None):
+    """hf with every projection's weights replaced by their kind blocks dequantized in float64:
+    stored[HF name] (worker/loader.py gguf_blocks) where given, else quantized here."""
+    stored = stored or {}
+    ref = copy.deepcopy(hf).double()
+    with torch.no_grad():
+        for name, module in ref.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                tied = name == "lm_head" and ref.config.tie_word_embeddings
+                key = "model.embed_tokens.weight" if tied else f"{name}.weight"
+                blocks = stored.get(key)
+                if blocks is None:
+                    source = ref.model.embed_tokens.weight if tied else module.weight
+                    blocks = cpu_gemm_gguf.quantize(source.float(), kind)
+                w = cpu_gemm_gguf.dequantize(blocks, kind, torch.float64)
+                module.weight = torch.nn.Parameter(w)  # the head untied: the embedding stays float
+    return ref
+
+
+def assert_equals_reference(runner, ref, prompts=PROMPTS):
+    for prompt, seq in zip(prompts, PlanDriver(runner).generate(prompts, NEW_TOKENS)):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                min_new_tokens=NEW_TOKENS)[0, len(prompt):].tolist()
+            logits = ref(torch.tensor([prompt + want])).logits[0, len(prompt) - 1:-1]
+        assert seq.output == want
+        err = (torch.stack(seq.logits).double() - logits).abs().max().item()
+        assert err < 1e-4, err
+
+
+# Each kind once (the tied head with biases for one), within the time a unit test may take; the
+# GGUF test below runs q4_1 on a llama too, and test_worker_int8.py every variant.
+@pytest.mark.parametrize("variant,kind", [("llama", "q8_0"), ("llama3-tied-bias", "q4_1")])
+def test_greedy_and_logits_equal_float64_on_the_dequantized_weights(variant, kind, tmp_path):
+    hf = make_hf_model(variant)
+    runner = ModelRunner(runner_args(save_model(hf, tmp_path / variant), "--quantization", kind))
+    linears = [m for m in runner.model.modules() if getattr(m, "blocks", None) is not None]
+    assert linears and all(m.weight is None and m.kind == kind for m in linears)
+    assert runner.model.lm_head_gguf is not None
+    assert_equals_reference(runner, dequantized_float64(hf, kind))
+
+
+def test_a_gguf_files_own_blocks_are_used_as_they_are(tmp_path, monkeypatch):
+    """Attention stored Q4_1 and the MLP Q8_0 (q/k rows permuted as llama.cpp writes them): with
+    q4_1 the attention's blocks are the file's, byte for byte; the rest is quantized here."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("PAGODA_CACHE", str(tmp_path / "cache"))
+    Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
+    path = write_gguf(make_hf_model("llama"), tmp_path / "tiny.gguf",
+                      {".self_attn.": Q4_1, ".mlp.": Q8_0})
+    stored = gguf_blocks(path, "q4_1")
+    assert len(stored) == 8 and all(".self_attn." in name for name in stored)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    for name, blocks in stored.items():  # in HF's row order (q/k unpermuted), as its floats
+        torch.testing.assert_close(cpu_gemm_gguf.dequantize(blocks, "q4_1", torch.float64),
+                                   hf.state_dict()[name].double(), atol=1e-6, rtol=0)
+    quantized = []
+    quantize = cpu_gemm_gguf.quantize
+    with monkeypatch.context() as spy:
+        spy.setattr(cpu_gemm_gguf, "quantize", lambda w, kind: quantized.append(tuple(w.shape)) or quantize(w, kind))
+        runner = ModelRunner(runner_args(path, "--quantization", "q4_1"))
+    # Per layer: gate, up and down, then the vocabulary projection: nothing of the attention.
+    assert quantized == [(96, 64), (96, 64), (64, 96)] * 2 + [(256, 64)]
+    attn = runner.model.model.layers[1].self_attn
+    v_rows = attn.qkv_proj.blocks[-attn.kv_size:]
+    assert torch.equal(v_rows, stored["model.layers.1.self_attn.v_proj.weight"])
+    assert torch.equal(attn.o_proj.blocks, stored["model.layers.1.self_attn.o_proj.weight"])
+    assert_equals_reference(runner, dequantized_float64(hf, "q4_1", stored), PROMPTS[:1])
+
+
+def test_refused_where_it_cannot_run(tmp_path):
+    hf = make_hf_model("llama")
+    with pytest.raises(SystemExit, match="--quantization q4_1 runs on the CPU, with --dtype float32"):
+        ModelRunner(runner_args(save_model(hf, tmp_path / "m"), "--quantization", "q4_1",
+                                "--dtype", "bfloat16"))
