@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from proto import internal_pb2 as pb
 
 if TYPE_CHECKING:
-    from scheduler.config import RouterConfig
+    from scheduler.scheduler_config import RouterConfig
     from scheduler.tenants import TenantLoad
 
 

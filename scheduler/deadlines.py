@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from scheduler.config import SchedulerConfig
+    from scheduler.scheduler_config import SchedulerConfig
     from scheduler.router import WorkerState
     from scheduler.step import Step
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from scheduler.config import SchedulerConfig
+    from scheduler.scheduler_config import SchedulerConfig
     from scheduler.kv_cache_manager import KVCacheManager
     from scheduler.request import Request
 

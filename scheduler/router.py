@@ -15,7 +15,7 @@ from proto.auth import PROTOCOL_VERSION
 from scheduler import lost_steps
 from scheduler.admission import Rejected, check_admission, seeded_sampling  # noqa: F401 - Rejected: the API
 from scheduler.beam_search import BeamSearch
-from scheduler.config import RouterConfig, SchedulerConfig  # noqa: F401 - RouterConfig: the API
+from scheduler.scheduler_config import RouterConfig, SchedulerConfig  # noqa: F401 - RouterConfig: the API
 from scheduler.forks import Forks
 from scheduler.outbox import Outboxes
 from scheduler.reports import loads_of

@@ -27,7 +27,7 @@ from operator import attrgetter
 
 from proto import internal_pb2 as pb
 from proto.speculation import may_speculate
-from scheduler.config import SchedulerConfig
+from scheduler.scheduler_config import SchedulerConfig
 from scheduler.grammar_waits import GrammarWaits
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.outbox import Outboxes

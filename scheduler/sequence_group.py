@@ -15,7 +15,7 @@ from scheduler.draft_length import DraftLength
 from scheduler.request import FinishReason, Request, Status
 
 if TYPE_CHECKING:
-    from scheduler.config import SchedulerConfig
+    from scheduler.scheduler_config import SchedulerConfig
     from scheduler.kv_cache_manager import KVCacheManager
     from scheduler.preemption import PreemptionPolicy
     from scheduler.queues import Queues

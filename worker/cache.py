@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from worker.config import ModelConfig
+from worker.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

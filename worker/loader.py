@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from modelfiles.resolve import cache_dir
-from worker.config import ModelConfig
+from worker.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

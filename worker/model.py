@@ -12,7 +12,7 @@ from torch import nn
 from worker.attention_backends import AttentionBackend
 from worker.attention import PagedAttention
 from worker.attention_metadata import AttentionMetadata
-from worker.config import ModelConfig
+from worker.model_config import ModelConfig
 from kernels import cpu_gemm_gguf, cpu_gemm_int8
 from worker.layers import (Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary, bf16_kernel_fits,
                            gguf_linear, int8_linear, kernel_fits, linear)

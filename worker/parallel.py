@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from worker.config import ModelConfig
+from worker.model_config import ModelConfig
 from worker.group_lost import GroupLost
 from worker.layers import Linear, linear
 

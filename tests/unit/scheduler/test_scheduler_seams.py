@@ -4,7 +4,7 @@ KV manager's allocation (speculative decoding's draft tokens)."""
 from __future__ import annotations
 
 from proto import internal_pb2 as pb
-from scheduler.config import SchedulerConfig
+from scheduler.scheduler_config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.request import FinishReason, Request, Status
 from scheduler.scheduler import Scheduler

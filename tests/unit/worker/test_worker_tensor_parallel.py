@@ -27,7 +27,7 @@ from tests.plan_driver import PlanDriver
 from tests.unit.worker.test_model_parity import SMOLLM2_PROMPTS, TINY_PROMPTS
 from tests.unit.worker.test_worker_main import receive, scheduler_socket, send  # noqa: F401 (a fixture)
 from tests.worker_tiny_models import make_hf_model, runner_args, save_model
-from worker.config import ModelConfig
+from worker.model_config import ModelConfig
 from worker.parallel import refusal
 from worker.runner import ModelRunner
 
