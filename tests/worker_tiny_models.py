@@ -57,3 +57,17 @@ def reference_logits(hf_model, prompt: list[int], output: list[int]) -> torch.Te
     ids = torch.tensor([prompt + output])
     logits = hf_model(ids).logits[0].float()
     return logits[len(prompt) - 1:len(prompt) - 1 + len(output)]
+
+
+def assert_greedy_equals_reference(runner, ref, prompts: list[list[int]], new_tokens: int) -> None:
+    """runner's greedy tokens (through tests/plan_driver.py) are ref's (a transformers model, in
+    float64 for the quantized formats), and its logits within 1e-4 of ref's on the same tokens."""
+    from tests.plan_driver import PlanDriver
+    for prompt, seq in zip(prompts, PlanDriver(runner).generate(prompts, new_tokens)):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                                min_new_tokens=new_tokens)[0, len(prompt):].tolist()
+            logits = ref(torch.tensor([prompt + want])).logits[0, len(prompt) - 1:-1]
+        assert seq.output == want
+        err = (torch.stack(seq.logits).double() - logits).abs().max().item()
+        assert err < 1e-4, err

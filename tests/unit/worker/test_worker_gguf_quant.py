@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from kernels import cpu_gemm_gguf
-from tests.plan_driver import PlanDriver
 from tests.unit.worker.test_worker_loader import write_gguf
-from tests.worker_tiny_models import make_hf_model, runner_args, save_model
+from tests.worker_tiny_models import assert_greedy_equals_reference, make_hf_model, runner_args, save_model
 from worker.loader import gguf_blocks
 from worker.runner import ModelRunner
 
@@ -41,14 +40,7 @@ def dequantized_float64(hf, kind: str, stored: dict[str, torch.Tensor] | None = 
 
 
 def assert_equals_reference(runner, ref, prompts=PROMPTS):
-    for prompt, seq in zip(prompts, PlanDriver(runner).generate(prompts, NEW_TOKENS)):
-        with torch.no_grad():
-            want = ref.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                min_new_tokens=NEW_TOKENS)[0, len(prompt):].tolist()
-            logits = ref(torch.tensor([prompt + want])).logits[0, len(prompt) - 1:-1]
-        assert seq.output == want
-        err = (torch.stack(seq.logits).double() - logits).abs().max().item()
-        assert err < 1e-4, err
+    assert_greedy_equals_reference(runner, ref, prompts, NEW_TOKENS)
 
 
 # Each kind once (the tied head with biases for one), within the time a unit test may take; the

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kernels import cpu_gemm_int8
-from tests.plan_driver import PlanDriver
-from tests.worker_tiny_models import VARIANTS, make_hf_model, runner_args, save_model
+from tests.worker_tiny_models import (VARIANTS, assert_greedy_equals_reference, make_hf_model,
+                                      runner_args, save_model)
 from worker.runner import ModelRunner
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [200, 3, 17]]
@@ -38,15 +38,7 @@ def test_int8_greedy_and_logits_equal_float64_on_the_dequantized_weights(variant
     runner = ModelRunner(runner_args(save_model(hf, tmp_path / variant), "--quantization", "int8"))
     linears = [m for m in runner.model.modules() if getattr(m, "w8", None) is not None]
     assert linears and all(m.weight is None and m.w8.dtype == torch.int8 for m in linears)
-    ref = dequantized_float64(hf)
-    for prompt, seq in zip(PROMPTS, PlanDriver(runner).generate(PROMPTS, NEW_TOKENS)):
-        with torch.no_grad():
-            want = ref.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                min_new_tokens=NEW_TOKENS)[0, len(prompt):].tolist()
-            logits = ref(torch.tensor([prompt + want])).logits[0, len(prompt) - 1:-1]
-        assert seq.output == want
-        err = (torch.stack(seq.logits).double() - logits).abs().max().item()
-        assert err < 1e-4, err
+    assert_greedy_equals_reference(runner, dequantized_float64(hf), PROMPTS, NEW_TOKENS)
 
 
 def test_int8_is_refused_where_it_cannot_run(tmp_path):
