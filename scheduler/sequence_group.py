@@ -267,4 +267,6 @@ def _lookahead(k: int, seq: Request, known: int, budget: int) -> int:
     if seq.num_pending:  # a plan ahead: its last token is not known yet
         seq.draft.tick()
         return 0
-    return max(0, min(seq.draft.next(), seq.length_limit - known - 1, budget - 1))
+    # k caps its draft length too: a sequence recomputed on another worker (one that lost its
+    # worker) carries the draft length it learned where k may have been larger.
+    return max(0, min(seq.draft.next(), k, seq.length_limit - known - 1, budget - 1))
