@@ -18,44 +18,32 @@ from safetensors.torch import load_file, save_file
 from proto import pagoda_pb2 as pb, pagoda_pb2_grpc
 from tests.cluster import Cluster
 from tests.integration.test_integration_api import IM_END, chat_ids, hf_tokenizer  # noqa: F401
+from tests.greedy_paths import answer, greedy_paths
+from tests.integration.test_integration_speculation import MAX_TOKENS as PATH_TOKENS
 from tests.integration.test_integration_speculation import MIN_MARGIN, PROMPTS, _streamed, greedy, loads
 
 pytestmark = pytest.mark.integration
 
 K = 4
-MAX_TOKENS = 40
+MAX_TOKENS = 32
 NAMES = ("rewrite", "rename", "count", "json")
 NOISE = 0.3      # times each weight matrix's standard deviation
 
 
-def draft_spec(model: str) -> str:
-    return json.dumps({"method": "draft_model", "model": model, "num_speculative_tokens": K})
+def draft_spec(model: str, k: int) -> str:
+    return json.dumps({"method": "draft_model", "model": model, "num_speculative_tokens": k})
 
 
 @pytest.fixture(scope="module")
 def reference(smollm2_hf, hf_tokenizer):  # noqa: F811
     """Each prompt's ids and transformers' greedy path of MAX_TOKENS, past the end of the answer
     too (as with ignore_eos), with the margin asserted all along."""
+    paths = greedy_paths(smollm2_hf, {n: chat_ids(hf_tokenizer, c) for n, c in PROMPTS.items()}, PATH_TOKENS)
     out = {}
-    with torch.inference_mode():
-        for name in NAMES:
-            ids = chat_ids(hf_tokenizer, PROMPTS[name])
-            step = smollm2_hf(torch.tensor([ids]), use_cache=True)
-            path = []
-            for _ in range(MAX_TOKENS):
-                logits = step.logits[0, -1]
-                top2 = logits.topk(2).values
-                assert float(top2[0] - top2[1]) > MIN_MARGIN, (name, len(path))
-                path.append(int(logits.argmax()))
-                step = smollm2_hf(torch.tensor([[path[-1]]]), past_key_values=step.past_key_values,
-                                  use_cache=True)
-            out[name] = (ids, path)
+    for name in NAMES:
+        assert min(paths[name].margins[:MAX_TOKENS]) > MIN_MARGIN, name
+        out[name] = (paths[name].ids, paths[name].path[:MAX_TOKENS])
     return out
-
-
-def answer(path: list[int]) -> list[int]:
-    """The greedy answer: the path up to its end of turn, if it has one."""
-    return path[:path.index(IM_END) + 1] if IM_END in path else path
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +62,9 @@ def perturbed_draft(tmp_path_factory):
     return str(out)
 
 
-def _cluster(tmp_path_factory, draft: str, *flags: str) -> Cluster:
+def _cluster(tmp_path_factory, draft: str, k: int, *flags: str) -> Cluster:
     log = tmp_path_factory.mktemp("draft-model") / "cluster.log"
-    return Cluster("--dtype", "float32", "--speculative-config", draft_spec(draft), "--max-model-len",
+    return Cluster("--dtype", "float32", "--speculative-config", draft_spec(draft, k), "--max-model-len",
                    "512", *flags, log_path=log).start()
 
 
@@ -95,7 +83,7 @@ def _run(c: Cluster, requests: list[pb.GenerateRequest],
 
 def test_the_target_as_its_own_draft_has_every_proposal_accepted(tmp_path_factory, reference):
     # ignore_eos: the answers run the whole path, so every proposal falls where the margin holds.
-    c = _cluster(tmp_path_factory, "smollm2")
+    c = _cluster(tmp_path_factory, "smollm2", K)
     requests = [greedy(reference[n][0], MAX_TOKENS, ignore_eos=True) for n in NAMES]
     try:
         got, load = _run(c, requests)
@@ -109,13 +97,14 @@ def test_the_target_as_its_own_draft_has_every_proposal_accepted(tmp_path_factor
 
 def test_a_perturbed_draft_is_rejected_at_times_and_the_answers_stay_the_targets(
         tmp_path_factory, reference, perturbed_draft):
-    # 20 blocks of 16: the crowd outgrows the pool and is preempted.
-    c = _cluster(tmp_path_factory, perturbed_draft, "--num-gpu-blocks-override", "20",
+    # 20 blocks of 16: the crowd outgrows the pool and is preempted. Two proposals a step: each
+    # costs a forward of the (full-size) draft, and two are enough to be rejected at times.
+    c = _cluster(tmp_path_factory, perturbed_draft, 2, "--num-gpu-blocks-override", "20",
                  "--max-num-seqs", "8")
     sampled = pb.GenerateRequest(prompt_token_ids=reference["count"][0],
                                  sampling=pb.SamplingParams(temperature=0.8, top_p=0.95, seed=5, n=2),
                                  stopping=pb.StoppingCriteria(max_tokens=MAX_TOKENS, ignore_eos=True))
-    crowd_names = [n for n in NAMES for _ in range(2)]
+    crowd_names = list(NAMES)
     try:
         crowd, load = _run(c, [greedy(reference[n][0], MAX_TOKENS) for n in crowd_names],
                            streamed=(sampled, sampled))
@@ -123,7 +112,7 @@ def test_a_perturbed_draft_is_rejected_at_times_and_the_answers_stay_the_targets
     finally:
         assert c.stop() == 0, c.log_tail()
     for name, response in zip(crowd_names, crowd):
-        assert list(response.token_ids) == answer(reference[name][1]), name
+        assert list(response.token_ids) == answer(reference[name][1], IM_END), name
     assert preemptions > 0
     first, again = crowd[-2:]  # a seeded n = 2 request, twice in the same crowd
     assert first == again and len(first[0]) == MAX_TOKENS and first[0] != first[1]

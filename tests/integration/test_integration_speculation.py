@@ -12,10 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-import torch
 
 from proto import pagoda_pb2 as pb, pagoda_pb2_grpc
 from tests.cluster import Cluster
+from tests.greedy_paths import answer, greedy_paths
 from tests.integration.test_integration_api import IM_END, chat_ids, hf_tokenizer  # noqa: F401
 
 pytestmark = pytest.mark.integration
@@ -31,7 +31,7 @@ PROMPTS = {  # text that repeats its context, and one answer that does not
     "count": "Count from 1 to 30, separated by commas.",
     "question": "Why is the sky blue?",
 }
-MAX_TOKENS = 80
+MAX_TOKENS = 48  # the draft-model module reads the same paths
 MIN_MARGIN = 0.02  # logits; fp32 kernels of different query lengths differ by ~1e-5
 
 
@@ -55,22 +55,26 @@ def spec_stub(spec):
 @pytest.fixture(scope="module")
 def reference(smollm2_hf, hf_tokenizer):  # noqa: F811
     """Each prompt's ids and transformers' greedy answer (EOS included where it stops)."""
+    paths = greedy_paths(smollm2_hf, {n: chat_ids(hf_tokenizer, c) for n, c in PROMPTS.items()}, MAX_TOKENS)
     out = {}
-    for name, content in PROMPTS.items():
-        ids = chat_ids(hf_tokenizer, content)
-        with torch.inference_mode():
-            g = smollm2_hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                    max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=IM_END,
-                                    output_scores=True, return_dict_in_generate=True)
-        top2 = torch.stack([s[0].topk(2).values for s in g.scores])
-        assert float((top2[:, 0] - top2[:, 1]).min()) > MIN_MARGIN, name
-        out[name] = (ids, g.sequences[0, len(ids):].tolist())
+    for name, p in paths.items():
+        expected = answer(p.path, IM_END)
+        assert min(p.margins[:len(expected)]) > MIN_MARGIN, name
+        out[name] = (p.ids, expected)
     return out
 
 
 def greedy(ids, max_tokens=MAX_TOKENS, **stopping) -> pb.GenerateRequest:
     return pb.GenerateRequest(prompt_token_ids=ids, sampling=pb.SamplingParams(temperature=0),
                               stopping=pb.StoppingCriteria(max_tokens=max_tokens, **stopping))
+
+
+def on_both(spec_stub, stub, requests: list[pb.GenerateRequest]) -> tuple[list, list]:
+    """Every request at once on each cluster in turn (two busy workers on two cores would only
+    contend): the speculating cluster's answers, then the plain's."""
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return tuple(list(pool.map(lambda r, s=s: s.Generate(r, timeout=300), requests))
+                     for s in (spec_stub, stub))
 
 
 def loads(stub) -> pb.WorkerLoad:
@@ -125,10 +129,13 @@ def test_stops_inside_accepted_runs_end_the_answer_exactly_there(spec_stub, refe
     assert list(got.token_ids) == expected[:23] and got.finish_reason == pb.FINISH_REASON_LENGTH
 
 
+SAMPLED_TOKENS = 32
+
+
 def _sampled(ids) -> pb.GenerateRequest:
     return pb.GenerateRequest(prompt_token_ids=ids,
                               sampling=pb.SamplingParams(temperature=0.8, top_p=0.95, seed=11, n=2),
-                              stopping=pb.StoppingCriteria(max_tokens=48, ignore_eos=True))
+                              stopping=pb.StoppingCriteria(max_tokens=SAMPLED_TOKENS, ignore_eos=True))
 
 
 def _streamed(stub, request) -> dict[int, list[int]]:
@@ -142,14 +149,15 @@ def test_seeded_sampling_gives_what_the_plain_cluster_gives(spec_stub, stub, ref
     """Each position is drawn as the plain sampler draws it (worker/rejection_sampler.py), so
     speculation changes how many tokens a step gives, not which: alone, in a batch, every time."""
     names = ("rename", "count")
-    plain = {n: _streamed(stub, _sampled(reference[n][0])) for n in names}
     alone = {n: _streamed(spec_stub, _sampled(reference[n][0])) for n in names}
+    with ThreadPoolExecutor(2) as pool:
+        plain = dict(zip(names, pool.map(lambda n: _streamed(stub, _sampled(reference[n][0])), names)))
     with ThreadPoolExecutor(4) as pool:
         crowd = list(pool.map(lambda n: _streamed(spec_stub, _sampled(reference[n][0])),
                               names + ("json", "question")))
     for i, n in enumerate(names):
         assert alone[n] == plain[n] == crowd[i], n
-        assert len(plain[n][0]) == 48 and plain[n][0] != plain[n][1]
+        assert len(plain[n][0]) == SAMPLED_TOKENS and plain[n][0] != plain[n][1]
 
 
 def test_logprobs_of_every_accepted_token_equal_the_plain_clusters(spec_stub, stub, reference):
@@ -177,16 +185,18 @@ def test_penalties_bias_and_min_tokens_act_at_every_verified_position(spec_stub,
     """The processors that read the history see the proposals before each position as if they
     had been sampled: greedy and seeded answers equal the plain cluster's, and they speculated."""
     before = loads(spec_stub).spec_num_drafts
+    requests = []
     for name in ("rewrite", "count"):
         ids, expected = reference[name]
         for sampling in (dict(temperature=0, repetition_penalty=1.15, presence_penalty=0.3),
                          dict(temperature=0, frequency_penalty=0.2, logit_bias={expected[3]: -5.0}),
                          dict(temperature=0.7, seed=5, presence_penalty=0.4, repetition_penalty=1.1)):
-            request = pb.GenerateRequest(prompt_token_ids=ids, sampling=pb.SamplingParams(**sampling),
-                                         stopping=pb.StoppingCriteria(max_tokens=40, min_tokens=30))
-            got, plain = spec_stub.Generate(request, timeout=300), stub.Generate(request, timeout=300)
-            assert list(got.token_ids) == list(plain.token_ids), (name, sampling)
-            assert len(got.token_ids) >= 30
+            requests.append(pb.GenerateRequest(prompt_token_ids=ids, sampling=pb.SamplingParams(**sampling),
+                                               stopping=pb.StoppingCriteria(max_tokens=40, min_tokens=30)))
+    got, plain = on_both(spec_stub, stub, requests)
+    for request, g, p in zip(requests, got, plain):
+        assert list(g.token_ids) == list(p.token_ids), request.sampling
+        assert len(g.token_ids) >= 30
     assert loads(spec_stub).spec_num_drafts > before
 
 
@@ -201,13 +211,13 @@ def test_structured_answers_verify_proposals_against_the_grammar(spec_stub, stub
     import jsonschema
     ids, _ = reference["json"]
     before = loads(spec_stub).spec_num_accepted_tokens
-    for sampling in (dict(temperature=0), dict(temperature=0.8, seed=3)):
-        request = pb.GenerateRequest(
-            prompt_token_ids=ids, stopping=pb.StoppingCriteria(max_tokens=64),
-            sampling=pb.SamplingParams(**sampling, structured_output=pb.StructuredOutput(
-                json_schema=json.dumps(SERVICE))))
-        got, plain = spec_stub.Generate(request, timeout=300), stub.Generate(request, timeout=300)
-        assert list(got.token_ids) == list(plain.token_ids), sampling
-        jsonschema.validate(json.loads(got.text), SERVICE)
-        assert got.finish_reason == pb.FINISH_REASON_STOP
+    requests = [pb.GenerateRequest(prompt_token_ids=ids, stopping=pb.StoppingCriteria(max_tokens=64),
+                                   sampling=pb.SamplingParams(**sampling, structured_output=pb.StructuredOutput(
+                                       json_schema=json.dumps(SERVICE))))
+                for sampling in (dict(temperature=0), dict(temperature=0.8, seed=3))]
+    got, plain = on_both(spec_stub, stub, requests)
+    for request, g, p in zip(requests, got, plain):
+        assert list(g.token_ids) == list(p.token_ids), request.sampling
+        jsonschema.validate(json.loads(g.text), SERVICE)
+        assert g.finish_reason == pb.FINISH_REASON_STOP
     assert loads(spec_stub).spec_num_accepted_tokens > before
