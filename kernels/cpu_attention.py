@@ -15,6 +15,9 @@ arithmetic, is most of the time. Here a decode never copies the cache:
   head_dim], as everywhere): a table of head_dim-long rows per (slot, kv head), one bag per
   (sequence, q head) over its positions, weighted by the probabilities.
 
+Where kernels/cpu_decode_attention.c runs (an fp32 or bf16 cache on AVX2 or AVX-512), the decode
+rows take it instead: one C call a layer over the block tables, none of the indices above.
+
 All the indices depend only on the step's metadata: `plan_attention` builds them once per step
 and every layer reuses them. Positions past a sequence's length are never read through the V
 table, and their scores are overwritten with -inf, so stale NaN or Inf in the cache cannot leak.
@@ -38,6 +41,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from kernels import cpu_decode_attention
 
 # The path bounds, from `bench/bench_attention.py --cpu-short-queries` on the 2-core dev machine
 # (SmolLM2's 9/3 heads, one thread, contexts 128-2048, batch 1 and 16, medians of 3 runs).
@@ -74,17 +79,20 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 @dataclass
 class DecodePlan:
-    """Indices for the decode rows (Sd of them; Hq query heads): n per sequence with n <=
-    MAX_DECODE_ROWS new tokens, row i seeing its first seq_len - n + i + 1 positions."""
+    """The decode rows (Sd of them; Hq query heads): n per sequence with n <= MAX_DECODE_ROWS
+    new tokens, row i seeing its first seq_len - n + i + 1 positions. The C kernel reads rows,
+    lens and tables; the torch path the indices after them (None when the kernel runs)."""
     rows: torch.Tensor          # [Sd]: each one's token's row in q and out
     max_blocks: int
-    k_rows: torch.Tensor        # [bags, head_dim]: K table rows of each (seq, head, block) bag
-    q_rows: torch.Tensor        # [bags]: row of q.view(Sd * Hq, head_dim) weighting each bag
-    score_rows: torch.Tensor    # [bags]: row of scores.view(Sd * Hq * max_blocks, block_size)
-    stale: torch.Tensor         # where scores.view(-1) sits past seq_len in a sequence's last block
-    v_rows: torch.Tensor        # [Hq * sum(seq_lens)]: V table rows, bags of (seq, head)
-    v_offsets: torch.Tensor     # [Sd * Hq]: where each (seq, head) bag starts in v_rows
-    prob_index: torch.Tensor    # [Hq * sum(seq_lens)]: the probability weighting each V row
+    lens: torch.Tensor          # [Sd]: positions each row sees
+    tables: torch.Tensor        # int32 [Sd, max_blocks]: each row's block table
+    k_rows: torch.Tensor | None = None      # [bags, head_dim]: K table rows of each (seq, head, block) bag
+    q_rows: torch.Tensor | None = None      # [bags]: row of q.view(Sd * Hq, head_dim) weighting each bag
+    score_rows: torch.Tensor | None = None  # [bags]: row of scores.view(Sd * Hq * max_blocks, block_size)
+    stale: torch.Tensor | None = None       # where scores.view(-1) sits past seq_len in a sequence's last block
+    v_rows: torch.Tensor | None = None      # [Hq * sum(seq_lens)]: V table rows, bags of (seq, head)
+    v_offsets: torch.Tensor | None = None   # [Sd * Hq]: where each (seq, head) bag starts in v_rows
+    prob_index: torch.Tensor | None = None  # [Hq * sum(seq_lens)]: the probability weighting each V row
 
 
 @dataclass
@@ -119,10 +127,12 @@ class AttentionPlan:
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    query_start_loc: torch.Tensor, k_cache: torch.Tensor, num_q_heads: int,
                    max_decode_rows: int = MAX_DECODE_ROWS,
-                   max_short_query: int = MAX_SHORT_QUERY) -> AttentionPlan:
+                   max_short_query: int = MAX_SHORT_QUERY,
+                   decode_kernel: bool | None = None) -> AttentionPlan:
     """Everything paged_attention needs besides q and the cache; it depends only on the step.
     A sequence with n new tokens takes the decode path if n <= max_decode_rows, else the short
-    path if n <= max_short_query, else SDPA (the benchmark sets the bounds to time each path)."""
+    path if n <= max_short_query, else SDPA (the benchmark sets the bounds to time each path).
+    decode_kernel: whether decode rows take the C kernel (None: where it runs)."""
     qsl = query_start_loc.long()
     query_lens = qsl[1:] - qsl[:-1]
     seq_lens = seq_lens.long()
@@ -158,8 +168,10 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
     seq = decode.repeat_interleave(n)
     offset = torch.arange(seq.numel(), device=device) - (n.cumsum(0) - n).repeat_interleave(n)
     lens = seq_lens[seq] - query_lens[seq] + offset + 1
-    return AttentionPlan(_plan_decode(qsl[seq] + offset, lens, block_tables[seq].long(), k_cache,
-                                      num_q_heads), prefills, shorts)
+    if decode_kernel is None:
+        decode_kernel = cpu_decode_attention.runs_on(k_cache)
+    return AttentionPlan(_plan_decode(qsl[seq] + offset, lens, block_tables[seq], k_cache,
+                                      num_q_heads, decode_kernel), prefills, shorts)
 
 
 def _plan_short(starts, query_lens, lens, tables, k_cache) -> ShortPlan:
@@ -194,15 +206,18 @@ def _plan_short(starts, query_lens, lens, tables, k_cache) -> ShortPlan:
                      tail=tail, hidden=hidden[:, None, None])
 
 
-def _plan_decode(rows, lens, tables, k_cache, num_q_heads) -> DecodePlan:
+def _plan_decode(rows, lens, tables, k_cache, num_q_heads, kernel: bool) -> DecodePlan:
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     device = lens.device
+    max_blocks = -(-int(lens.max()) // block_size)
+    if kernel:  # it reads no table entry past a row's last block
+        return DecodePlan(rows=rows, max_blocks=max_blocks, lens=lens,
+                          tables=tables[:, :max_blocks].to(torch.int32).contiguous())
+    tables = tables[:, :max_blocks].long()
     # Indices into the K and V tables; int32 halves what every layer reads when it fits.
     index_dtype = torch.int32 if k_cache.numel() < 2**31 else torch.int64
     num_seqs = lens.numel()
-    max_blocks = -(-int(lens.max()) // block_size)
     width = max_blocks * block_size
-    tables = tables[:, :max_blocks]
     kv_head = (torch.arange(num_q_heads, device=device) // (num_q_heads // num_kv_heads))[:, None]
     # Every index below is first laid out padded, [Sd, Hq, blocks or positions], then the entries
     # in use are picked in row-major order: bags in (sequence, q head, block) order make each
@@ -225,7 +240,7 @@ def _plan_decode(rows, lens, tables, k_cache, num_q_heads) -> DecodePlan:
     v_rows = (slots[:, None, :] * num_kv_heads + kv_head).to(index_dtype).flatten()[prob_index]
     bag_sizes = lens.repeat_interleave(num_q_heads)
     return DecodePlan(
-        rows=rows, max_blocks=max_blocks, k_rows=k_rows, q_rows=score_rows // max_blocks,
+        rows=rows, max_blocks=max_blocks, lens=lens, tables=tables.to(torch.int32), k_rows=k_rows, q_rows=score_rows // max_blocks,
         score_rows=score_rows, stale=stale, v_rows=v_rows,
         v_offsets=(torch.cumsum(bag_sizes, 0) - bag_sizes).to(index_dtype), prob_index=prob_index)
 
@@ -246,6 +261,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def _decode(q, k_cache, v_cache, plan: DecodePlan, scale, out) -> None:
+    if plan.k_rows is None:
+        cpu_decode_attention.decode(q, k_cache, v_cache, plan.rows, plan.lens, plan.tables, scale, out)
+        return
     num_seqs = plan.rows.numel()
     num_q_heads, head_dim = q.shape[1:]
     block_size = k_cache.shape[1]

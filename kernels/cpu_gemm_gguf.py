@@ -7,9 +7,11 @@ A weight is a uint8 tensor [N, K / 32 * block bytes], each row its blocks in ord
 "byte shape"). quantize() is gguf's reference quantizer (gguf.quants.quantize, bit-exact with
 ggml-quants.c), so a tensor quantized here equals one llama.cpp would write; dequantize() is the
 format (Q8_0: d * q, Q4_1: d * q + m, fp16 d and m). reference() is the product in float64 on
-the dequantized weights, which the kernel is held to. The instruction set is chosen at run time:
-AVX-512F, else AVX2 + FMA (both with F16C), else none (available() is False and the caller
-multiplies the dequantized weights with torch).
+the dequantized weights, which the kernel is held to. The path is chosen at run time, the best
+this CPU runs: AVX-512 VNNI or AVX2 with int8 activations (INT8_ISAS: x quantized per block of 32,
+as llama.cpp does; quantize_activations() is that rounding, and the reference for those paths
+multiplies the rounded x), else AVX-512F or AVX2 + FMA with exact fp32 activations (all with F16C),
+else none (available() is False and the caller multiplies the dequantized weights with torch).
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from kernels import cbuild
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_gemm_gguf.c"
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
-ISA_NAMES = {2: "AVX-512F", 1: "AVX2+FMA"}
+ISA_NAMES = {4: "AVX-512 VNNI int8", 3: "AVX-512F", 2: "AVX2 int8", 1: "AVX2+FMA"}
+INT8_ISAS = (4, 2)  # the paths that quantize x
 BLOCK = 32
 # --quantization name -> (ggml type number, bytes a block): gguf.GGMLQuantizationType's values.
 FORMATS = {"q8_0": (8, 34), "q4_1": (3, 20)}
@@ -35,6 +38,20 @@ _kernel = cbuild.IsaKernel(
      ctypes.c_int],
     ISA_NAMES, "multiplying dequantized weights")
 available, isa, supported_isas = _kernel.available, _kernel.isa, _kernel.supported_isas
+
+
+# Whether xwt may take an int8 path (the default, as llama.cpp multiplies these formats); False
+# keeps x exact in fp32 (the tests hold the model to float64 within 1e-4 that way).
+int8_activations = True
+
+
+def best_isa() -> int:
+    """The path xwt takes unless told (0 where none runs)."""
+    if not available():
+        return 0
+    if int8_activations:
+        return _kernel.best
+    return max(i for i in supported_isas() if i not in INT8_ISAS)
 
 
 def ggml_type(kind: str):
@@ -107,9 +124,29 @@ def xwt(x: torch.Tensor, blocks: torch.Tensor, kind: str, isa: int | None = None
     out = torch.empty(M, N, dtype=torch.float32)
     if M and N:
         _kernel.fn(x.data_ptr(), x.stride(0), blocks.data_ptr(), blocks.stride(0), FORMATS[kind][0],
-                   out.data_ptr(), N, M, N, K, torch.get_num_threads(), isa or _kernel.best)
+                   out.data_ptr(), N, M, N, K, torch.get_num_threads(), isa or best_isa())
     return out
 
 
-def reference(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor:
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int8 paths' x: per block of 32 values, d = max |x| / 127 and q = round(x / d) (half to
+    even), in fp32 -> (q int8 [M, K], d [M, K / 32], s = d * sum(q) [M, K / 32]), by the kernel's
+    own C function."""
+    M, K = x.shape
+    x = cbuild.row_major(x, x)[0]
+    q = torch.empty(M, K, dtype=torch.int8)
+    ds = torch.empty(M, K // BLOCK, 2, dtype=torch.float32)
+    fn = _kernel.lib.pagoda_gguf_quantize_x
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = None
+    fn(x.data_ptr(), x.stride(0), M, K, q.data_ptr(), ds.data_ptr())
+    return q, ds[..., 0], ds[..., 1]
+
+
+def reference(x: torch.Tensor, blocks: torch.Tensor, kind: str, isa: int | None = None) -> torch.Tensor:
+    """The product in float64 on the dequantized weights; for an int8 path (isa in INT8_ISAS), of
+    x as that path rounds it."""
+    if isa in INT8_ISAS:
+        q, d, _ = quantize_activations(x)
+        x = (q.double().view(*d.shape, BLOCK) * d.double()[..., None]).view(x.shape)
     return x.double() @ dequantize(blocks, kind, torch.float64).t()

@@ -24,8 +24,8 @@ def test_q4_1_block_layout():
         assert torch.equal(dequantize(blocks, "q4_1"), want[None])
     x = torch.zeros(1, 32)
     x[0, 17] = 1.0
-    for isa in cpu_gemm_gguf.supported_isas():
-        assert cpu_gemm_gguf.xwt(x, blocks, "q4_1", isa=isa).item() == 0.5 * 14 - 1.0
+    for isa in cpu_gemm_gguf.supported_isas():  # the int8 paths round x: 1 is 127 * (1 / 127)
+        assert cpu_gemm_gguf.xwt(x, blocks, "q4_1", isa=isa).item() == pytest.approx(0.5 * 14 - 1.0, abs=1e-6)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -66,9 +66,36 @@ def test_the_kernel_equals_float64_on_every_isa_here(kind, rows, k):
     isas = cpu_gemm_gguf.supported_isas()
     print(f"{kind} kernel paths here: {[cpu_gemm_gguf.ISA_NAMES[i] for i in isas]}")
     for isa in isas:
+        # An int8 path is exact on x as it rounds it (integer sums), then fp32 scales and sums.
         got = cpu_gemm_gguf.xwt(x, blocks, kind, isa=isa).double()
-        assert bool(((got - want).abs() <= bound(x)).all()), cpu_gemm_gguf.ISA_NAMES[isa]
+        exact = cpu_gemm_gguf.reference(x, blocks, kind, isa)
+        assert bool(((got - exact).abs() <= bound(x)).all()), cpu_gemm_gguf.ISA_NAMES[isa]
+        if isa in cpu_gemm_gguf.INT8_ISAS:  # and x's rounding costs at most d / 2 a value
+            _, d, _ = cpu_gemm_gguf.quantize_activations(x)
+            half_step = (d.double() / 2).repeat_interleave(32, dim=1)
+            assert bool(((got - want).abs() <= half_step @ w.abs().t() + bound(x)).all())
     # A column slice of a wider activation keeps its row stride.
     wide = torch.randn(rows, k + 5, generator=GEN)[:, :k]
     got = cpu_gemm_gguf.xwt(wide, blocks, kind).double()
-    assert bool(((got - wide.double() @ w.t()).abs() <= bound(wide)).all())
+    exact = cpu_gemm_gguf.reference(wide, blocks, kind, cpu_gemm_gguf.best_isa())
+    assert bool(((got - exact).abs() <= bound(wide)).all())
+
+
+def test_activation_rounding_is_numpys():
+    """The int8 paths' x (llama.cpp's Q8_1): per block of 32, d = max |x| / 127 and q = rint(x / d)
+    in fp32, s = d * sum(q); an all-zero block has d = 0."""
+    if not cpu_gemm_gguf.available():
+        pytest.skip("no GGUF block kernel on this CPU")
+    x = torch.randn(3, 96, generator=GEN) * torch.tensor([1.0, 1e-3, 50.0])[:, None]
+    x[1, 32:64] = 0
+    x[2, 5] = 0.5 * x[2, :32].abs().max()  # a value on a half step: ties go to even
+    q, d, s = cpu_gemm_gguf.quantize_activations(x)
+    blocks = x.numpy().reshape(3, 3, 32)
+    amax = np.abs(blocks).max(axis=-1)
+    want_d = (amax / np.float32(127)).astype(np.float32)
+    inv = np.where(want_d != 0, np.float32(1) / np.where(want_d != 0, want_d, 1), 0).astype(np.float32)
+    want_q = np.rint(blocks * inv[..., None]).astype(np.int8)
+    assert np.array_equal(q.numpy().reshape(3, 3, 32), want_q)
+    assert np.array_equal(d.numpy(), want_d) and d[1, 1] == 0
+    assert np.array_equal(s.numpy(), want_d * want_q.astype(np.int32).sum(-1).astype(np.float32))
+    assert int(q.abs().max()) == 127

@@ -1,0 +1,62 @@
+"""Paged decode attention in C (kernels/csrc/cpu_decode_attention.c): every decode row's attention
+over its block table in one call a layer, reading the cache where it lies (K blocks in
+kernels/cpu_attention.py's transposed layout), fp32 or bf16. kernels/cpu_attention.py takes it
+for its decode rows where it runs; its torch path stays for the other dtypes and CPUs.
+
+The instruction set is chosen at run time: AVX-512F, else AVX2 + FMA, else none (available() is
+False). One library holds both paths.
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from kernels import cbuild
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_decode_attention.c"
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+ISA_NAMES = {2: "AVX-512F", 1: "AVX2+FMA"}
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+_c = ctypes
+_kernel = cbuild.IsaKernel(
+    SOURCE, FLAGS, "pagoda_decode_attention_isa", "pagoda_decode_attention",
+    [_c.c_void_p, _c.c_int64, _c.c_void_p, _c.c_void_p, _c.c_int, _c.c_void_p, _c.c_void_p, _c.c_void_p,
+     _c.c_int64, _c.c_int, _c.c_int, _c.c_int, _c.c_int, _c.c_int, _c.c_float, _c.c_void_p, _c.c_int64,
+     _c.c_int, _c.c_int, _c.c_int],
+    ISA_NAMES, "attending with torch ops")
+available, isa, supported_isas = _kernel.available, _kernel.isa, _kernel.supported_isas
+
+
+def runs_on(k_cache: torch.Tensor) -> bool:
+    """Whether the kernel serves a cache of this dtype and device here."""
+    return k_cache.device.type == "cpu" and k_cache.dtype in DTYPES and k_cache.is_contiguous() \
+        and available()
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+           lens: torch.Tensor, tables: torch.Tensor, scale: float, out: torch.Tensor,
+           isa: int | None = None) -> None:
+    """out[rows[i]] = attention of q[rows[i]] over the first lens[i] positions of block table
+    tables[i] (int32 [rows, blocks]), for every head; other rows of out are left alone. q and
+    out [tokens, Hq, D]; the caches [num_blocks, bs, Hkv, D] as allocated (K in key_blocks'
+    layout). Call only where runs_on(k_cache)."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_q_heads = q.shape[1]
+    num_rows = rows.numel()
+    if num_rows == 0:
+        return
+    qf = q if q.dtype == torch.float32 and q.is_contiguous() else q.float().contiguous()
+    target = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(qf)
+    rows32, lens32 = rows.to(torch.int32).contiguous(), lens.to(torch.int32).contiguous()
+    tables = tables.to(torch.int32).contiguous()
+    width = tables.shape[1] * block_size
+    _kernel.fn(qf.data_ptr(), num_q_heads * head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
+               DTYPES[k_cache.dtype], rows32.data_ptr(), lens32.data_ptr(), tables.data_ptr(),
+               tables.shape[1], num_rows, num_q_heads, num_kv_heads, head_dim, block_size, scale,
+               target.data_ptr(), num_q_heads * head_dim, width, torch.get_num_threads(),
+               isa or _kernel.best)
+    if target is not out:
+        out.index_copy_(0, rows, target.index_select(0, rows).to(out.dtype))

@@ -1,0 +1,176 @@
+// Paged decode attention on the CPU: for each decode row (one query token of a sequence, seeing
+// its first len positions) and each query head, softmax(q . K^T * scale) V over the row's block
+// table, read where the keys and values lie in the cache. One call a layer replaces the dozen
+// torch ops of kernels/cpu_attention.py's decode path (two embedding_bags, a padded softmax, the
+// index copies around them), which on a single stream cost as much as the layer's projections.
+//
+// Layouts (kernels/cpu_attention.py): K blocks [num_blocks, Hkv, D, bs] (each block holds its keys
+// transposed, so the scores of one block are bs-long rows: contiguous FMAs over positions),
+// V blocks [num_blocks, bs, Hkv, D]. The cache is fp32 or bf16 (dtype 0 or 1); q and out are fp32.
+// Positions at or past len are never read: the last block's stale slots (NaN, a freed block's
+// keys) cannot leak, as the tests check with a poisoned cache.
+//
+// The loops are plain C the compiler vectorizes; the body is compiled twice, for AVX-512F and for
+// AVX2 + FMA (pagoda_decode_attention_isa says which this CPU runs; both are tested), with an exp
+// it can vectorize (exp_poly: Cody-Waite reduction and a degree-6 polynomial, within 2 ulp of
+// expf over the softmax's range (-inf, 0]). Work is split over (row, query head) pairs, so one
+// row's 9 heads keep two threads busy where its 3 kv heads would not.
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int pagoda_decode_attention_isa(void) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return 0;
+    return __builtin_cpu_supports("avx512f") ? 2 : 1;
+}
+
+__attribute__((always_inline)) static inline float load_elem(const void *base, int64_t i, const int dtype) {
+    if (dtype == 0) return ((const float *)base)[i];
+    uint32_t bits = (uint32_t)((const uint16_t *)base)[i] << 16;  // bf16: the top half of an fp32
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+// e^x for x <= 0 (a softmax's shifted scores); below -87 it is 0, as e^x is in fp32.
+__attribute__((always_inline)) static inline float exp_poly(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_rintf(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // x - n ln 2, in two steps
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;  // 2^n: n >= -126 here
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+// 8 floats: an AVX2 register, the width both paths use (AVX-512 gains nothing measurable here:
+// bench/bench_attention.py).
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+__attribute__((always_inline)) static inline v8 load8(const void *base, int64_t i, const int dtype) {
+    if (dtype == 0) return *(const v8 *)((const float *)base + i);
+    u32x8 bits = __builtin_convertvector(*(const u16x8 *)((const uint16_t *)base + i), u32x8) << 16;
+    return (v8)bits;
+}
+
+// The scores s[0, nblocks * bs) of one query head (q pre-scaled) over its kv head's K blocks.
+__attribute__((always_inline))
+static inline void scores(const float *restrict q, const void *k_cache, const int32_t *table, int nblocks,
+                          int h, int Hkv, int D, int bs, float *restrict s, const int dtype) {
+    for (int j = 0; j < nblocks; j++) {
+        const int64_t kb = ((int64_t)table[j] * Hkv + h) * D * bs;  // this head's [D, bs] in block j
+        float *restrict sj = s + (int64_t)j * bs;
+        if (bs % 16 == 0) {  // whole vectors of positions: accumulate in registers over d
+            for (int p = 0; p < bs; p += 16) {
+                v8 a0 = {0}, a1 = {0};
+                for (int d = 0; d < D; d++) {
+                    const int64_t at = kb + (int64_t)d * bs + p;
+                    a0 += q[d] * load8(k_cache, at, dtype);
+                    a1 += q[d] * load8(k_cache, at + 8, dtype);
+                }
+                *(v8 *)(sj + p) = a0;
+                *(v8 *)(sj + p + 8) = a1;
+            }
+            continue;
+        }
+        for (int p = 0; p < bs; p++) sj[p] = 0.0f;
+        for (int d = 0; d < D; d++)
+            for (int p = 0; p < bs; p++) sj[p] += q[d] * load_elem(k_cache, kb + (int64_t)d * bs + p, dtype);
+    }
+}
+
+// out[0, D) = sum over positions p < len of w[p] * V[p] (this kv head's rows), scaled by inv.
+__attribute__((always_inline))
+static inline void weighted_values(const float *restrict w, const void *v_cache, const int32_t *table, int len,
+                                   int h, int Hkv, int D, int bs, float inv, float *restrict out, const int dtype) {
+    if (D == 64) {  // SmolLM2's and most small models': the row in 8 registers
+        v8 acc[8] = {{0}};
+        for (int p = 0; p < len; p++) {
+            const int64_t vrow = (((int64_t)table[p / bs] * bs + p % bs) * Hkv + h) * D;
+            for (int c = 0; c < 8; c++) acc[c] += w[p] * load8(v_cache, vrow + 8 * c, dtype);
+        }
+        for (int c = 0; c < 8; c++) *(v8 *)(out + 8 * c) = acc[c] * inv;
+        return;
+    }
+    if (D % 8 == 0 && D <= 256) {
+        v8 acc[32] = {{0}};
+        for (int p = 0; p < len; p++) {
+            const int64_t vrow = (((int64_t)table[p / bs] * bs + p % bs) * Hkv + h) * D;
+            for (int c = 0; c < D / 8; c++) acc[c] += w[p] * load8(v_cache, vrow + 8 * c, dtype);
+        }
+        for (int c = 0; c < D / 8; c++) *(v8 *)(out + 8 * c) = acc[c] * inv;
+        return;
+    }
+    for (int d = 0; d < D; d++) out[d] = 0.0f;
+    for (int p = 0; p < len; p++) {
+        const int64_t vrow = (((int64_t)table[p / bs] * bs + p % bs) * Hkv + h) * D;
+        for (int d = 0; d < D; d++) out[d] += w[p] * load_elem(v_cache, vrow + d, dtype);
+    }
+    for (int d = 0; d < D; d++) out[d] *= inv;
+}
+
+__attribute__((always_inline))
+static inline void attend(const float *q, const void *k_cache, const void *v_cache, const int32_t *table,
+                          int len, int h, int Hkv, int D, int bs, float scale, float *restrict s,
+                          float *restrict qs, float *out, const int dtype) {
+    for (int d = 0; d < D; d++) qs[d] = q[d] * scale;
+    scores(qs, k_cache, table, (len + bs - 1) / bs, h, Hkv, D, bs, s, dtype);
+    float most = s[0];
+    #pragma omp simd reduction(max:most)
+    for (int p = 1; p < len; p++) most = s[p] > most ? s[p] : most;
+    for (int p = 0; p < len; p++) s[p] = exp_poly(s[p] - most);
+    float sum = 0.0f;
+    #pragma omp simd reduction(+:sum)
+    for (int p = 0; p < len; p++) sum += s[p];
+    weighted_values(s, v_cache, table, len, h, Hkv, D, bs, 1.0f / sum, out, dtype);
+}
+
+#define RUN(ISA, TARGET)                                                                              \
+    __attribute__((target(TARGET)))                                                                   \
+    static void run_##ISA(const float *q, int64_t ldq, const void *k_cache, const void *v_cache,       \
+                          int dtype, const int32_t *rows, const int32_t *lens, const int32_t *tables,  \
+                          int64_t ldt, int num_rows, int Hq, int Hkv, int D, int bs, float scale,      \
+                          float *out, int64_t ldo, int width, int threads) {                           \
+        const int G = Hq / Hkv;                                                                       \
+        _Pragma("omp parallel num_threads(threads)")                                                  \
+        {                                                                                             \
+            float *s = malloc((size_t)(width + D) * sizeof(float));                                   \
+            _Pragma("omp for schedule(static)")                                                       \
+            for (int64_t t = 0; t < (int64_t)num_rows * Hq; t++) {                                     \
+                const int r = (int)(t / Hq), hq = (int)(t % Hq);                                      \
+                const float *qh = q + rows[r] * ldq + (int64_t)hq * D;                                \
+                float *oh = out + rows[r] * ldo + (int64_t)hq * D;                                    \
+                if (dtype == 0)                                                                       \
+                    attend(qh, k_cache, v_cache, tables + r * ldt, lens[r], hq / G, Hkv, D, bs, scale,\
+                           s, s + width, oh, 0);                                                      \
+                else                                                                                  \
+                    attend(qh, k_cache, v_cache, tables + r * ldt, lens[r], hq / G, Hkv, D, bs, scale,\
+                           s, s + width, oh, 1);                                                      \
+            }                                                                                         \
+            free(s);                                                                                  \
+        }                                                                                             \
+    }
+
+RUN(avx512, "avx512f")
+RUN(avx2, "avx2,fma")
+
+// q [tokens, Hq, D] fp32 with row stride ldq (elements); out likewise (ldo); rows[i]: decode row
+// i's token in q and out; lens[i] >= 1 its visible positions; tables [num_rows, ldt] its blocks.
+// width: at least the largest ceil(len / bs) * bs (the scores' scratch). isa: 2 AVX-512F, 1 AVX2.
+void pagoda_decode_attention(const float *q, int64_t ldq, const void *k_cache, const void *v_cache,
+                             int dtype, const int32_t *rows, const int32_t *lens, const int32_t *tables,
+                             int64_t ldt, int num_rows, int Hq, int Hkv, int D, int bs, float scale,
+                             float *out, int64_t ldo, int width, int threads, int isa) {
+    (isa == 2 ? run_avx512 : run_avx2)(q, ldq, k_cache, v_cache, dtype, rows, lens, tables, ldt,
+                                       num_rows, Hq, Hkv, D, bs, scale, out, ldo, width, threads);
+}

@@ -1,0 +1,70 @@
+"""kernels/cpu_decode_attention.c against float64 (kernels/reference.py) on a poisoned cache (NaN
+in every slot no sequence owns, table entries past each sequence's last block pointing at a NaN
+block), on every instruction set this CPU has (the test names them), fp32 and bf16 caches."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_attention, cpu_decode_attention
+from tests.unit.kernels.test_kernels import Batch
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # tests/conftest.py
+
+# (context lengths before the one new token, q heads, kv heads, head dim, block size)
+CASES = {
+    "gqa1_block_edges": ([0, 15, 16, 37, 150], 4, 4, 64, 16),
+    "smollm2": ([37, 200, 0, 130, 15, 600], 9, 3, 64, 16),
+    "gqa8_long": ([300, 90], 8, 1, 64, 16),
+    "head_dim_40_block_8": ([20, 50, 3], 4, 2, 40, 8),
+    "head_dim_128_block_32": ([40, 70, 15], 6, 2, 128, 32),
+    "odd_block_5": ([7, 22, 4], 2, 1, 24, 5),
+}
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+
+def _key_layout(batch: Batch) -> torch.Tensor:
+    k_cache = torch.empty(batch.k_cache.shape, dtype=batch.dtype)
+    cpu_attention.key_blocks(k_cache).copy_(batch.k_cache.permute(0, 2, 3, 1))
+    return k_cache
+
+
+@pytest.mark.parametrize("peaked", [False, True], ids=["plain", "peaked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_decode_kernel_equals_float64_on_every_isa_here(case, dtype, peaked):
+    if not cpu_decode_attention.available():
+        pytest.skip(f"no decode attention kernel on this CPU ({torch.backends.cpu.get_cpu_capability()})")
+    ctx_lens, hq, hkv, d, bs = CASES[case]
+    batch = Batch(ctx_lens, [1] * len(ctx_lens), hq, hkv, d, bs, dtype, seed=list(CASES).index(case))
+    if peaked:  # scores up to hundreds: the softmax's shift and exp's underflow matter
+        batch.q = batch.q * 30
+    k_cache = _key_layout(batch)
+    rows = torch.arange(len(ctx_lens))
+    isas = cpu_decode_attention.supported_isas()
+    print(f"decode attention paths here: {[cpu_decode_attention.ISA_NAMES[i] for i in isas]}")
+    for isa in isas:
+        out = torch.full(batch.q.shape, float("nan"), dtype=dtype)
+        cpu_decode_attention.decode(batch.q, k_cache, batch.v_cache, rows, batch.seq_lens,
+                                    batch.block_tables, batch.scale, out, isa=isa)
+        _, want = batch.expected()
+        assert not out.isnan().any(), cpu_decode_attention.ISA_NAMES[isa]
+        err = (out.double() - want).abs().max().item()
+        assert err <= TOL[dtype], (cpu_decode_attention.ISA_NAMES[isa], err)
+
+
+def test_rows_it_is_not_given_are_left_alone_and_rows_map_to_their_tokens():
+    """Decode rows scattered among other tokens (a prefill chunk's, say): each lands in its own
+    row of out, and out's other rows keep what they held."""
+    if not cpu_decode_attention.available():
+        pytest.skip("no decode attention kernel on this CPU")
+    batch = Batch([30, 5, 64], [1, 1, 1], 9, 3, 64, 16, torch.float32, seed=7)
+    k_cache = _key_layout(batch)
+    q = torch.randn(6, 9, 64, generator=torch.Generator().manual_seed(1))
+    q[[4, 0, 2]] = batch.q
+    out = torch.full_like(q, 7.0)
+    cpu_decode_attention.decode(q, k_cache, batch.v_cache, torch.tensor([4, 0, 2]), batch.seq_lens,
+                                batch.block_tables, batch.scale, out)
+    _, want = batch.expected()
+    assert (out[[4, 0, 2]].double() - want).abs().max().item() <= TOL[torch.float32]
+    assert bool((out[[1, 3, 5]] == 7.0).all())
