@@ -5,7 +5,7 @@ up to 64 tokens (the issue's bar: at least 7 of 8), the largest logit error; the
 stream's decode step, fp32 weights and each format, alternating in the same run, and the median
 over the rounds of each one's speed-up on fp32 in the same round.
 
-    .venv/bin/python bench/quantized_accuracy.py [--threads 2] [--tokens 64] [--formats int8,q8_0,q4_1] [--rounds 2]
+    .venv/bin/python bench/quantized_accuracy.py [--threads 2] [--tokens 64] [--formats int8,q8_0,q4_1] [--rounds 2] [--int8-activations]
 """
 from __future__ import annotations
 
@@ -73,7 +73,8 @@ def decode_step_ms(runner, steps: int = 20) -> float:
 
 
 def accuracy(runner, ref, tokens: int) -> tuple[int, float]:
-    """(prompts whose greedy tokens equal the reference's, the largest logit error)."""
+    """(prompts whose greedy tokens equal the reference's, the largest logit error on the same
+    tokens)."""
     equal, worst = 0, 0.0
     for prompt, seq in zip(PROMPTS, PlanDriver(runner).generate(PROMPTS, tokens)):
         with torch.no_grad():
@@ -81,7 +82,9 @@ def accuracy(runner, ref, tokens: int) -> tuple[int, float]:
                                 do_sample=False)[0, len(prompt):].tolist()
             logits = ref(torch.tensor([prompt + want])).logits[0, len(prompt) - 1:-1]
         equal += seq.output[:len(want)] == want
-        n = min(len(want), len(seq.logits))
+        # Logits on the same tokens only: up to the first differing one, whose logits still are.
+        n = next((i + 1 for i, (a, b) in enumerate(zip(seq.output, want)) if a != b),
+                 min(len(want), len(seq.logits)))
         worst = max(worst, (torch.stack(seq.logits[:n]).double() - logits[:n]).abs().max().item())
     return equal, worst
 
@@ -92,7 +95,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--formats", default="int8,q8_0,q4_1")
     ap.add_argument("--rounds", type=int, default=2, help="decode-step timings of each, alternating")
+    ap.add_argument("--int8-activations", action="store_true",
+                    help="q8_0/q4_1 through the kernel's int8-activation paths (kernels/cpu_gemm_gguf.py)")
     opts = ap.parse_args()
+    cpu_gemm_gguf.int8_activations = opts.int8_activations
     torch.set_num_threads(opts.threads)
     print(machine())
     hf = _load_smollm2_hf()

@@ -67,7 +67,14 @@ def key_blocks(k_cache: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor, kernel: bool | None = None) -> None:
+    """The step's keys and values into the cache (negative slots skipped): in one C call where
+    kernels/cpu_decode_attention.c runs (kernel None), else torch's index ops."""
+    if kernel is None:
+        kernel = cpu_decode_attention.runs_on(k_cache)
+    if kernel:
+        cpu_decode_attention.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        return
     block_size = k_cache.shape[1]
     if bool((slot_mapping < 0).any()):  # tokens to skip; a worker's steps have none
         keep = slot_mapping >= 0

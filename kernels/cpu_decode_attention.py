@@ -60,3 +60,30 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: 
                isa or _kernel.best)
     if target is not out:
         out.index_copy_(0, rows, target.index_select(0, rows).to(out.dtype))
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """kernels/cpu_attention.py write_kv in one C call: key and value [T, Hkv, D] into the caches
+    at slot_mapping (negative: skipped). Call only where runs_on(k_cache)."""
+    key = key.to(k_cache.dtype).contiguous()
+    value = value.to(v_cache.dtype).contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    fn = _write_kv_fn()
+    fn(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.element_size(),
+       slots.data_ptr(), key.shape[0], num_kv_heads, head_dim, block_size)
+
+
+_write_kv = None
+
+
+def _write_kv_fn():
+    global _write_kv
+    if _write_kv is None:
+        fn = _kernel.lib.pagoda_write_kv
+        fn.argtypes = [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_int, _c.c_void_p, _c.c_int,
+                       _c.c_int, _c.c_int, _c.c_int]
+        fn.restype = None
+        _write_kv = fn
+    return _write_kv

@@ -174,3 +174,22 @@ void pagoda_decode_attention(const float *q, int64_t ldq, const void *k_cache, c
     (isa == 2 ? run_avx512 : run_avx2)(q, ldq, k_cache, v_cache, dtype, rows, lens, tables, ldt,
                                        num_rows, Hq, Hkv, D, bs, scale, out, ldo, width, threads);
 }
+
+// The step's new keys and values into the cache (kernels/cpu_attention.py write_kv): token t goes
+// to slot slots[t] (block slots[t] / bs, offset slots[t] % bs; negative: skipped). key and value
+// [T, Hkv, D] hold the cache's own elements (elem bytes each: 4 fp32, 2 bf16 or fp16): a V slot
+// is one row copy, a K slot D * Hkv strided stores (its block holds keys transposed).
+void pagoda_write_kv(const void *key, const void *value, void *k_cache, void *v_cache, int elem,
+                     const int64_t *slots, int T, int Hkv, int D, int bs) {
+    const int64_t row = (int64_t)Hkv * D;
+    for (int t = 0; t < T; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        const int64_t b = slot / bs, o = slot % bs;
+        memcpy((char *)v_cache + slot * row * elem, (const char *)value + t * row * elem, (size_t)(row * elem));
+        const char *k = (const char *)key + t * row * elem;
+        char *kb = (char *)k_cache + b * row * bs * elem;
+        for (int64_t i = 0; i < row; i++)  // i = h * D + d: block element (h, d, o)
+            memcpy(kb + (i * bs + o) * elem, k + i * elem, (size_t)elem);
+    }
+}

@@ -24,8 +24,12 @@ def test_cpu_rows_past_the_batch_are_left_alone_and_the_plan_serves_every_layer(
         assert (out[4:] == 7.0).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_cpu_write_kv_keeps_keys_transposed_within_blocks(dtype):
+@pytest.mark.parametrize("path", ["c", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_cpu_write_kv_keeps_keys_transposed_within_blocks(dtype, path):
+    from kernels import cpu_decode_attention
+    if path == "c" and not cpu_decode_attention.available():
+        pytest.skip("no C kernel on this CPU")
     gen = torch.Generator().manual_seed(3)
     num_blocks, bs, hkv, d, n = 6, 16, 3, 64, 40
     want_k = torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype)
@@ -37,7 +41,7 @@ def test_cpu_write_kv_keeps_keys_transposed_within_blocks(dtype):
     slots = torch.randperm(num_blocks * bs, generator=gen)[:n]
     slots[::5] = -1                                                  # skipped tokens
     ref.write_kv(key, value, want_k, want_v, slots)
-    cpu.write_kv(key, value, k_cache, v_cache, slots)
+    cpu.write_kv(key, value, k_cache, v_cache, slots, kernel=path == "c")
     assert torch.equal(v_cache, want_v)
     assert torch.equal(cpu.key_blocks(k_cache), want_k.permute(0, 2, 3, 1))
 
