@@ -129,6 +129,7 @@ class AttentionPlan:
     decode: DecodePlan | None
     prefills: list[PrefillPlan]
     shorts: list[ShortPlan] = field(default_factory=list)
+    kernel: bool = False  # kernels/cpu_decode_attention.c serves this step's cache (decode, write_kv)
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -145,6 +146,8 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
     seq_lens = seq_lens.long()
     block_size, device = k_cache.shape[1], k_cache.device
     max_short_query = max(max_short_query, max_decode_rows)
+    if decode_kernel is None:
+        decode_kernel = cpu_decode_attention.runs_on(k_cache)
     prefills = []
     for s in (query_lens > max_short_query).nonzero().flatten().tolist():
         n, seq_len = int(query_lens[s]), int(seq_lens[s])
@@ -168,17 +171,15 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
               for g in (torch.tensor(group, device=device) for group in groups)]
     decode = ((query_lens >= 1) & (query_lens <= max_decode_rows)).nonzero().flatten()
     if decode.numel() == 0:
-        return AttentionPlan(None, prefills, shorts)
+        return AttentionPlan(None, prefills, shorts, decode_kernel)
     # A sequence with n new tokens is n decode rows over its block table, row i one of
     # seq_len - n + i + 1 tokens: the lengths alone make it causal.
     n = query_lens[decode]
     seq = decode.repeat_interleave(n)
     offset = torch.arange(seq.numel(), device=device) - (n.cumsum(0) - n).repeat_interleave(n)
     lens = seq_lens[seq] - query_lens[seq] + offset + 1
-    if decode_kernel is None:
-        decode_kernel = cpu_decode_attention.runs_on(k_cache)
     return AttentionPlan(_plan_decode(qsl[seq] + offset, lens, block_tables[seq], k_cache,
-                                      num_q_heads, decode_kernel), prefills, shorts)
+                                      num_q_heads, decode_kernel), prefills, shorts, decode_kernel)
 
 
 def _plan_short(starts, query_lens, lens, tables, k_cache) -> ShortPlan:

@@ -17,6 +17,7 @@ dequantized weights with torch).
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +55,11 @@ def best_isa() -> int:
         return 0
     if int8_activations:
         return _kernel.best
+    return _best_exact()
+
+
+@functools.cache
+def _best_exact() -> int:
     return max(i for i in supported_isas() if i not in INT8_ISAS)
 
 

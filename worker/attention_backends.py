@@ -45,10 +45,10 @@ class TorchBackend:
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         k_cache, v_cache = kv_cache
-        cpu_attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.plan is None:
             meta.plan = cpu_attention.plan_attention(meta.block_tables, meta.seq_lens,
                                                      meta.query_start_loc, k_cache, q.shape[1])
+        cpu_attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, kernel=meta.plan.kernel)
         return cpu_attention.paged_attention(q, k_cache, v_cache, meta.plan, scale)
 
 
