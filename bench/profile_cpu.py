@@ -2,6 +2,7 @@
 """Times and profiles the CPU worker's step on the real SmolLM2-135M, through ModelRunner.execute.
 
     .venv/bin/python bench/profile_cpu.py [--tree DIR] [--profile] [-- worker flags]
+    .venv/bin/python bench/profile_cpu.py --attention-ab 4 --steps 15 [-- worker flags]
 
 Scenarios: steady decode of 1, 32 and 64 sequences with contexts drawn from 200-600 tokens, and
 32 decodes plus a 256-token prefill in the same step. --profile-seqs picks the decode profiled
@@ -31,6 +32,9 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="torch.profiler table of decode steps")
     p.add_argument("--profile-seqs", type=int, default=64, help="sequences in the profiled decode")
     p.add_argument("--threads", type=int, default=0, help="torch threads, 0 = torch's default")
+    p.add_argument("--attention-ab", type=int, default=0, metavar="ROUNDS",
+                   help="only: decode 1 with kernels/cpu_decode_attention.c and with the torch path, "
+                        "alternating ROUNDS times in this process (medians of every step of each)")
     p.add_argument("worker_flags", nargs="*")
     args = p.parse_args()
     # The tree to measure comes first on the path, before any installed copy.
@@ -49,6 +53,9 @@ def main() -> None:
     print(f"tree {args.tree} flags {args.worker_flags} start-up {time.perf_counter() - start:.1f} s, "
           f"{torch.get_num_threads()} threads, {runner.dtype}")
     runner.cache.device_cache.normal_(generator=torch.Generator().manual_seed(0))
+    if args.attention_ab:
+        attention_ab(runner, args.attention_ab, args.steps, blocks_per_seq)
+        return
     for name, seqs, prefill in (("decode 1", 1, False), ("decode 32", 32, False), ("decode 64", 64, False),
                                 ("32 decodes + 256-token prefill", 32, True)):
         times = run_scenario(runner, seqs, prefill, args.steps, blocks_per_seq)
@@ -61,6 +68,22 @@ def main() -> None:
                          blocks_per_seq, warmup=0)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18,
                                         max_name_column_width=48))
+
+
+def attention_ab(runner, rounds: int, steps: int, blocks_per_seq: int) -> None:
+    from kernels import cpu_decode_attention
+    runs_on = cpu_decode_attention.runs_on
+    times: dict[str, list[float]] = {"C kernel": [], "torch ops": []}
+    try:
+        for _ in range(rounds):
+            for name in times:
+                cpu_decode_attention.runs_on = runs_on if name == "C kernel" else (lambda k_cache: False)
+                times[name] += run_scenario(runner, 1, False, steps, blocks_per_seq)
+    finally:
+        cpu_decode_attention.runs_on = runs_on
+    for name, t in times.items():
+        print(f"decode 1, attention and KV writes by {name:9s}: median {statistics.median(t) * 1e3:6.1f} ms "
+              f"over {len(t)} steps")
 
 
 def run_scenario(runner, num_seqs: int, prefill: bool, steps: int, blocks_per_seq: int,

@@ -21,8 +21,9 @@ pytestmark = pytest.mark.integration
 
 MAX_WAITING, MAX_RUNNING = 16, 8
 CLIENTS = 10 * (MAX_WAITING + MAX_RUNNING)
-# 60 s, as the issue asks (docs/faults.md has the figures); PAGODA_LOAD_S changes the length.
-LOAD_S = float(os.environ.get("PAGODA_LOAD_S", "60"))
+# 30 s in `make test` (the suite's 20-minute bound); docs/faults.md's figures are of the issue's
+# 60 s, PAGODA_LOAD_S=60.
+LOAD_S = float(os.environ.get("PAGODA_LOAD_S", "30"))
 DEADLINE_S = 30.0
 RETRY_S = 0.05  # a refused client waits this long, as a client with a backoff would
 
