@@ -53,6 +53,11 @@ from kernels import cpu_decode_attention
 # level or ahead and the short path's scores grow with n. 17 is a verification of k = 16.
 MAX_DECODE_ROWS = 2
 MAX_SHORT_QUERY = 17
+# With kernels/cpu_decode_attention.c a decode row costs no indices and the rows win up to 4-8
+# (the same benchmark, stop 33: at batch 16 and 512 tokens, 4 rows 2.4 ms against 6.5 for the
+# short path and 4.6 for SDPA, 8 rows 4.3 against 8.8 and 6.3 in fp32; bf16 about even at 4): a
+# verification of k = 4 proposals is 5 decode rows.
+MAX_KERNEL_DECODE_ROWS = 5
 # Elements of K and V one group of short sequences gathers (16 MiB in fp32): bounds the copy of
 # a big batch; a group still holds five sequences of 2048 tokens (SmolLM2).
 SHORT_GROUP_ELEMENTS = 1 << 22
@@ -134,20 +139,23 @@ class AttentionPlan:
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    query_start_loc: torch.Tensor, k_cache: torch.Tensor, num_q_heads: int,
-                   max_decode_rows: int = MAX_DECODE_ROWS,
+                   max_decode_rows: int | None = None,
                    max_short_query: int = MAX_SHORT_QUERY,
                    decode_kernel: bool | None = None) -> AttentionPlan:
     """Everything paged_attention needs besides q and the cache; it depends only on the step.
     A sequence with n new tokens takes the decode path if n <= max_decode_rows, else the short
-    path if n <= max_short_query, else SDPA (the benchmark sets the bounds to time each path).
+    path if n <= max_short_query, else SDPA (the benchmark sets the bounds to time each path;
+    None: MAX_KERNEL_DECODE_ROWS with the kernel, else MAX_DECODE_ROWS).
     decode_kernel: whether decode rows take the C kernel (None: where it runs)."""
     qsl = query_start_loc.long()
     query_lens = qsl[1:] - qsl[:-1]
     seq_lens = seq_lens.long()
     block_size, device = k_cache.shape[1], k_cache.device
-    max_short_query = max(max_short_query, max_decode_rows)
     if decode_kernel is None:
         decode_kernel = cpu_decode_attention.runs_on(k_cache)
+    if max_decode_rows is None:
+        max_decode_rows = MAX_KERNEL_DECODE_ROWS if decode_kernel else MAX_DECODE_ROWS
+    max_short_query = max(max_short_query, max_decode_rows)
     prefills = []
     for s in (query_lens > max_short_query).nonzero().flatten().tolist():
         n, seq_len = int(query_lens[s]), int(seq_lens[s])
