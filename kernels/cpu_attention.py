@@ -92,7 +92,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 @dataclass
 class DecodePlan:
     """The decode rows (Sd of them; Hq query heads): n per sequence with n <= MAX_DECODE_ROWS
-    new tokens, row i seeing its first seq_len - n + i + 1 positions. The C kernel reads rows,
+    (MAX_KERNEL_DECODE_ROWS with the C kernel) new tokens, row i seeing its first
+    seq_len - n + i + 1 positions. The C kernel reads rows,
     lens and tables; the torch path the indices after them (None when the kernel runs)."""
     rows: torch.Tensor          # [Sd]: each one's token's row in q and out
     max_blocks: int

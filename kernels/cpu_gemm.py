@@ -93,23 +93,15 @@ if __name__ == "__main__":
             print(f"kernels/cpu_gemm: {build()}")
         except RuntimeError as e:  # a missing compiler costs speed, not the install
             print(f"kernels/cpu_gemm: not built ({e}); the worker uses torch's matmul")
-    from kernels import cpu_gemm_bf16  # the bf16 one builds on any x86-64, whatever it runs
-    try:
-        print(f"kernels/cpu_gemm_bf16: {cbuild.build(cpu_gemm_bf16.SOURCE, cpu_gemm_bf16.FLAGS)}")
-    except RuntimeError as e:
-        print(f"kernels/cpu_gemm_bf16: not built ({e}); the worker uses torch's bf16 matmul")
-    from kernels import cpu_gemm_int8
-    try:
-        print(f"kernels/cpu_gemm_int8: {cbuild.build(cpu_gemm_int8.SOURCE, cpu_gemm_int8.FLAGS)}")
-    except RuntimeError as e:
-        print(f"kernels/cpu_gemm_int8: not built ({e}); --quantization int8 multiplies dequantized weights")
-    from kernels import cpu_gemm_gguf
-    try:
-        print(f"kernels/cpu_gemm_gguf: {cbuild.build(cpu_gemm_gguf.SOURCE, cpu_gemm_gguf.FLAGS)}")
-    except RuntimeError as e:
-        print(f"kernels/cpu_gemm_gguf: not built ({e}); --quantization q8_0 / q4_1 multiply dequantized weights")
-    from kernels import grammar_mask  # plain C: any CPU
-    try:
-        print(f"kernels/grammar_mask: {cbuild.build(grammar_mask.SOURCE, grammar_mask.FLAGS)}")
-    except RuntimeError as e:
-        print(f"kernels/grammar_mask: not built ({e}); the worker uses xgrammar's mask kernel")
+    # The others build on any x86-64, whatever it runs (each picks its path at run time).
+    import importlib
+    for name, without in (("cpu_gemm_bf16", "the worker uses torch's bf16 matmul"),
+                          ("cpu_gemm_int8", "--quantization int8 multiplies dequantized weights"),
+                          ("cpu_gemm_gguf", "--quantization q8_0 / q4_1 multiply dequantized weights"),
+                          ("cpu_decode_attention", "the CPU attention decodes with torch ops"),
+                          ("grammar_mask", "the worker uses xgrammar's mask kernel")):
+        kernel = importlib.import_module(f"kernels.{name}")
+        try:
+            print(f"kernels/{name}: {cbuild.build(kernel.SOURCE, kernel.FLAGS)}")
+        except RuntimeError as e:
+            print(f"kernels/{name}: not built ({e}); {without}")
