@@ -227,7 +227,9 @@ def _plan_decode(rows, lens, tables, k_cache, num_q_heads, kernel: bool) -> Deco
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     device = lens.device
     max_blocks = -(-int(lens.max()) // block_size)
-    if kernel:  # it reads no table entry past a row's last block
+    if kernel:  # it reads no table entry past a row's last block, and C checks no bounds
+        if tables.shape[1] < max_blocks:
+            raise ValueError(f"block tables of {tables.shape[1]} blocks for a row of {int(lens.max())} tokens")
         return DecodePlan(rows=rows, max_blocks=max_blocks, lens=lens,
                           tables=tables[:, :max_blocks].to(torch.int32).contiguous())
     tables = tables[:, :max_blocks].long()

@@ -68,3 +68,12 @@ def test_rows_it_is_not_given_are_left_alone_and_rows_map_to_their_tokens():
     _, want = batch.expected()
     assert (out[[4, 0, 2]].double() - want).abs().max().item() <= TOL[torch.float32]
     assert bool((out[[1, 3, 5]] == 7.0).all())
+
+
+def test_a_block_table_too_short_for_its_row_is_refused_before_the_kernel_reads_past_it():
+    if not cpu_decode_attention.available():
+        pytest.skip("no decode attention kernel on this CPU")
+    batch = Batch([40], [1], 4, 2, 64, 16, torch.float32, seed=3)
+    with pytest.raises(ValueError, match="block tables of 2 blocks for a row of 41 tokens"):
+        cpu_attention.plan_attention(batch.block_tables[:, :2], batch.seq_lens, batch.query_start_loc,
+                                     _key_layout(batch), 4)
