@@ -66,6 +66,7 @@ class IsaKernel:
         self.fn = self.lib = None  # lib: for a library's other entry points
         self.best = 0
         self._tried = False
+        self._functions: dict[str, object] = {}
 
     def available(self) -> bool:
         if not self._tried:
@@ -85,6 +86,15 @@ class IsaKernel:
             fn.argtypes, fn.restype = self.argtypes, None
             self.fn, self.lib = fn, lib
         return self.fn is not None
+
+    def function(self, name: str, argtypes: list):
+        """Another entry point of the library, typed once (call only after available())."""
+        fn = self._functions.get(name)
+        if fn is None:
+            fn = getattr(self.lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+            self._functions[name] = fn
+        return fn
 
     def isa(self) -> str | None:
         """The instruction set the kernel runs on here, or None where it does not run."""

@@ -230,7 +230,7 @@ def _plan_decode(rows, lens, tables, k_cache, num_q_heads, kernel: bool) -> Deco
     if kernel:  # it reads no table entry past a row's last block, and C checks no bounds
         if tables.shape[1] < max_blocks:
             raise ValueError(f"block tables of {tables.shape[1]} blocks for a row of {int(lens.max())} tokens")
-        return DecodePlan(rows=rows, max_blocks=max_blocks, lens=lens,
+        return DecodePlan(rows=rows, max_blocks=max_blocks, lens=lens.to(torch.int32),
                           tables=tables[:, :max_blocks].to(torch.int32).contiguous())
     tables = tables[:, :max_blocks].long()
     # Indices into the K and V tables; int32 halves what every layer reads when it fits.

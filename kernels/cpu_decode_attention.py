@@ -70,20 +70,10 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     value = value.to(v_cache.dtype).contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    fn = _write_kv_fn()
-    fn(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.element_size(),
-       slots.data_ptr(), key.shape[0], num_kv_heads, head_dim, block_size)
+    write = _kernel.function("pagoda_write_kv", _WRITE_KV_ARGS)
+    write(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.element_size(),
+          slots.data_ptr(), key.shape[0], num_kv_heads, head_dim, block_size)
 
 
-_write_kv = None
-
-
-def _write_kv_fn():
-    global _write_kv
-    if _write_kv is None:
-        fn = _kernel.lib.pagoda_write_kv
-        fn.argtypes = [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_int, _c.c_void_p, _c.c_int,
-                       _c.c_int, _c.c_int, _c.c_int]
-        fn.restype = None
-        _write_kv = fn
-    return _write_kv
+_WRITE_KV_ARGS = [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_int, _c.c_void_p, _c.c_int,
+                  _c.c_int, _c.c_int, _c.c_int]

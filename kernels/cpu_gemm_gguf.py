@@ -89,8 +89,9 @@ def dequantize(blocks: torch.Tensor, kind: str, dtype: torch.dtype = torch.float
     blocks = blocks.contiguous()
     out = torch.empty(blocks.shape[0], in_features(blocks, kind), dtype=torch.float32)
     if out.numel():
-        _dequantize_fn()(blocks.data_ptr(), blocks.stride(0), FORMATS[kind][0], out.data_ptr(),
-                         out.shape[0], out.shape[1], torch.get_num_threads())
+        fn = _kernel.function("pagoda_gguf_dequantize", _DEQUANTIZE_ARGS)
+        fn(blocks.data_ptr(), blocks.stride(0), FORMATS[kind][0], out.data_ptr(),
+           out.shape[0], out.shape[1], torch.get_num_threads())
     return out.to(dtype)
 
 
@@ -109,18 +110,9 @@ def dequantize_torch(blocks: torch.Tensor, kind: str, dtype: torch.dtype = torch
     return w.reshape(blocks.shape[0], -1).to(dtype)
 
 
-_dequantize = None
-
-
-def _dequantize_fn():
-    global _dequantize
-    if _dequantize is None:
-        fn = _kernel.lib.pagoda_gguf_dequantize
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
-                       ctypes.c_int64, ctypes.c_int]
-        fn.restype = None
-        _dequantize = fn
-    return _dequantize
+_DEQUANTIZE_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
+                    ctypes.c_int64, ctypes.c_int]
+_QUANTIZE_X_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
 
 
 def xwt(x: torch.Tensor, blocks: torch.Tensor, kind: str, isa: int | None = None) -> torch.Tensor:
@@ -145,9 +137,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     x = cbuild.row_major(x, x)[0]
     q = torch.empty(M, K, dtype=torch.int8)
     ds = torch.empty(M, K // BLOCK, 2, dtype=torch.float32)
-    fn = _kernel.lib.pagoda_gguf_quantize_x
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-    fn.restype = None
+    fn = _kernel.function("pagoda_gguf_quantize_x", _QUANTIZE_X_ARGS)
     fn(x.data_ptr(), x.stride(0), M, K, q.data_ptr(), ds.data_ptr())
     return q, ds[..., 0], ds[..., 1]
 
