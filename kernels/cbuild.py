@@ -8,6 +8,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -17,8 +18,22 @@ BUILD_DIR = Path(__file__).resolve().parent / "build"
 
 
 def library_path(source: Path, flags: list[str]) -> Path:
-    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(_source_bytes(source)) + " ".join(flags).encode()).hexdigest()[:16]
     return BUILD_DIR / f"{source.stem}-{digest}.so"
+
+
+def _source_bytes(source: Path, seen: set[Path] | None = None) -> list[bytes]:
+    """The source and every file it includes with quotes, each once: an edit to an included
+    kernel rebuilds the libraries that include it."""
+    seen = set() if seen is None else seen
+    if source in seen:
+        return []
+    seen.add(source)
+    text = source.read_bytes()
+    parts = [text]
+    for name in re.findall(rb'^\s*#include\s+"([^"]+)"', text, flags=re.MULTILINE):
+        parts += _source_bytes(source.parent / name.decode(), seen)
+    return parts
 
 
 def build(source: Path, flags: list[str]) -> Path:

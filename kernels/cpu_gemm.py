@@ -99,6 +99,7 @@ if __name__ == "__main__":
                           ("cpu_gemm_int8", "--quantization int8 multiplies dequantized weights"),
                           ("cpu_gemm_gguf", "--quantization q8_0 / q4_1 multiply dequantized weights"),
                           ("cpu_decode_attention", "the CPU attention decodes with torch ops"),
+                          ("cpu_decode_layer", "quantized decode steps run layer by layer in torch"),
                           ("grammar_mask", "the worker uses xgrammar's mask kernel")):
         kernel = importlib.import_module(f"kernels.{name}")
         try:

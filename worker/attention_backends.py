@@ -45,11 +45,17 @@ class TorchBackend:
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         k_cache, v_cache = kv_cache
+        plan = self.plan(meta, k_cache, q.shape[1])
+        cpu_attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, kernel=plan.kernel)
+        return cpu_attention.paged_attention(q, k_cache, v_cache, plan, scale)
+
+    @staticmethod
+    def plan(meta, k_cache, num_q_heads: int) -> cpu_attention.AttentionPlan:
+        """The step's plan, made by the first layer that asks and kept in meta for the others."""
         if meta.plan is None:
             meta.plan = cpu_attention.plan_attention(meta.block_tables, meta.seq_lens,
-                                                     meta.query_start_loc, k_cache, q.shape[1])
-        cpu_attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, kernel=meta.plan.kernel)
-        return cpu_attention.paged_attention(q, k_cache, v_cache, meta.plan, scale)
+                                                     meta.query_start_loc, k_cache, num_q_heads)
+        return meta.plan
 
 
 def select_backend(name: str, device_type: str) -> AttentionBackend:

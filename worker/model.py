@@ -12,6 +12,7 @@ from torch import nn
 from worker.attention_backends import AttentionBackend
 from worker.attention import PagedAttention
 from worker.attention_metadata import AttentionMetadata
+from worker.fused_decode import FusedDecode
 from worker.model_config import ModelConfig
 from kernels import cpu_gemm_gguf, cpu_gemm_int8
 from worker.layers import (Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary, bf16_kernel_fits,
@@ -102,8 +103,14 @@ class LlamaModel(nn.Module):
                                     for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    fused_decode = None  # worker/fused_decode.py's FusedDecode, once the weights qualify
+
     def forward(self, input_ids, positions, meta, kv_caches):
         x, residual = self.embed_tokens(input_ids), None
+        if self.fused_decode is not None:
+            out = self.fused_decode.forward(x, positions, meta, kv_caches)
+            if out is not None:
+                return out
         rope = self.rotary(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(rope, x, residual, kv_cache, meta)
@@ -181,6 +188,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_gguf = (blocks.contiguous(), kind)
         if not tied:
             del self.lm_head
+        self.model.fused_decode = FusedDecode.build(self)
         return sum(t.numel() * t.element_size() for t in self.state_dict().values()) + blocks.numel() + \
             sum(m.blocks.numel() for m in self.modules() if isinstance(m, Linear))
 

@@ -10,7 +10,8 @@ import copy
 import pytest
 import torch
 
-from kernels import cpu_gemm_gguf
+from kernels import cpu_decode_layer, cpu_gemm_gguf
+from kernels.cpu_decode_layer import decode_step
 from tests.unit.worker.test_worker_loader import write_gguf
 from tests.worker_tiny_models import assert_greedy_equals_reference, make_hf_model, runner_args, save_model
 from worker.loader import gguf_blocks
@@ -52,13 +53,22 @@ def exact_activations(monkeypatch):
 # Each kind once (the tied head with biases for one), within the time a unit test may take; the
 # GGUF test below runs q4_1 on a llama too, and test_worker_int8.py every variant.
 @pytest.mark.parametrize("variant,kind", [("llama", "q8_0"), ("llama3-tied-bias", "q4_1")])
-def test_greedy_and_logits_equal_float64_on_the_dequantized_weights(variant, kind, tmp_path, exact_activations):
+def test_greedy_and_logits_equal_float64_on_the_dequantized_weights(variant, kind, tmp_path, exact_activations,
+                                                                     monkeypatch):
     hf = make_hf_model(variant)
     runner = ModelRunner(runner_args(save_model(hf, tmp_path / variant), "--quantization", kind))
     linears = [m for m in runner.model.modules() if getattr(m, "blocks", None) is not None]
     assert linears and all(m.weight is None and m.kind == kind for m in linears)
     assert runner.model.lm_head_gguf is not None
+    # Decode steps run as one C step (worker/fused_decode.py) where the model qualifies: not with
+    # biases, which the other variant has, so both ways are held to the reference.
+    fused = variant == "llama" and cpu_decode_layer.available()
+    assert (runner.model.model.fused_decode is not None) == fused
+    steps = []
+    monkeypatch.setattr(cpu_decode_layer, "decode_step",
+                        lambda *a, **k: steps.append(a[3].shape[0]) or decode_step(*a, **k))
     assert_equals_reference(runner, dequantized_float64(hf, kind))
+    assert (len(steps) >= NEW_TOKENS - 1) == fused and all(t == len(PROMPTS) for t in steps)
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "q4_1"])

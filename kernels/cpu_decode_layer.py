@@ -1,0 +1,189 @@
+"""A whole decode step of a pre-norm transformer in one C call (kernels/csrc/cpu_decode_layer.c):
+every layer (RMSNorm, q/k/v with rotary q and k, the K/V writes, paged attention, o, RMSNorm,
+gated SiLU MLP, the residual sums) in one parallel region, over GGUF Q8_0 / Q4_1 weights and an
+fp32 or bf16 paged cache, then the final norm. For a single stream, where layer-by-layer torch
+spends as long on its ops' dispatch as on the weights (worker/fused_decode.py decides when).
+
+Shapes and layouts are kernels/cpu_attention.py's and kernels/cpu_gemm_gguf.py's; reference()
+is the same step in float64 on the dequantized weights, which the kernel is held to. AVX-512F,
+else AVX2 + FMA (+ F16C), chosen at run time; else available() is False.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels import cbuild, cpu_decode_attention, cpu_gemm_gguf
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_decode_layer.c"
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+ISA_NAMES = {2: "AVX-512F", 1: "AVX2+FMA"}
+
+_p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+class DecodeLayer(ctypes.Structure):
+    _fields_ = [("qkv", _p), ("o", _p), ("gate_up", _p), ("down", _p),
+                ("ld_qkv", ctypes.c_int64), ("ld_o", ctypes.c_int64), ("ld_gate_up", ctypes.c_int64),
+                ("ld_down", ctypes.c_int64), ("norm1", _p), ("norm2", _p), ("k_cache", _p), ("v_cache", _p)]
+
+
+class DecodeStep(ctypes.Structure):
+    _fields_ = [("T", _i), ("H", _i), ("Hq", _i), ("Hkv", _i), ("D", _i), ("I", _i), ("bs", _i),
+                ("wtype", _i), ("cache_dtype", _i), ("num_rows", _i), ("threads", _i), ("isa", _i),
+                ("eps", _f), ("scale", _f), ("cis", _p), ("positions", _p), ("slots", _p),
+                ("rows", _p), ("lens", _p), ("tables", _p), ("ldt", ctypes.c_int64),
+                ("final_norm", _p), ("h", _p), ("out", _p)]
+
+
+_kernel = cbuild.IsaKernel(SOURCE, FLAGS, "pagoda_decode_layer_isa", "pagoda_decode_step",
+                           [_p, _i, ctypes.POINTER(DecodeStep)], ISA_NAMES, "decoding layer by layer in torch")
+available, isa, supported_isas = _kernel.available, _kernel.isa, _kernel.supported_isas
+
+
+@dataclass
+class LayerWeights:
+    """One layer as the kernel reads it: GGUF blocks (uint8 [N, K / 32 * bytes]) of the fused
+    q|k|v rows (q and k rows paired for the rotary turn), o, the fused gate|up rows and down;
+    the two norms' weights (fp32 [H])."""
+    qkv: torch.Tensor
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    norm1: torch.Tensor
+    norm2: torch.Tensor
+
+
+@dataclass
+class Shape:
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    kind: str                   # "q8_0" or "q4_1"
+
+
+def layers_array(weights: list[LayerWeights], kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+    """The ctypes array the kernel walks; it holds raw pointers, so the caller keeps weights and
+    caches alive (and rebuilds it if a cache is reallocated)."""
+    arr = (DecodeLayer * len(weights))()
+    for a, w, (k, v) in zip(arr, weights, kv_caches):
+        for name in ("qkv", "o", "gate_up", "down"):
+            blocks = getattr(w, name)
+            if blocks.dtype != torch.uint8 or not blocks.is_contiguous():
+                raise ValueError(f"{name}: contiguous uint8 GGUF blocks expected")
+            setattr(a, name, blocks.data_ptr())
+            setattr(a, f"ld_{name}", blocks.stride(0))
+        a.norm1, a.norm2 = w.norm1.data_ptr(), w.norm2.data_ptr()
+        a.k_cache, a.v_cache = k.data_ptr(), v.data_ptr()
+    return arr
+
+
+def decode_step(layers, shape: Shape, final_norm: torch.Tensor, h: torch.Tensor, cis: torch.Tensor,
+                positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
+                tables: torch.Tensor, k_cache: torch.Tensor, isa: int | None = None) -> torch.Tensor:
+    """The final-normed hidden states [T, H] of the step. h: the embeddings [T, H] (fp32,
+    contiguous; summed into in place: the residual stream). cis: complex64 [positions, D / 2].
+    positions, slots: int64 [T]; rows, lens: int32 [R]; tables: int32 [R, blocks] (the decode
+    plan's, every token a row). k_cache: any layer's (for its layout and dtype). Call only after
+    available(), with bounds already checked (C checks none)."""
+    T = h.shape[0]
+    out = torch.empty_like(h)
+    num_blocks, bs, num_kv_heads, head_dim = k_cache.shape
+    p = DecodeStep(T=T, H=shape.hidden, Hq=shape.num_heads, Hkv=shape.num_kv_heads, D=shape.head_dim,
+                   I=shape.intermediate, bs=bs, wtype=cpu_gemm_gguf.FORMATS[shape.kind][0],
+                   cache_dtype=cpu_decode_attention.DTYPES[k_cache.dtype], num_rows=rows.numel(),
+                   threads=torch.get_num_threads(), isa=isa or _kernel.best, eps=shape.eps,
+                   scale=shape.head_dim ** -0.5, cis=cis.data_ptr(), positions=positions.data_ptr(),
+                   slots=slots.data_ptr(), rows=rows.data_ptr(), lens=lens.data_ptr(),
+                   tables=tables.data_ptr(), ldt=tables.stride(0), final_norm=final_norm.data_ptr(),
+                   h=h.data_ptr(), out=out.data_ptr())
+    _kernel.fn(ctypes.addressof(layers), len(layers), ctypes.byref(p))
+    return out
+
+
+def reference(weights: list[LayerWeights], shape: Shape, final_norm: torch.Tensor, h: torch.Tensor,
+              cis: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+              kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lens: torch.Tensor,
+              tables: torch.Tensor) -> torch.Tensor:
+    """decode_step in float64 (each token t a decode row over lens[t] positions of tables[t]),
+    on the dequantized weights; writes the step's K/V into the caches, rounded to their dtype,
+    as the kernel does. Returns float64 [T, H]."""
+    from kernels.cpu_attention import key_blocks
+    T, D = h.shape[0], shape.head_dim
+    Hq, Hkv = shape.num_heads, shape.num_kv_heads
+    x = h.double()
+    c = torch.view_as_real(cis[positions]).double()  # [T, D / 2, 2]
+
+    def norm(v, w):
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + shape.eps) * w.double()
+
+    def mm(v, blocks):
+        return v @ cpu_gemm_gguf.dequantize(blocks, shape.kind, torch.float64).t()
+
+    def turn(v):  # [T, heads, D], pairs (2i, 2i + 1)
+        a, b = v[..., 0::2], v[..., 1::2]
+        cos, sin = c[:, None, :, 0], c[:, None, :, 1]
+        return torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2)
+
+    for w, (k_cache, v_cache) in zip(weights, kv_caches):
+        qkv = mm(norm(x, w.norm1), w.qkv)
+        q = turn(qkv[:, :Hq * D].view(T, Hq, D))
+        k = turn(qkv[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D))
+        v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+        bs = k_cache.shape[1]
+        keys = key_blocks(k_cache)  # [blocks, Hkv, D, bs]: the layout the kernels read
+        for t in range(T):
+            if slots[t] >= 0:
+                keys[slots[t] // bs, :, :, slots[t] % bs] = k[t].to(k_cache.dtype)
+                v_cache[slots[t] // bs, slots[t] % bs] = v[t].to(v_cache.dtype)
+        attn = torch.empty(T, Hq, D, dtype=torch.float64)
+        for t in range(T):
+            n = int(lens[t])
+            blocks = tables[t, :-(-n // bs)].long()
+            kt = keys[blocks].permute(0, 3, 1, 2).reshape(-1, Hkv, D)[:n].double().repeat_interleave(Hq // Hkv, 1)
+            vt = v_cache[blocks].reshape(-1, Hkv, D)[:n].double().repeat_interleave(Hq // Hkv, 1)
+            p = torch.softmax(torch.einsum("hd,nhd->hn", q[t], kt) * D ** -0.5, -1)
+            attn[t] = torch.einsum("hn,nhd->hd", p, vt)
+        x = x + mm(attn.reshape(T, -1), w.o)
+        gu = mm(norm(x, w.norm2), w.gate_up)
+        gate, up = gu.chunk(2, -1)
+        x = x + mm(torch.nn.functional.silu(gate) * up, w.down)
+    return norm(x, final_norm)
+
+
+@functools.cache
+def agrees_with_reference(kind: str = "q4_1") -> bool:
+    """Whether the best path here agrees with reference() on a small random step (two sequences,
+    one token each, two layers): checked once a process before a model takes the kernel; one
+    log line if not."""
+    g = torch.Generator().manual_seed(0)
+    shape = Shape(64, 4, 2, 16, 96, 1e-5, kind)
+
+    def blocks(n, k):
+        return cpu_gemm_gguf.quantize(torch.randn(n, k, generator=g) * k ** -0.5, kind)
+    weights = [LayerWeights(blocks(128, 64), blocks(64, 64), blocks(192, 64), blocks(64, 96),
+                            1 + 0.1 * torch.randn(64, generator=g), 1 + 0.1 * torch.randn(64, generator=g))
+               for _ in range(2)]
+    caches = [(torch.randn(4, 16, 2, 16, generator=g), torch.randn(4, 16, 2, 16, generator=g)) for _ in range(2)]
+    ref_caches = [(k.clone(), v.clone()) for k, v in caches]
+    h, final_norm = torch.randn(2, 64, generator=g), 1 + 0.1 * torch.randn(64, generator=g)
+    angles = torch.outer(torch.arange(64.0), 10000.0 ** (-torch.arange(0, 16, 2) / 16))
+    cis = torch.polar(torch.ones_like(angles), angles)
+    positions, slots = torch.tensor([5, 20]), torch.tensor([5, 3 * 16 + 4])
+    lens, tables = torch.tensor([6, 21], dtype=torch.int32), torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    want = reference(weights, shape, final_norm, h, cis, positions, slots, ref_caches, lens, tables)
+    got = decode_step(layers_array(weights, caches), shape, final_norm, h.clone(), cis, positions, slots,
+                      torch.arange(2, dtype=torch.int32), lens, tables, caches[0][0])
+    ok = bool(((got.double() - want).abs() <= 1e-4 * want.abs().clamp(min=1)).all())
+    if not ok:
+        logging.getLogger(__name__).warning(
+            "the decode step kernel (%s) disagrees with float64 on this machine: it is off", isa())
+    return ok

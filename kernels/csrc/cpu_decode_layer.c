@@ -1,0 +1,190 @@
+// A decode step of a pre-norm transformer (the Llama family's layer: RMSNorm, fused q/k/v with
+// rotary q and k, paged attention, o, RMSNorm, gated SiLU MLP) on the CPU, every layer in one C
+// call and one parallel region, over GGUF Q8_0 / Q4_1 weights (--quantization q8_0 / q4_1).
+//
+// Why: a one-sequence step reads ~85 MB of Q4_1 weights, about 10 ms; layer by layer in torch
+// the same step took 19-25 ms, the difference being some 25 torch ops a layer (each a dispatch
+// and an allocation: an RMSNorm of 576 floats cost 50 us), seven C calls and as many parallel
+// regions. Here the threads stay in one region for the whole step and meet at a barrier between
+// the phases of a layer (llama.cpp's graph runs the same way).
+//
+// The pieces are the tested kernels' own: the GGUF dot products of cpu_gemm_gguf.c (exact fp32
+// activations), the attention of cpu_decode_attention.c (its rows, lengths and block tables:
+// kernels/cpu_attention.py's decode plan), its K/V layout. Added here: RMSNorm (sum of squares
+// in double), the rotary turn of q and k (heads with each pair (i, i + D/2) at (2i, 2i + 1), the
+// layout worker/model.py loads), SiLU(gate) * up (exp_poly), the K/V writes with rounding to
+// bf16 (to nearest even, as torch rounds), and the residual sums, added in place by the o and
+// down projections' rows as they are computed.
+#include "cpu_gemm_gguf.c"
+#include "cpu_decode_attention.c"
+
+#include <math.h>
+
+// One layer's weights and cache, fixed for the model's life (the caller builds them once).
+typedef struct {
+    const uint8_t *qkv, *o, *gate_up, *down;     // GGUF blocks, [N, K / 32 blocks] each
+    int64_t ld_qkv, ld_o, ld_gate_up, ld_down;    // bytes per weight row
+    const float *norm1, *norm2;                   // [H]: input and post-attention RMSNorm
+    void *k_cache, *v_cache;                      // kernels/cpu_attention.py's layouts
+} DecodeLayer;
+
+// What changes with each step.
+typedef struct {
+    int T, H, Hq, Hkv, D, I, bs;   // tokens; hidden, heads, head dim, MLP width, block size
+    int wtype, cache_dtype;        // ggml type (8 Q8_0, 3 Q4_1); 0 fp32, 1 bf16 cache
+    int num_rows, threads, isa;    // decode rows; isa 2 AVX-512F, 1 AVX2 + FMA
+    float eps, scale;
+    const float *cis;              // [positions, D / 2, 2]: cos, sin
+    const int64_t *positions, *slots;   // [T]; slot < 0: not written
+    const int32_t *rows, *lens, *tables;  // per decode row: its token, visible positions, blocks
+    int64_t ldt;
+    const float *final_norm;       // [H]
+    float *h;                      // [T, H]: in the embeddings; the residual stream, summed in place
+    float *out;                    // [T, H]: the final norm of the last layer's stream
+} DecodeStep;
+
+int pagoda_decode_layer_isa(void) {
+    const int gguf = pagoda_gguf_isa();
+    if (gguf >= 3) return 2;
+    return gguf >= 1 ? 1 : 0;
+}
+
+static void rms_norm_row(const float *x, const float *w, float eps, int H, float *out) {
+    double ss = 0.0;
+    for (int i = 0; i < H; i++) ss += (double)x[i] * x[i];
+    const float r = 1.0f / sqrtf((float)(ss / H) + eps);
+    for (int i = 0; i < H; i++) out[i] = (x[i] * r) * w[i];
+}
+
+void pagoda_rms_norm(const float *x, const float *w, float eps, int T, int H, float *out) {
+    for (int t = 0; t < T; t++) rms_norm_row(x + (int64_t)t * H, w, eps, H, out + (int64_t)t * H);
+}
+
+static inline void store_elem(void *base, int64_t i, float f, int dtype) {
+    if (dtype == 0) {
+        ((float *)base)[i] = f;
+        return;
+    }
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    b += 0x7FFFu + ((b >> 16) & 1u);  // to nearest, ties to even (no NaN reaches here)
+    ((uint16_t *)base)[i] = (uint16_t)(b >> 16);
+}
+
+typedef void (*dots_fn)(const float *, int64_t, int, const uint8_t *, int64_t, int, float *);
+
+// out[t, n] = (or +=) x[t] . W[n] for every weight row n, split over the team (an orphaned
+// worksharing loop: called from inside the step's parallel region; it ends at a barrier).
+static void gemv(dots_fn dots, int most, const float *x, int64_t ldx, int T, const uint8_t *w,
+                 int64_t ldw, int type, int64_t N, int64_t K, float *out, int64_t ldo, int add) {
+    #pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float s[8];
+        for (int m = 0; m < T; m += most) {
+            const int rows = T - m < most ? T - m : most;
+            dots(x + m * ldx, ldx, rows, w + n * ldw, K, type, s);
+            for (int r = 0; r < rows; r++) {
+                float *o = out + (m + r) * ldo + n;
+                *o = add ? *o + s[r] : s[r];
+            }
+        }
+    }
+}
+
+// x * sigmoid(x), e^-|x| by exp_poly (which takes arguments <= 0).
+static inline float silu(float x) {
+    const float e = exp_poly(-__builtin_fabsf(x));
+    return x >= 0.0f ? x / (1.0f + e) : x * e / (1.0f + e);
+}
+
+#define STEP(ISA, TARGET, DOTS, MOST)                                                                  \
+    __attribute__((target(TARGET)))                                                                    \
+    static void step_##ISA(const DecodeLayer *layers, int num_layers, const DecodeStep *p, float *act,  \
+                           float *qkv, float *attn, float *gu, int width) {                            \
+        const int T = p->T, H = p->H, D = p->D, I = p->I, Hq = p->Hq, Hkv = p->Hkv;                 \
+        const int64_t nqkv = (int64_t)(Hq + 2 * Hkv) * D;                                             \
+        _Pragma("omp parallel num_threads(p->threads)")                                                \
+        {                                                                                              \
+            float *s = malloc((size_t)(width + D) * sizeof(float));                                    \
+            for (int l = 0; l < num_layers; l++) {                                                     \
+                const DecodeLayer *L = layers + l;                                                     \
+                _Pragma("omp for schedule(static)")                                                    \
+                for (int t = 0; t < T; t++)                                                            \
+                    rms_norm_row(p->h + (int64_t)t * H, L->norm1, p->eps, H, act + (int64_t)t * H);    \
+                gemv(DOTS, MOST, act, H, T, L->qkv, L->ld_qkv, p->wtype, nqkv, H, qkv, nqkv, 0);        \
+                /* q and k heads turned; k and v heads written to the cache */                         \
+                _Pragma("omp for schedule(static)")                                                    \
+                for (int64_t task = 0; task < (int64_t)T * (Hq + Hkv); task++) {                       \
+                    const int t = (int)(task / (Hq + Hkv)), j = (int)(task % (Hq + Hkv));             \
+                    float *x = qkv + t * nqkv + (int64_t)j * D;                                        \
+                    const float *c = p->cis + p->positions[t] * D;                                     \
+                    for (int i = 0; i < D / 2; i++) {                                                  \
+                        const float x0 = x[2 * i], x1 = x[2 * i + 1];                                  \
+                        x[2 * i] = x0 * c[2 * i] - x1 * c[2 * i + 1];                                  \
+                        x[2 * i + 1] = x0 * c[2 * i + 1] + x1 * c[2 * i];                              \
+                    }                                                                                  \
+                    const int64_t slot = p->slots[t];                                                  \
+                    if (j < Hq || slot < 0) continue;                                                  \
+                    const int h = j - Hq;                                                              \
+                    const float *v = qkv + t * nqkv + (int64_t)(Hq + Hkv + h) * D;                     \
+                    const int64_t b = slot / p->bs, o = slot % p->bs;                                  \
+                    const int64_t kbase = (b * Hkv + h) * D * p->bs + o, vbase = (slot * Hkv + h) * D; \
+                    for (int d = 0; d < D; d++) {                                                      \
+                        store_elem(L->k_cache, kbase + (int64_t)d * p->bs, x[d], p->cache_dtype);      \
+                        store_elem(L->v_cache, vbase + d, v[d], p->cache_dtype);                       \
+                    }                                                                                  \
+                }                                                                                      \
+                _Pragma("omp for schedule(static)")                                                    \
+                for (int64_t task = 0; task < (int64_t)p->num_rows * Hq; task++) {                     \
+                    const int r = (int)(task / Hq), hq = (int)(task % Hq), t = p->rows[r];             \
+                    const float *q = qkv + t * nqkv + (int64_t)hq * D;                                 \
+                    float *o = attn + ((int64_t)t * Hq + hq) * D;                                      \
+                    if (p->cache_dtype == 0)                                                           \
+                        attend(q, L->k_cache, L->v_cache, p->tables + r * p->ldt, p->lens[r],          \
+                               hq / (Hq / Hkv), Hkv, D, p->bs, p->scale, s, s + width, o, 0);          \
+                    else                                                                               \
+                        attend(q, L->k_cache, L->v_cache, p->tables + r * p->ldt, p->lens[r],          \
+                               hq / (Hq / Hkv), Hkv, D, p->bs, p->scale, s, s + width, o, 1);          \
+                }                                                                                      \
+                gemv(DOTS, MOST, attn, (int64_t)Hq * D, T, L->o, L->ld_o, p->wtype, H, (int64_t)Hq * D, \
+                     p->h, H, 1);                                                                      \
+                _Pragma("omp for schedule(static)")                                                    \
+                for (int t = 0; t < T; t++)                                                            \
+                    rms_norm_row(p->h + (int64_t)t * H, L->norm2, p->eps, H, act + (int64_t)t * H);    \
+                gemv(DOTS, MOST, act, H, T, L->gate_up, L->ld_gate_up, p->wtype, 2 * (int64_t)I, H,    \
+                     gu, 2 * (int64_t)I, 0);                                                           \
+                _Pragma("omp for schedule(static)")                                                    \
+                for (int64_t e = 0; e < (int64_t)T * I; e++) {                                         \
+                    const int64_t t = e / I, i = e % I;                                                \
+                    act[e] = silu(gu[t * 2 * I + i]) * gu[t * 2 * I + I + i];                          \
+                }                                                                                      \
+                gemv(DOTS, MOST, act, I, T, L->down, L->ld_down, p->wtype, H, I, p->h, H, 1);          \
+            }                                                                                          \
+            free(s);                                                                                   \
+        }                                                                                              \
+    }
+
+STEP(avx512, "avx512f,f16c,fma", dots_avx512, 8)
+STEP(avx2, "avx2,fma,f16c", dots_avx2, 4)
+
+// Every layer of one decode step, then the final norm into p->out. Every token of the step is a
+// decode row (rows covers 0 .. T - 1); the caller bounds positions, slots and tables by the
+// cache (worker/plan_checks.py, kernels/cpu_attention.py), as for the kernels this reuses.
+void pagoda_decode_step(const DecodeLayer *layers, int num_layers, const DecodeStep *p) {
+    int width = 0;
+    for (int r = 0; r < p->num_rows; r++) {
+        const int w = (p->lens[r] + p->bs - 1) / p->bs * p->bs;
+        width = w > width ? w : width;
+    }
+    const int64_t T = p->T, wide = p->H > p->I ? p->H : p->I;
+    float *act = malloc(T * wide * sizeof(float));
+    float *qkv = malloc(T * (p->Hq + 2 * p->Hkv) * p->D * sizeof(float));
+    float *attn = malloc(T * p->Hq * p->D * sizeof(float));
+    float *gu = malloc(T * 2 * p->I * sizeof(float));
+    (p->isa == 2 ? step_avx512 : step_avx2)(layers, num_layers, p, act, qkv, attn, gu, width);
+    pagoda_rms_norm(p->h, p->final_norm, p->eps, p->T, p->H, p->out);
+    free(act);
+    free(qkv);
+    free(attn);
+    free(gu);
+}

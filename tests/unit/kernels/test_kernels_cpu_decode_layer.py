@@ -1,0 +1,134 @@
+"""kernels/cpu_decode_layer.c (a whole decode step in one call) against its float64 reference on
+the dequantized weights, on every instruction set this CPU has (the test names them): Q4_1 and
+Q8_0 weights, fp32 and bf16 caches, one token of each of several sequences and a verification's
+several tokens of one, on a cache poisoned with NaN wherever no sequence has a position."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_attention, cpu_decode_layer, cpu_gemm_gguf
+from kernels.cpu_decode_layer import LayerWeights, Shape
+from worker.layers import RotaryEmbedding
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # tests/conftest.py
+
+SHAPE = dict(hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate=96, eps=1e-5)
+LAYERS, NUM_BLOCKS = 3, 16
+# Steps: (context before the step's tokens, new tokens) per sequence, and the block size.
+STEPS = {
+    "three_sequences": ([(0, 1), (17, 1), (40, 1)], 16),
+    "verification_of_4": ([(23, 5)], 16),
+    "mixed_block_5": ([(9, 1), (3, 4)], 5),
+}
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def _model(kind: str, g: torch.Generator):
+    s = SHAPE
+    qkv_rows = (s["num_heads"] + 2 * s["num_kv_heads"]) * s["head_dim"]
+
+    def blocks(n, k):
+        return cpu_gemm_gguf.quantize(torch.randn(n, k, generator=g) * k ** -0.5, kind)
+
+    def norm():
+        return 1 + 0.1 * torch.randn(s["hidden"], generator=g)
+    weights = [LayerWeights(blocks(qkv_rows, s["hidden"]), blocks(s["hidden"], s["num_heads"] * s["head_dim"]),
+                            blocks(2 * s["intermediate"], s["hidden"]), blocks(s["hidden"], s["intermediate"]),
+                            norm(), norm()) for _ in range(LAYERS)]
+    return weights, norm()
+
+
+def _step(seqs, bs, dtype, g):
+    """Caches with every sequence's context filled in (and NaN elsewhere), and the step's tokens
+    as decode rows: positions, slots, lens, tables (block j of a sequence at a scattered block)."""
+    s = SHAPE
+    shape = (NUM_BLOCKS, bs, s["num_kv_heads"], s["head_dim"])
+    caches = [(torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype))
+              for _ in range(LAYERS)]
+    order = torch.randperm(NUM_BLOCKS, generator=g)
+    positions, slots, lens, tables, used = [], [], [], [], 0
+    width = max(-(-(ctx + n) // bs) for ctx, n in seqs)
+    for ctx, n in seqs:
+        blocks = order[used:used + -(-(ctx + n) // bs)]
+        used += blocks.numel()
+        table = torch.cat([blocks, order[-1:].repeat(width - blocks.numel())])  # padding: a NaN block
+        for k_cache, v_cache in caches:
+            keys = cpu_attention.key_blocks(k_cache)
+            for pos in range(ctx):
+                b, o = int(blocks[pos // bs]), pos % bs
+                keys[b, :, :, o] = torch.randn(s["num_kv_heads"], s["head_dim"], generator=g).to(dtype)
+                v_cache[b, o] = torch.randn(s["num_kv_heads"], s["head_dim"], generator=g).to(dtype)
+        for i in range(n):
+            positions.append(ctx + i)
+            slots.append(int(blocks[(ctx + i) // bs]) * bs + (ctx + i) % bs)
+            lens.append(ctx + i + 1)
+            tables.append(table)
+    assert used < NUM_BLOCKS  # the last block stays NaN
+    return (caches, torch.tensor(positions), torch.tensor(slots), torch.tensor(lens, dtype=torch.int32),
+            torch.stack(tables).to(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("step", list(STEPS))
+def test_a_decode_step_equals_float64_on_every_isa_here(step, kind, dtype):
+    if not cpu_decode_layer.available():
+        pytest.skip(f"no decode layer kernel on this CPU ({torch.backends.cpu.get_cpu_capability()})")
+    g = torch.Generator().manual_seed(list(STEPS).index(step))
+    weights, final_norm = _model(kind, g)
+    seqs, bs = STEPS[step]
+    caches, positions, slots, lens, tables = _step(seqs, bs, dtype, g)
+    shape = Shape(**SHAPE, kind=kind)
+    T = positions.numel()
+    h = torch.randn(T, SHAPE["hidden"], generator=g)
+    cis = RotaryEmbedding(SHAPE["head_dim"], 128, 10000.0).cis
+    ref_caches = [(k.clone(), v.clone()) for k, v in caches]
+    want = cpu_decode_layer.reference(weights, shape, final_norm, h, cis, positions, slots, ref_caches,
+                                      lens, tables)
+    isas = cpu_decode_layer.supported_isas()
+    print(f"decode layer paths here: {[cpu_decode_layer.ISA_NAMES[i] for i in isas]}")
+    for isa in isas:
+        run_caches = [(k.clone(), v.clone()) for k, v in caches]
+        layers = cpu_decode_layer.layers_array(weights, run_caches)
+        stream = h.clone()
+        got = cpu_decode_layer.decode_step(layers, shape, final_norm, stream, cis, positions, slots,
+                                           torch.arange(T, dtype=torch.int32), lens, tables,
+                                           run_caches[0][0], isa=isa)
+        name = cpu_decode_layer.ISA_NAMES[isa]
+        assert not got.isnan().any(), name
+        err = ((got.double() - want).abs() / want.abs().clamp(min=1)).max().item()
+        assert err <= TOL[dtype], (name, err)
+        for (k, v), (k_ref, v_ref) in zip(run_caches, ref_caches):  # the step's K/V, and nothing else
+            assert torch.equal(k.isnan(), k_ref.isnan()) and torch.equal(v.isnan(), v_ref.isnan()), name
+            for got_cache, want_cache in ((k, k_ref), (v, v_ref)):
+                held = ~want_cache.isnan()
+                err = (got_cache[held].double() - want_cache[held].double()).abs().max().item()
+                assert err <= 4 * TOL[dtype], (name, err)
+
+
+def test_the_stream_is_summed_in_place_and_a_negative_slot_is_not_written():
+    if not cpu_decode_layer.available():
+        pytest.skip("no decode layer kernel on this CPU")
+    g = torch.Generator().manual_seed(7)
+    weights, final_norm = _model("q4_1", g)
+    caches, positions, slots, lens, tables = _step([(12, 1)], 16, torch.float32, g)
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    # The token still attends over its own position, which keeps what the cache held there.
+    slot = int(slots[0])
+    for k, v in caches:
+        cpu_attention.key_blocks(k)[slot // 16, :, :, slot % 16] = 0.5
+        v.view(-1, *v.shape[2:])[slot] = 0.25
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    h = torch.randn(1, SHAPE["hidden"], generator=g)
+    stream = h.clone()
+    shape = Shape(**SHAPE, kind="q4_1")
+    cis = RotaryEmbedding(SHAPE["head_dim"], 128, 10000.0).cis
+    out = cpu_decode_layer.decode_step(cpu_decode_layer.layers_array(weights, caches), shape, final_norm,
+                                       stream, cis, positions, torch.tensor([-1]), torch.tensor([0], dtype=torch.int32),
+                                       lens, tables, caches[0][0])
+    for (k, v), (k0, v0) in zip(caches, before):
+        assert torch.equal(k.nan_to_num(7), k0.nan_to_num(7)) and torch.equal(v.nan_to_num(7), v0.nan_to_num(7))
+    assert not torch.equal(stream, h)  # the residual stream, summed in place
+    want = stream * torch.rsqrt(stream.double().pow(2).mean(-1, keepdim=True) + 1e-5).float() * final_norm
+    assert torch.allclose(out, want, rtol=1e-5, atol=1e-6)
