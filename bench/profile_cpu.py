@@ -35,6 +35,9 @@ def main() -> None:
     p.add_argument("--attention-ab", type=int, default=0, metavar="ROUNDS",
                    help="only: decode 1 with kernels/cpu_decode_attention.c and with the torch path, "
                         "alternating ROUNDS times in this process (medians of every step of each)")
+    p.add_argument("--fused-ab", type=int, default=0, metavar="ROUNDS",
+                   help="only: decode 1, 8, 32 and 64 with worker/fused_decode.py's C step and layer by "
+                        "layer, alternating ROUNDS times (use with -- --quantization q4_1)")
     p.add_argument("worker_flags", nargs="*")
     args = p.parse_args()
     # The tree to measure comes first on the path, before any installed copy.
@@ -55,6 +58,9 @@ def main() -> None:
     runner.cache.device_cache.normal_(generator=torch.Generator().manual_seed(0))
     if args.attention_ab:
         attention_ab(runner, args.attention_ab, args.steps, blocks_per_seq)
+        return
+    if args.fused_ab:
+        fused_ab(runner, args.fused_ab, args.steps, blocks_per_seq)
         return
     for name, seqs, prefill in (("decode 1", 1, False), ("decode 32", 32, False), ("decode 64", 64, False),
                                 ("32 decodes + 256-token prefill", 32, True)):
@@ -84,6 +90,23 @@ def attention_ab(runner, rounds: int, steps: int, blocks_per_seq: int) -> None:
     for name, t in times.items():
         print(f"decode 1, attention and KV writes by {name:9s}: median {statistics.median(t) * 1e3:6.1f} ms "
               f"over {len(t)} steps")
+
+
+def fused_ab(runner, rounds: int, steps: int, blocks_per_seq: int) -> None:
+    from worker import fused_decode
+    if runner.model.model.fused_decode is None:
+        raise SystemExit("this model takes no fused decode step (see worker/fused_decode.py)")
+    times = {(seqs, on): [] for seqs in (1, 8, 32, 64) for on in (True, False)}
+    try:
+        for _ in range(rounds):
+            for seqs, on in times:
+                fused_decode.enabled = on
+                times[seqs, on] += run_scenario(runner, seqs, False, steps, blocks_per_seq)
+    finally:
+        fused_decode.enabled = True
+    for (seqs, on), t in times.items():
+        print(f"decode {seqs:2d}, {'one C step    ' if on else 'layer by layer'}: median "
+              f"{statistics.median(t) * 1e3:6.1f} ms over {len(t)} steps")
 
 
 def run_scenario(runner, num_seqs: int, prefill: bool, steps: int, blocks_per_seq: int,

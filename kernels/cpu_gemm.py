@@ -1,5 +1,6 @@
-"""x @ w^T in fp32 on the CPU through kernels/csrc/cpu_gemm.c, a small AVX2 kernel built with the
-system C compiler and called through ctypes.
+"""x @ w^T in fp32 on the CPU through kernels/csrc/cpu_gemm.c, a small AVX2 kernel (with an AVX-512F
+path chosen at run time where the CPU has it) built with the system C compiler and called
+through ctypes.
 
 Why: on the developers' AVX2 EPYC (2 threads, torch 2.13's MKL), MKL's sgemm runs a step's
 projections at a fraction of the machine's rate whenever x has fewer than a few hundred rows,
@@ -64,22 +65,33 @@ def available() -> bool:
         fn = lib.cpu_gemm_xwt
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
-                       ctypes.c_int]
+                       ctypes.c_int, ctypes.c_int]
         fn.restype = None
+        global _best
+        _best = lib.cpu_gemm_isa()
         _lib = lib
     return _lib is not None
 
 
-def xwt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+ISA_NAMES = {2: "AVX-512F", 1: "AVX2+FMA"}
+_best = 0
+
+
+def supported_isas() -> list[int]:
+    """The paths this CPU runs, best first (each is tested)."""
+    return list(range(_best, 0, -1)) if available() else []
+
+
+def xwt(x: torch.Tensor, w: torch.Tensor, isa: int | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> [M, N], fp32 CPU tensors whose rows are contiguous. Call only
-    after available() returned True."""
+    after available() returned True. isa: a path of supported_isas() (default the best)."""
     M, K = x.shape
     N = w.shape[0]
     x, w = cbuild.row_major(x, w)
     out = torch.empty(M, N, dtype=torch.float32)
     if M and N:
         _lib.cpu_gemm_xwt(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), out.data_ptr(), N,
-                          M, N, K, torch.get_num_threads())
+                          M, N, K, torch.get_num_threads(), isa or _best)
     return out
 
 

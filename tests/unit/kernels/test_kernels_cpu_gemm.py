@@ -14,23 +14,31 @@ GEN = torch.Generator().manual_seed(0)
 
 
 def check(x: torch.Tensor, w: torch.Tensor, threads: int = 2) -> None:
+    """On every path this CPU runs (AVX-512F, AVX2): the test output names them."""
+    want = x.double() @ w.double().t()
+    # fp32 products summed over K: the error grows like sqrt(K) eps |x||w|.
+    tol = 4e-6 * (x.shape[1] ** 0.5 + 1) * (x.abs().max().item() * w.abs().max().item() + 1)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = cpu_gemm.xwt(x, w)
+        for isa in cpu_gemm.supported_isas():
+            got = cpu_gemm.xwt(x, w, isa)
+            assert got.shape == want.shape and got.dtype == torch.float32 and got.is_contiguous()
+            assert (got.double() - want).abs().max().item() <= tol, cpu_gemm.ISA_NAMES[isa]
     finally:
         torch.set_num_threads(before)
-    want = x.double() @ w.double().t()
-    assert got.shape == want.shape and got.dtype == torch.float32 and got.is_contiguous()
-    # fp32 products summed over K: the error grows like sqrt(K) eps |x||w|.
-    tol = 4e-6 * (x.shape[1] ** 0.5 + 1) * (x.abs().max().item() * w.abs().max().item() + 1)
-    assert (got.double() - want).abs().max().item() <= tol
 
 
-# Rows 1-3 and their sums cover every block of x (3, 2, 1 rows); N mod 4 the single-row blocks of
-# w; K mod 8 the masked tail; 97 rows two row chunks; 49152 x 576 the LM head of SmolLM2.
+def test_the_paths_here_are_named():
+    print(f"fp32 matmul paths here: {[cpu_gemm.ISA_NAMES[i] for i in cpu_gemm.supported_isas()]}")
+    assert cpu_gemm.supported_isas()[-1] == 1  # AVX2 + FMA: the floor the library is built for
+
+
+# Rows 1-6 and their sums cover every block of x (AVX2: 3, 2, 1 rows; AVX-512: 1-6); N mod 4 the
+# single-row blocks of w; K mod 8 and mod 16 the masked tails; 97 rows two row chunks; 49152 x 576
+# the LM head of SmolLM2.
 @pytest.mark.parametrize("M,N,K", [
-    (1, 1, 1), (1, 4, 8), (2, 5, 7), (3, 8, 9), (4, 13, 16), (5, 7, 15), (15, 960, 576),
+    (1, 1, 1), (1, 4, 8), (2, 5, 7), (3, 8, 9), (4, 13, 16), (5, 7, 15), (6, 9, 31), (11, 6, 17), (15, 960, 576),
     (16, 576, 1536), (64, 3072, 576), (97, 9, 33), (200, 37, 100), (16, 49152, 576)])
 def test_equals_float64(M, N, K):
     check(torch.randn(M, K, generator=GEN), torch.randn(N, K, generator=GEN))
