@@ -16,14 +16,17 @@ from torch import nn
 from kernels import cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8
 
 
-# Rows up to which an fp32 CPU projection runs through kernels/cpu_gemm.c: it beats MKL's sgemm
-# from 1 row (1.9-3.5x for 1-64 rows, the decode steps) to about 1024 (bench/bench_gemm.py); MKL
-# is as fast or faster on full 2048-row prefill chunks.
-KERNEL_MAX_ROWS = 1024
+# Rows up to which an fp32 CPU projection runs through kernels/cpu_gemm.c, by the path it takes
+# (bench/bench_gemm.py): on an AVX2 EPYC its AVX2 path beats MKL's sgemm from 1 row (1.9-3.5x for
+# 1-64 rows, the decode steps) to about 1024, MKL being as fast on 2048-row prefill chunks; on an
+# AVX-512 Xeon its AVX-512F path wins up to 64 rows (1.1x there) and MKL from 128 (1.17-1.26x at
+# 128-1024 rows), so prefill chunks go to MKL there.
+KERNEL_MAX_ROWS = {1: 1024, 2: 64}
 # Rows up to which a bf16 CPU projection runs through kernels/cpu_gemm_bf16.c: 2-4x torch's bf16
 # linear for 1-4 rows on an AVX512-BF16 EPYC, slower from about 16 (bench/bench_gemm.py).
 BF16_KERNEL_MAX_ROWS = 4
 _kernel = False
+_kernel_max_rows = 0  # KERNEL_MAX_ROWS of the path the fp32 kernel takes here, once it is on
 _bf16_kernel = False
 
 
@@ -32,8 +35,9 @@ def use_cpu_kernel(wanted: bool) -> bool:
     built and the CPU has AVX2), and bf16 ones with few rows too (AVX512-BF16 or AVX2). Each
     checks itself against float64 once; one that disagrees is turned off, with a log line.
     Returns whether the fp32 one is on."""
-    global _kernel, _bf16_kernel
+    global _kernel, _kernel_max_rows, _bf16_kernel
     _kernel = wanted and cpu_gemm.available() and _agrees(cpu_gemm.xwt, torch.float32, 1e-5)
+    _kernel_max_rows = KERNEL_MAX_ROWS[cpu_gemm.supported_isas()[0]] if _kernel else 0
     _bf16_kernel = wanted and cpu_gemm_bf16.available() and _agrees(
         cpu_gemm_bf16.xwt, torch.bfloat16, 2.0 ** -7)
     return _kernel
@@ -51,8 +55,13 @@ def _agrees(xwt, dtype: torch.dtype, rtol: float) -> bool:
     return ok
 
 
+def kernel_max_rows() -> int:
+    """Rows up to which fp32 projections take kernels/cpu_gemm.c here (0: it is off)."""
+    return _kernel_max_rows
+
+
 def kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (_kernel and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= KERNEL_MAX_ROWS
+    return (_kernel and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= _kernel_max_rows
             and x.dtype == weight.dtype == torch.float32)
 
 

@@ -150,11 +150,13 @@ def test_bf16_logits_of_a_few_rows_go_through_the_bf16_kernel_and_equal_float64(
 @pytest.mark.parametrize("rows", [1, 2, 9, 64, 1024, 1025])
 @pytest.mark.parametrize("bias", [False, True])
 def test_cpu_linear_equals_float64(rows, bias, kernel, monkeypatch):
-    """worker.layers.linear runs up to KERNEL_MAX_ROWS rows through kernels/cpu_gemm.c and more
+    """worker.layers.linear runs up to its bound's rows through kernels/cpu_gemm.c and more
     through F.linear: both are x W^T + b to float32 rounding, contiguous, in the input's dtype."""
-    from worker.layers import KERNEL_MAX_ROWS, linear
-    assert KERNEL_MAX_ROWS == 1024  # the parametrization straddles it
+    from worker.layers import linear
     monkeypatch.setattr("worker.layers._kernel", kernel and cpu_gemm.available())
+    monkeypatch.setattr("worker.layers._kernel_max_rows", 1024)  # the parametrization straddles it
+    calls = []
+    monkeypatch.setattr(cpu_gemm, "xwt", lambda *a, real=cpu_gemm.xwt: calls.append(1) or real(*a))
     weight = torch.randn(96, 40, generator=GEN)
     b = torch.randn(96, generator=GEN) if bias else None
     x = torch.randn(rows, 40, generator=GEN)
@@ -162,6 +164,20 @@ def test_cpu_linear_equals_float64(rows, bias, kernel, monkeypatch):
     want = x.double() @ weight.double().t() + (b.double() if bias else 0)
     assert got.is_contiguous() and got.dtype == torch.float32 and got.shape == (rows, 96)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert calls == ([1] if kernel and cpu_gemm.available() and rows <= 1024 else [])
+
+
+def test_the_kernels_row_bound_is_its_paths(monkeypatch):
+    """MKL takes over where it is faster: above 64 rows on the AVX-512F path, 1024 on AVX2."""
+    import worker.layers as layers
+    if not cpu_gemm.available():
+        pytest.skip("no fp32 kernel here")
+    for name in ("_kernel", "_kernel_max_rows", "_bf16_kernel"):  # put back afterwards
+        monkeypatch.setattr(layers, name, getattr(layers, name))
+    assert layers.use_cpu_kernel(True)
+    assert layers.kernel_max_rows() == layers.KERNEL_MAX_ROWS[cpu_gemm.supported_isas()[0]]
+    assert layers.KERNEL_MAX_ROWS == {1: 1024, 2: 64}
+    assert layers.use_cpu_kernel(False) is False and layers.kernel_max_rows() == 0
 
 
 def test_cpu_matmul_flag_turns_the_kernel_off(monkeypatch):
