@@ -1,9 +1,12 @@
 """How many tokens one sequence may propose next: speculation that backs off by itself.
 
 A wrong proposal costs a verification row and gains nothing, so each sequence's draft length
-follows what its own proposals came to (as adaptive draft lengths do in the literature):
-after a draft that was accepted in full it grows by one, up to the worker's k; after one that
-was cut short it becomes one more than was accepted. A sequence whose proposals keep failing
+follows what its own proposals came to: after a draft that was accepted in full it grows by
+one, up to the worker's k (from the one token it tries after a pause); after one that was cut
+short it is the worker's k again. Shrinking it to one more than was accepted (as adaptive draft
+lengths do in the literature) paid when a verification row was dear; on the CPU 5 rows of the
+projections now cost 1.22x one row, and proposing k after a cut took the repetitive stream of
+bench/speculative.py from 1.70x to 1.88x in decode (docs/benchmarks.md). A sequence whose proposals keep failing
 outright (two drafts in a row of which nothing was accepted) pauses: it proposes nothing for a
 number of decode steps that doubles with every pause, up to MAX_PAUSE, and tries one token
 after it, so text that turns repetitive later is still found. While every running sequence is
@@ -47,7 +50,7 @@ class DraftLength:
         if accepted == proposed:
             self.k, self.misses, self.pause = min(most, self.k + 1), 0, 4
             return
-        self.k = accepted + 1
+        self.k = most
         if accepted:
             self.misses = 0
             return

@@ -151,18 +151,18 @@ def test_a_result_that_accepts_more_than_the_plan_allowed_drops_the_worker():
 
 def test_draft_lengths_follow_what_each_sequence_accepted():
     from scheduler.draft_length import DraftLength
-    d = DraftLength(4)
-    d.update(4, 4, most=4)
-    assert d.next() == 4                 # accepted in full: as long as the worker allows
-    d.update(4, 1, most=4)
-    assert d.next() == 2                 # cut short: one more than was accepted
+    d = DraftLength(1)                   # as after a pause: one token
+    d.update(1, 1, most=4)
+    assert d.next() == 2                 # accepted in full: one more, up to the worker's k
     d.update(2, 2, most=4)
     assert d.next() == 3
+    d.update(3, 1, most=4)
+    assert d.next() == 4                 # cut short: the worker's k again
     d.update(0, 0, most=4)
-    assert d.next() == 3                 # no n-gram matched: nothing learned
-    d.update(3, 0, most=4)
-    assert d.next() == 1
-    d.update(1, 0, most=4)               # the second draft in a row that failed outright
+    assert d.next() == 4                 # no n-gram matched: nothing learned
+    d.update(4, 0, most=4)
+    assert d.next() == 4                 # one draft that failed outright
+    d.update(4, 0, most=4)               # the second in a row
     assert [d.next() for _ in range(5)] == [0, 0, 0, 0, 1]  # paused 4 steps, then one token
     d.update(1, 0, most=4)
     d.update(1, 0, most=4)
