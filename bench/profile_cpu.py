@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/profile_cpu.py [--tree DIR] [--profile] [-- worker flags]
     .venv/bin/python bench/profile_cpu.py --attention-ab 4 --steps 15 [-- worker flags]
+    .venv/bin/python bench/profile_cpu.py --fused-ab 2 --steps 8 -- --quantization q4_1
 
 Scenarios: steady decode of 1, 32 and 64 sequences with contexts drawn from 200-600 tokens, and
 32 decodes plus a 256-token prefill in the same step. --profile-seqs picks the decode profiled
