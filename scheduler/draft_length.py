@@ -11,7 +11,13 @@ outright (two drafts in a row of which nothing was accepted) pauses: it proposes
 number of decode steps that doubles with every pause, up to MAX_PAUSE, and tries one token
 after it, so text that turns repetitive later is still found. While every running sequence is
 paused, the scheduler plans ahead again (Scheduler.can_plan). Only the scheduler calls it; it
-decides the slots it allocates."""
+decides the slots it allocates.
+
+A worker whose proposer sizes each draft itself (method suffix: the draft follows the length
+of its match and stops where its continuation is uncertain) is offered k every decode step:
+backs_off False. Pausing it cost more than it saved: in a replay of bench/speculative.py's
+repetitive stream through the proposer with this machine's measured step costs, 2.10x against
+2.36x without pauses (docs/benchmarks.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,6 +31,7 @@ class DraftLength:
     misses: int = 0        # drafts in a row of which nothing was accepted
     paused: int = 0        # steps left without proposals
     pause: int = 4         # the next pause's length
+    backs_off: bool = True  # False: the worker paces its drafts; always k
 
     @property
     def ready(self) -> bool:
@@ -45,7 +52,7 @@ class DraftLength:
     def update(self, proposed: int, accepted: int, most: int) -> None:
         """A result: `proposed` tokens were verified (0: no n-gram matched, nothing learned),
         `accepted` of them kept; `most` is the worker's k."""
-        if not proposed:
+        if not proposed or not self.backs_off:
             return
         if accepted == proposed:
             self.k, self.misses, self.pause = min(most, self.k + 1), 0, 4

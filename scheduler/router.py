@@ -92,6 +92,7 @@ class Router:
             max_plans_in_flight=self.config.max_plans_in_flight,
             num_speculative_tokens=hello.num_speculative_tokens,
             spec_disable_by_batch_size=hello.speculative_disable_by_batch_size,
+            spec_paced_by_worker=hello.speculative_paced_by_worker,
             enable_prefix_caching=self.config.enable_prefix_caching,
             eos_token_ids=frozenset(hello.eos_token_ids),
             num_cpu_blocks=hello.num_cpu_blocks, bytes_per_block=hello.bytes_per_block,

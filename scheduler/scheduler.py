@@ -184,7 +184,8 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> pb.StepPlan | None:
         step = Step(self.step_id + 1, self.config.max_num_batched_tokens,
-                    self.config.num_speculative_tokens if self.speculates else 0)
+                    self.config.num_speculative_tokens if self.speculates else 0,
+                    self.config.spec_paced_by_worker)
         queues = self.queues
         queues.prune()
         if queues.suspects:

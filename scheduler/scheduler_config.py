@@ -23,6 +23,7 @@ class SchedulerConfig:
     # 0 = off). It plans one step at a time: the next plan needs to know how many were accepted.
     num_speculative_tokens: int = 0
     spec_disable_by_batch_size: int = 0  # no proposals with more running sequences (0: never)
+    spec_paced_by_worker: bool = False   # the proposer sizes its drafts: no back-off here
 
 
 @dataclass

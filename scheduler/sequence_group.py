@@ -196,7 +196,7 @@ class Single(SequenceGroup):
         # 0 (off, or the batch too large): no call on the decode path. A fork holding back its
         # last tokens computes short of its end: no token, no proposals.
         k = step.lookahead
-        k = _lookahead(k, seq, known, step.budget) if k and not self.held_back else 0
+        k = _lookahead(k, seq, known, step) if k and not self.held_back else 0
         blocks = kv.allocate_slots(seq, n, num_lookahead_tokens=k) if k else None
         if blocks is None:  # no room for proposals: a plain decode, for which others may go
             k = 0
@@ -256,17 +256,17 @@ class Single(SequenceGroup):
         return [self.handle]
 
 
-def _lookahead(k: int, seq: Request, known: int, budget: int) -> int:
+def _lookahead(k: int, seq: Request, known: int, step: Step) -> int:
     """Proposals a running sequence may verify this step: only a decode (one token to compute,
     none on the way) whose sampling allows it, no more than its own draft length (which backs
     off when its proposals fail) and than its length limit and the step's budget leave room for."""
     if known - seq.num_computed_tokens != 1 or not seq.on_worker or not may_speculate(seq.sampling):
         return 0
-    if seq.draft is None:
-        seq.draft = DraftLength(k)
+    if seq.draft is None or seq.draft.backs_off == step.paced_by_worker:
+        seq.draft = DraftLength(k, backs_off=not step.paced_by_worker)
     if seq.num_pending:  # a plan ahead: its last token is not known yet
         seq.draft.tick()
         return 0
     # k caps its draft length too: a sequence recomputed on another worker (one that lost its
     # worker) carries the draft length it learned where k may have been larger.
-    return max(0, min(seq.draft.next(), k, seq.length_limit - known - 1, budget - 1))
+    return max(0, min(seq.draft.next(), k, seq.length_limit - known - 1, step.budget - 1))

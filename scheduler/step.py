@@ -17,6 +17,7 @@ class Step:
     step_id: int
     budget: int                     # tokens still free in this step
     lookahead: int = 0              # proposals a decode may verify (0: none this step)
+    paced_by_worker: bool = False   # its proposer sizes each draft: every decode is offered k
     # (sequence, tokens to compute): new to the worker (sent whole), or held by it (by slot).
     new: list[tuple["Request", int]] = field(default_factory=list)
     held: list[tuple["Request", int]] = field(default_factory=list)

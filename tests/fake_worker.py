@@ -123,11 +123,13 @@ class Seq:
 class FakeWorker:
     def __init__(self, num_blocks: int, block_size: int = 4, worker_id: str = "fake",
                  num_cpu_blocks: int = 0, num_speculative_tokens: int = 0,
-                 always_wrong: bool = False, disable_by_batch_size: int = 0) -> None:
+                 always_wrong: bool = False, disable_by_batch_size: int = 0,
+                 paced_by_worker: bool = False) -> None:
         self.num_blocks, self.block_size, self.worker_id = num_blocks, block_size, worker_id
         self.num_speculative_tokens = num_speculative_tokens
         self.always_wrong = always_wrong  # its proposer is never right (text that never repeats)
         self.disable_by_batch_size = disable_by_batch_size
+        self.paced_by_worker = paced_by_worker  # as method suffix: the scheduler never pauses it
         self.drafts = self.accepted = 0  # proposals made, proposals accepted
         self.num_cpu_blocks = num_cpu_blocks
         self.cache = [-1] * (num_blocks * block_size)
@@ -147,7 +149,8 @@ class FakeWorker:
                               swap_bytes_per_s=1e9, prefill_tokens_per_s=1e3,
                               protocol_version=PROTOCOL_VERSION,
                               num_speculative_tokens=self.num_speculative_tokens,
-                              speculative_disable_by_batch_size=self.disable_by_batch_size)
+                              speculative_disable_by_batch_size=self.disable_by_batch_size,
+                              speculative_paced_by_worker=self.paced_by_worker)
 
     def forget_all(self) -> None:
         """A new scheduler knows none of our sequences (worker.main calls it on reregister)."""

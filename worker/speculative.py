@@ -25,7 +25,7 @@ from proto.columns import pack, unpack
 from proto.speculation import may_speculate
 from worker.grammar import GrammarRows, apply_grammar_mask
 from worker.input_batch import InputBatch
-from worker.ngram_proposer import propose
+from worker import ngram_proposer, suffix_proposer
 from worker.rejection_sampler import verify
 from worker.step_logprobs import run_logprobs
 from worker.sampler import SAMPLING_EPS, apply_processors, probabilities
@@ -81,7 +81,8 @@ class Speculator:
     def hello_fields(self) -> dict:
         """What the scheduler needs to know of it (WorkerHello)."""
         return {"num_speculative_tokens": self.num_speculative_tokens,
-                "speculative_disable_by_batch_size": self.config.disable_by_batch_size}
+                "speculative_disable_by_batch_size": self.config.disable_by_batch_size,
+                "speculative_paced_by_worker": self.config.paced_by_worker}
 
     def propose(self, batch: InputBatch, plan_spec_slots: bytes, plan_spec_k: bytes,
                 slots: np.ndarray, counts: np.ndarray) -> Proposals:
@@ -120,7 +121,12 @@ class Speculator:
         if self.draft is not None:
             return self.draft.propose(batch, slots.astype(np.int64), k.astype(np.int64), self.prepare)
         cfg = self.config
-        return [propose(batch.tokens(s), n, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        if cfg.method == "suffix":
+            return [suffix_proposer.propose(batch.tokens(s), n, cfg.suffix_decoding_max_tree_depth,
+                                            cfg.suffix_decoding_max_spec_factor,
+                                            cfg.suffix_decoding_min_token_prob)
+                    for s, n in zip(slots.tolist(), k.tolist())]
+        return [ngram_proposer.propose(batch.tokens(s), n, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
                 for s, n in zip(slots.tolist(), k.tolist())]
 
     @staticmethod

@@ -41,7 +41,10 @@ def add_worker_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help='speculative decoding, vLLM\'s fields: {"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5, '
                         '"disable_by_batch_size": 8}, or {"method": "draft_model", "model": PATH, '
-                        '"num_speculative_tokens": 4} (a draft of the same vocabulary) (default: off; '
+                        '"num_speculative_tokens": 4} (a draft of the same vocabulary), or {"method": '
+                        '"suffix", "num_speculative_tokens": 16, "suffix_decoding_max_tree_depth": 24, '
+                        '"suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1} '
+                        "(drafts as long as their match) (default: off; "
                         "disable_by_batch_size 0: never off by batch size; docs/design.md)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--max-model-len", type=int, default=None,

@@ -181,6 +181,24 @@ def test_a_sequence_whose_proposals_always_fail_mostly_stops_proposing():
     assert worker.accepted == 0 and 0 < speculating < len(plans) / 5
 
 
+def test_a_worker_that_paces_its_drafts_is_offered_k_at_every_decode():
+    """Method suffix sizes each draft itself: the scheduler never pauses its sequences, however
+    their proposals fare, and plans one step at a time while they may propose."""
+    router = make_router()
+    worker = FakeWorker(64, block_size=4, num_speculative_tokens=4, always_wrong=True,
+                        paced_by_worker=True)
+    workers = with_workers(router, worker)
+    add(router, "a", [5, 6, 7], 60, seed=4)
+    out, plans = {}, []
+    run(router, workers, out, plans_seen=plans)
+    assert out[("a", 0)]["tokens"] == reference_output([5, 6, 7], 60, 4)
+    offered = [unpack_list(p.spec_num_tokens) for p in plans if len(unpack_list(p.spec_slots))]
+    decodes = [p for p in plans if len(unpack_list(p.running_slots))]
+    # Every decode but those whose length limit leaves no room offers the full k.
+    assert worker.accepted == 0 and len(offered) >= len(decodes) - 4
+    assert all(k == [4] for k in offered[:-4])
+
+
 def test_while_every_sequence_has_paused_its_drafts_the_scheduler_plans_ahead():
     """Speculation and the plan ahead: one plan at a time while any sequence would propose,
     two in flight while all have paused, never a plan behind one that speculates."""

@@ -44,6 +44,20 @@ def test_proposals_follow_the_known_tokens_and_settle_to_the_accepted_ones():
     assert batch.tokens(0).tolist() == QUOTED + [8, 9]  # the target's token is appended next
 
 
+def test_method_suffix_sizes_each_draft_by_its_match():
+    """QUOTED's last three tokens matched: three proposals at factor 1, however many the plan
+    offers; row 1's last token (9) never occurred before: none. The hello tells the scheduler
+    that this worker paces its drafts."""
+    batch = batch_with((QUOTED, pb.SamplingConfig()), ([3, 4, 3, 9], pb.SamplingConfig()))
+    slots, counts = np.array([0, 1]), np.array([1, 1])
+    suffix = Speculator(SpeculativeConfig.parse('{"method": "suffix", "num_speculative_tokens": 8}'))
+    spec = suffix.propose(batch, pack([0, 1]), pack([8, 8]), slots, counts)
+    assert spec.rows == [0] and [d.tolist() for d in spec.drafts] == [[8, 9, 10]]
+    assert counts.tolist() == [4, 1]
+    assert suffix.hello_fields()["speculative_paced_by_worker"]
+    assert not speculator().hello_fields()["speculative_paced_by_worker"]
+
+
 def test_a_failed_step_leaves_the_rows_as_they_were():
     batch = batch_with((QUOTED, pb.SamplingConfig()))
     slots, counts = np.array([0]), np.array([1])
