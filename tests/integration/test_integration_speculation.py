@@ -35,15 +35,20 @@ MAX_TOKENS = 48  # the draft-model module reads the same paths
 MIN_MARGIN = 0.02  # logits; fp32 kernels of different query lengths differ by ~1e-5
 
 
-@pytest.fixture(scope="module")
-def spec(tmp_path_factory):
-    # 24 blocks of 16: each prompt fits alone; ten at once outgrow the pool and preempt.
-    log = tmp_path_factory.mktemp("speculation") / "cluster.log"
-    c = Cluster("--dtype", "float32", "--speculative-config", json.dumps(SPEC),
+def spec_cluster(tmp_path_factory, spec: dict):
+    """A cluster speculating with `spec`, stopped after the module; 24 blocks of 16: each prompt
+    fits alone with its lookahead slots; ten at once outgrow the pool and preempt."""
+    log = tmp_path_factory.mktemp(spec["method"]) / "cluster.log"
+    c = Cluster("--dtype", "float32", "--speculative-config", json.dumps(spec),
                 "--num-gpu-blocks-override", "24", "--max-num-seqs", "16", "--max-model-len", "1024",
                 log_path=log).start()
     yield c
     assert c.stop() == 0, c.log_tail()
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    yield from spec_cluster(tmp_path_factory, SPEC)
 
 
 @pytest.fixture(scope="module")
@@ -82,14 +87,32 @@ def loads(stub) -> pb.WorkerLoad:
     return worker
 
 
-def test_greedy_answers_alone_are_transformers_tokens(spec, spec_stub, reference):
-    before = loads(spec_stub)
+def answers_alone(stub, reference) -> tuple[pb.WorkerLoad, pb.WorkerLoad]:
+    """Each prompt alone gives transformers' answer, ending as it ends; the worker's load before
+    and after."""
+    before = loads(stub)
     for name, (ids, expected) in reference.items():
-        got = spec_stub.Generate(greedy(ids), timeout=300)
+        got = stub.Generate(greedy(ids), timeout=300)
         assert list(got.token_ids) == expected, name
         ends = expected[-1] == IM_END
         assert got.finish_reason == (pb.FINISH_REASON_STOP if ends else pb.FINISH_REASON_LENGTH), name
-    after = loads(spec_stub)
+    return before, loads(stub)
+
+
+def answers_in_a_crowd(cluster, stub, reference) -> None:
+    """Every prompt twice at once: preempted, each still transformers' answer; no block left."""
+    before = cluster.metric("pagoda_num_preemptions_total")
+    crowd = [name for name in reference for _ in range(2)]
+    with ThreadPoolExecutor(len(crowd)) as pool:
+        got = list(pool.map(lambda n: stub.Generate(greedy(reference[n][0]), timeout=600), crowd))
+    assert cluster.metric("pagoda_num_preemptions_total") > before
+    for name, answer in zip(crowd, got):
+        assert list(answer.token_ids) == reference[name][1], name
+    assert loads(stub).kv_blocks_used == 0
+
+
+def test_greedy_answers_alone_are_transformers_tokens(spec, spec_stub, reference):
+    before, after = answers_alone(spec_stub, reference)
     accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
     drafts = after.spec_num_drafts - before.spec_num_drafts
     tokens = sum(len(e) for _, e in reference.values())
@@ -104,14 +127,7 @@ def test_greedy_answers_alone_are_transformers_tokens(spec, spec_stub, reference
 
 
 def test_greedy_answers_preempted_in_a_crowd_are_transformers_tokens(spec, spec_stub, reference):
-    before = spec.metric("pagoda_num_preemptions_total")
-    crowd = [name for name in reference for _ in range(2)]
-    with ThreadPoolExecutor(len(crowd)) as pool:
-        got = list(pool.map(lambda n: spec_stub.Generate(greedy(reference[n][0]), timeout=600), crowd))
-    assert spec.metric("pagoda_num_preemptions_total") > before
-    for name, answer in zip(crowd, got):
-        assert list(answer.token_ids) == reference[name][1], name
-    assert loads(spec_stub).kv_blocks_used == 0
+    answers_in_a_crowd(spec, spec_stub, reference)
 
 
 def test_stops_inside_accepted_runs_end_the_answer_exactly_there(spec_stub, reference, hf_tokenizer):  # noqa: F811
