@@ -259,9 +259,11 @@ class Single(SequenceGroup):
 def _lookahead(k: int, seq: Request, known: int, step: Step) -> int:
     """Proposals a running sequence may verify this step: only a decode (one token to compute,
     none on the way) whose sampling allows it, no more than its own draft length (which backs
-    off when its proposals fail) and than its length limit and the step's budget leave room for."""
+    off when its proposals fail, unless the worker paces its drafts) and than its length limit
+    and the step's budget leave room for."""
     if known - seq.num_computed_tokens != 1 or not seq.on_worker or not may_speculate(seq.sampling):
         return 0
+    # Made afresh where the worker's kind changed too (a sequence recomputed on another worker).
     if seq.draft is None or seq.draft.backs_off == step.paced_by_worker:
         seq.draft = DraftLength(k, backs_off=not step.paced_by_worker)
     if seq.num_pending:  # a plan ahead: its last token is not known yet
