@@ -11,8 +11,10 @@ and the scheduler does not pause it (WorkerHello.speculative_paced_by_worker).
 
 What vLLM's implementation (Arctic Inference) also does and this does not: a suffix tree kept
 across requests. Proposals here come from the sequence alone: one tenant's answers never shape
-another's drafts, not even through timing. The scan is O(tokens x depth) numpy work per step,
-well under a millisecond at a few thousand tokens against a forward of tens."""
+another's drafts, not even through timing. The scan is O(tokens x depth) numpy work per step:
+on 8,192 tokens 0.04 ms when they never repeat, 0.5 ms for text of period 50, 2.0 ms at worst
+(one token repeated, every place matching to the full depth), against n-gram's 0.3-1.2 ms on the
+same (AVX2 EPYC); no proposals above disable_by_batch_size sequences bounds it per step."""
 from __future__ import annotations
 
 import numpy as np
