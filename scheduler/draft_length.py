@@ -16,8 +16,8 @@ decides the slots it allocates.
 A worker whose proposer sizes each draft itself (method suffix: the draft follows the length
 of its match and stops where its continuation is uncertain) is offered k every decode step:
 backs_off False. Pausing it cost more than it saved: in a replay of bench/speculative.py's
-repetitive stream through the proposer with an AVX2 EPYC's measured step costs, 2.10x against
-2.36x without pauses (docs/benchmarks.md)."""
+repetitive stream through the proposer with an AVX2 EPYC's measured step costs, 2.06x against
+2.32x without pauses (docs/benchmarks.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
