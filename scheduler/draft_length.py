@@ -14,8 +14,8 @@ paused, the scheduler plans ahead again (Scheduler.can_plan). Only the scheduler
 decides the slots it allocates.
 
 A worker whose proposer sizes each draft itself (method suffix: the draft follows the length
-of its match and stops where its continuation is uncertain) is offered k every decode step:
-backs_off False. Pausing it cost more than it saved: in a replay of bench/speculative.py's
+of its match and stops where its continuation is uncertain) is offered k every decode step and
+its sequences have no DraftLength (sequence_group._lookahead). Pausing it cost more than it saved: in a replay of bench/speculative.py's
 repetitive stream through the proposer with an AVX2 EPYC's measured step costs, 2.06x against
 2.32x without pauses (docs/benchmarks.md)."""
 from __future__ import annotations
@@ -31,7 +31,6 @@ class DraftLength:
     misses: int = 0        # drafts in a row of which nothing was accepted
     paused: int = 0        # steps left without proposals
     pause: int = 4         # the next pause's length
-    backs_off: bool = True  # False: the worker paces its drafts; always k
 
     @property
     def ready(self) -> bool:
@@ -52,7 +51,7 @@ class DraftLength:
     def update(self, proposed: int, accepted: int, most: int) -> None:
         """A result: `proposed` tokens were verified (0: no n-gram matched, nothing learned),
         `accepted` of them kept; `most` is the worker's k."""
-        if not proposed or not self.backs_off:
+        if not proposed:
             return
         if accepted == proposed:
             self.k, self.misses, self.pause = min(most, self.k + 1), 0, 4

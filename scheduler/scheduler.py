@@ -125,7 +125,8 @@ class Scheduler:
     def _would_speculate(self) -> bool:
         if not self.speculates:
             return False
-        return any(seq.draft is None or seq.draft.ready for group in self.queues.running
+        paced = self.config.spec_paced_by_worker  # no back-off: every decode may propose
+        return any(paced or seq.draft is None or seq.draft.ready for group in self.queues.running
                    for seq in group.seqs() if seq.status is Status.RUNNING
                    and may_speculate(seq.sampling))
 

@@ -258,17 +258,19 @@ class Single(SequenceGroup):
 
 def _lookahead(k: int, seq: Request, known: int, step: Step) -> int:
     """Proposals a running sequence may verify this step: only a decode (one token to compute,
-    none on the way) whose sampling allows it, no more than its own draft length (which backs
-    off when its proposals fail, unless the worker paces its drafts) and than its length limit
-    and the step's budget leave room for."""
+    none on the way) whose sampling allows it, no more than its length limit and the step's
+    budget leave room for, and no more than its own draft length (which backs off when its
+    proposals fail) unless the worker sizes each draft itself (method suffix)."""
     if known - seq.num_computed_tokens != 1 or not seq.on_worker or not may_speculate(seq.sampling):
         return 0
-    # Made afresh where the worker's kind changed too (a sequence recomputed on another worker).
-    if seq.draft is None or seq.draft.backs_off == step.paced_by_worker:
-        seq.draft = DraftLength(k, backs_off=not step.paced_by_worker)
+    room = min(k, seq.length_limit - known - 1, step.budget - 1)
+    if step.paced_by_worker:
+        return 0 if seq.num_pending else max(0, room)
+    if seq.draft is None:
+        seq.draft = DraftLength(k)
     if seq.num_pending:  # a plan ahead: its last token is not known yet
         seq.draft.tick()
         return 0
     # k caps its draft length too: a sequence recomputed on another worker (one that lost its
     # worker) carries the draft length it learned where k may have been larger.
-    return max(0, min(seq.draft.next(), k, seq.length_limit - known - 1, step.budget - 1))
+    return max(0, min(seq.draft.next(), room))
