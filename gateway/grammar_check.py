@@ -2,12 +2,17 @@
 request reaches the scheduler. Compiling runs in a child process (structured/check_process.py),
 one spec at a time; past --max-grammar-compile-seconds the child is killed (and started again for
 the next spec), so a pathological pattern costs its own request a bounded wait and nobody else
-anything. Answers are cached by spec: the same schema is compiled once."""
+anything. Answers are cached by spec: the same schema is compiled once.
+
+The child is started by subprocess (vfork), not by the loop: uvloop's subprocess_exec fork()s
+the gateway, which runs gRPC, and gRPC's fork handlers can abort the child before it execs (CI
+saw "did not say ready" that way). Its pipes are then handed to the loop."""
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import subprocess
 import sys
 from collections import OrderedDict
 from pathlib import Path
@@ -26,7 +31,10 @@ class GrammarChecker:
         self.args = [sys.executable, "-m", "structured.check_process", str(tokenizer_json),
                      str(vocab_size), ",".join(str(i) for i in eos_token_ids)]
         self.timeout_s = timeout_s
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: subprocess.Popen | None = None
+        self._stdout: asyncio.StreamReader | None = None
+        self._stdin: asyncio.StreamWriter | None = None
+        self._read_transport: asyncio.ReadTransport | None = None
         self._lock = asyncio.Lock()
         self._answers: OrderedDict[str, str | None] = OrderedDict()
         self._next_id = 0
@@ -48,14 +56,14 @@ class GrammarChecker:
         return answer
 
     async def _compile(self, spec: Spec):
-        proc = await self._started()
+        await self._started()
         self._next_id += 1
         line = json.dumps({"id": self._next_id, "kind": spec.kind, "value": spec.value,
                            "choices": list(spec.choices), "any_whitespace": spec.any_whitespace})
         try:
-            proc.stdin.write(line.encode() + b"\n")
-            await proc.stdin.drain()
-            answer = json.loads(await asyncio.wait_for(proc.stdout.readline(), self.timeout_s))
+            self._stdin.write(line.encode() + b"\n")
+            await self._stdin.drain()
+            answer = json.loads(await asyncio.wait_for(self._stdout.readline(), self.timeout_s))
         except asyncio.TimeoutError:
             log.warning("a grammar took longer than %.1f s to compile; its compiler is restarted",
                         self.timeout_s)
@@ -68,23 +76,38 @@ class GrammarChecker:
             return "the grammar compiler failed on it"
         return answer.get("error")
 
-    async def _started(self) -> asyncio.subprocess.Process:
-        if self._proc is not None and self._proc.returncode is None:
-            return self._proc
-        self._proc = await asyncio.create_subprocess_exec(
-            *self.args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            limit=1 << 20)
+    async def _started(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        await self.close()
+        loop = asyncio.get_running_loop()
+        self._proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._stdout = asyncio.StreamReader(limit=1 << 20)
+        self._read_transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(self._stdout), self._proc.stdout)
+        transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin,
+                                                            self._proc.stdin)
+        self._stdin = asyncio.StreamWriter(transport, protocol, None, loop)
+        proc = self._proc
         try:
-            ready = await asyncio.wait_for(self._proc.stdout.readline(), _START_TIMEOUT_S)
+            ready = await asyncio.wait_for(self._stdout.readline(), _START_TIMEOUT_S)
             if not json.loads(ready or b"{}").get("ready"):
                 raise ValueError("it did not say ready")
         except (asyncio.TimeoutError, ValueError) as e:
             await self.close()
-            raise RuntimeError(f"the grammar compiler did not start: {e}") from None
-        return self._proc
+            raise RuntimeError(f"the grammar compiler did not start: {e} "
+                               f"(exit status {proc.returncode})") from None
 
     async def close(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is not None and proc.returncode is None:
+        stdin, self._stdin = self._stdin, None
+        read, self._read_transport = self._read_transport, None
+        self._stdout = None
+        if proc is None:
+            return
+        if proc.poll() is None:
             proc.kill()
-            await proc.wait()
+        for transport in (stdin, read):  # each closes its pipe
+            if transport is not None:
+                transport.close()
+        await asyncio.to_thread(proc.wait)  # killed: returns at once, and reaps it
