@@ -98,7 +98,10 @@ class LlamaModel(nn.Module):
                  tp: TensorParallel) -> None:
         super().__init__()
         self.rotary = rotary
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given its (meta) weight, so that it skips reset_parameters: normal_ on meta tensors
+        # imports torch._dynamo, 3 s of the worker's start-up.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, tp)
                                     for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -274,6 +277,9 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], backend: 
     # Built on "meta" so that no time goes into random initialization of weights we overwrite.
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend, max_positions, device, tp)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    # What to_empty does, but with torch.empty: empty_like on meta tensors runs through torch's
+    # Python references, which import sympy and symbolic_shapes (1.2 s of start-up).
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
+                                               device=device))
     model.load_weights(weights)
     return model.train(False).requires_grad_(False)  # inference mode, no dropout
