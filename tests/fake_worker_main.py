@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                         keys_dir=args.zmq_keys_dir):
             return serve(runner, link)
     finally:
-        link.close(linger=1000)  # lets a goodbye leave
+        link.finish()
         ctx.term()
 
 

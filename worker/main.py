@@ -52,20 +52,37 @@ class Link:
         self.sock = open_socket()
         self.monitor = self.sock.get_monitor_socket(_LINK_EVENTS)
         self.down_since: float | None = None
+        self.up = True  # main_socket returns a connected socket
 
     def given_up(self) -> bool:
         """Whether the connection dropped and libzmq has not tried it again for GIVE_UP_S."""
+        self._read_events()
+        return self.down_since is not None and time.monotonic() - self.down_since > GIVE_UP_S
+
+    def connected(self) -> bool:
+        """Whether the connection is up, as far as the monitor's events have told."""
+        self._read_events()
+        return self.up
+
+    def _read_events(self) -> None:
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)["event"]
+            # A retry means libzmq has not given up, not that the connection is back.
             self.down_since = time.monotonic() if event == zmq.EVENT_DISCONNECTED else None
-        return self.down_since is not None and time.monotonic() - self.down_since > GIVE_UP_S
+            if event in (zmq.EVENT_CONNECTED, zmq.EVENT_DISCONNECTED):
+                self.up = event == zmq.EVENT_CONNECTED
 
     def reopen(self) -> zmq.Socket:
         self.close(linger=0)
         self.sock = self.open_socket()
         self.monitor = self.sock.get_monitor_socket(_LINK_EVENTS)
-        self.down_since = None
+        self.down_since, self.up = None, True
         return self.sock
+
+    def finish(self) -> None:
+        """Closes the link at exit, letting a goodbye leave if the scheduler can take it: with it
+        gone (the launcher stops it before the workers) waiting would only delay the exit."""
+        self.close(linger=1000 if self.connected() else 0)
 
     def close(self, linger: int) -> None:
         self.sock.disable_monitor()
@@ -244,7 +261,7 @@ def _serve_scheduler(args, runner, ranks) -> int:
                         keys_dir=args.zmq_keys_dir):
             return serve(runner, link, resolve_busy_poll_us(args.busy_poll_us), ranks)
     finally:
-        link.close(linger=1000)  # lets a goodbye leave
+        link.finish()
         ctx.term()
 
 
