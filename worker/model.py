@@ -16,7 +16,7 @@ from worker.fused_decode import FusedDecode
 from worker.model_config import ModelConfig
 from kernels import cpu_gemm_gguf, cpu_gemm_int8
 from worker.layers import (Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary, bf16_kernel_fits,
-                           gguf_linear, int8_linear, kernel_fits, linear)
+                           bf16_widens, gguf_linear, int8_linear, kernel_fits, linear)
 from worker.parallel import TensorParallel, row_parallel_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -207,7 +207,8 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head_gguf is not None:
             return gguf_linear(hidden, *self.lm_head_gguf).float()
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        if hidden.device.type != "cpu" or kernel_fits(hidden, weight) or bf16_kernel_fits(hidden, weight):
+        if (hidden.device.type != "cpu" or kernel_fits(hidden, weight) or bf16_kernel_fits(hidden, weight)
+                or bf16_widens(hidden, weight)):
             return linear(hidden, weight).float()
         # Without pagoda's kernel, on a CPU one [rows, hidden] x [hidden, vocab] product runs at a third to a half of the
         # GEMM rate of the layers' (BLAS blocks it badly for so wide an output); the same product

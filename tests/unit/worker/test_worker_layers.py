@@ -119,20 +119,25 @@ def test_cpu_logits_equal_float64(rows, kernel, monkeypatch):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5])
-def test_bf16_logits_of_a_few_rows_go_through_the_bf16_kernel_and_equal_float64(rows, monkeypatch):
-    """A bf16 decode step's vocabulary projection, the largest matmul of a single stream's step:
-    through kernels/cpu_gemm_bf16.c up to BF16_KERNEL_MAX_ROWS rows, else torch's slices; within
-    bf16's rounding of the float64 product either way."""
+@pytest.mark.parametrize("widen", [False, True], ids=["torch", "widened"])
+@pytest.mark.parametrize("rows", [1, 4, 5, 300])
+def test_bf16_logits_go_through_the_bf16_kernel_or_fp32_and_equal_float64(rows, widen, monkeypatch):
+    """A bf16 step's vocabulary projection, the largest matmul of a single stream's step: through
+    kernels/cpu_gemm_bf16.c up to its bound's rows; past it, widened to fp32 where the CPU has
+    no bf16 instructions, else torch's slices; within bf16's rounding of the float64 product."""
     from kernels import cpu_gemm_bf16
-    from worker.layers import BF16_KERNEL_MAX_ROWS
     from worker.model import LlamaForCausalLM
     if not cpu_gemm_bf16.available():
         pytest.skip(f"no bf16 kernel on this CPU ({torch.backends.cpu.get_cpu_capability()})")
-    monkeypatch.setattr("worker.layers._bf16_kernel", True)
-    calls = []
+    monkeypatch.setattr("worker.layers._bf16_kernel_max_rows", 4)
+    monkeypatch.setattr("worker.layers._bf16_widen", widen)
+    monkeypatch.setattr("worker.layers._kernel", cpu_gemm.available())  # the fp32 leg's path
+    monkeypatch.setattr("worker.layers._kernel_max_rows", 1024)
+    calls, widened = [], []
     real = cpu_gemm_bf16.xwt
     monkeypatch.setattr(cpu_gemm_bf16, "xwt", lambda x, w: calls.append(x.shape) or real(x, w))
+    real_f = cpu_gemm.xwt
+    monkeypatch.setattr(cpu_gemm, "xwt", lambda x, w: widened.append(x.dtype) or real_f(x, w))
     vocab, hidden = 1000, 64
     weight = torch.randn(vocab, hidden, generator=GEN).bfloat16()
     h = torch.randn(rows, hidden, generator=GEN).bfloat16()
@@ -140,10 +145,37 @@ def test_bf16_logits_of_a_few_rows_go_through_the_bf16_kernel_and_equal_float64(
     model.config = type("C", (), {"tie_word_embeddings": False})()
     model.lm_head = type("L", (), {"weight": weight})()
     got = LlamaForCausalLM.compute_logits(model, h)
-    assert (len(calls) == 1) == (rows <= BF16_KERNEL_MAX_ROWS)
+    assert (len(calls) == 1) == (rows <= 4)
+    fp32_kernel = widen and rows > 4 and cpu_gemm.available()
+    assert widened == ([torch.float32] if fp32_kernel else [])
     want = h.double() @ weight.double().t()
     scale = h.double().abs() @ weight.double().abs().t()
     assert got.dtype == torch.float32 and bool(((got.double() - want).abs() <= 2.0 ** -7 * scale + 1e-6).all())
+
+
+@pytest.mark.parametrize("rows", [3, 8, 9, 200])
+def test_bf16_linear_past_the_kernels_rows_is_widened_to_fp32_where_the_cpu_lacks_bf16(rows, monkeypatch):
+    """worker.layers.linear on bf16 operands without bf16 instructions: the bf16 kernel up to its
+    rows, then fp32 (the fp32 kernel or MKL) on widened operands, the bias added; a bf16 result
+    within bf16's rounding of the float64 product either way."""
+    from kernels import cpu_gemm_bf16
+    from worker.layers import linear
+    if not cpu_gemm_bf16.available():
+        pytest.skip("no bf16 kernel on this CPU")
+    monkeypatch.setattr("worker.layers._bf16_kernel_max_rows", 8)
+    monkeypatch.setattr("worker.layers._bf16_widen", True)
+    calls = []
+    monkeypatch.setattr("worker.layers.F.linear", lambda x, w, b=None, real=F.linear: calls.append(x.dtype) or real(x, w, b))
+    weight = torch.randn(96, 40, generator=GEN).bfloat16()
+    b = torch.randn(96, generator=GEN).bfloat16()
+    x = torch.randn(rows, 40, generator=GEN).bfloat16()
+    monkeypatch.setattr("worker.layers._kernel", False)  # the fp32 leg through MKL, seen by the spy
+    got = linear(x, weight, b)
+    assert calls == ([] if rows <= 8 else [torch.float32])
+    want = x.double() @ weight.double().t() + b.double()
+    scale = x.double().abs() @ weight.double().abs().t() + b.double().abs()
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+    assert bool(((got.double() - want).abs() <= 2.0 ** -7 * scale + 1e-6).all())
 
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
@@ -172,12 +204,18 @@ def test_the_kernels_row_bound_is_its_paths(monkeypatch):
     import worker.layers as layers
     if not cpu_gemm.available():
         pytest.skip("no fp32 kernel here")
-    for name in ("_kernel", "_kernel_max_rows", "_bf16_kernel"):  # put back afterwards
-        monkeypatch.setattr(layers, name, getattr(layers, name))
+    from kernels import cpu_gemm_bf16
+    for name in ("_kernel", "_kernel_max_rows", "_bf16_kernel_max_rows", "_bf16_widen"):
+        monkeypatch.setattr(layers, name, getattr(layers, name))  # put back afterwards
     assert layers.use_cpu_kernel(True)
     assert layers.kernel_max_rows() == layers.KERNEL_MAX_ROWS[cpu_gemm.supported_isas()[0]]
     assert layers.KERNEL_MAX_ROWS == {1: 1024, 2: 64}
+    if cpu_gemm_bf16.available():  # 8 rows and fp32 past them on AVX2, 4 rows on AVX512-BF16
+        best = cpu_gemm_bf16.supported_isas()[0]
+        assert layers._bf16_kernel_max_rows == {1: 8, 2: 4}[best]
+        assert layers._bf16_widen == (best == 1)
     assert layers.use_cpu_kernel(False) is False and layers.kernel_max_rows() == 0
+    assert (layers._bf16_kernel_max_rows, layers._bf16_widen) == (0, False)
 
 
 def test_cpu_matmul_flag_turns_the_kernel_off(monkeypatch):
@@ -203,11 +241,12 @@ def test_a_kernel_that_disagrees_with_float64_at_start_up_is_turned_off(monkeypa
     from kernels import cpu_gemm_bf16
     if not cpu_gemm_bf16.available():
         pytest.skip("no bf16 kernel on this CPU")
-    monkeypatch.setattr(layers, "_bf16_kernel", False)
+    monkeypatch.setattr(layers, "_bf16_kernel_max_rows", 0)
+    monkeypatch.setattr(layers, "_bf16_widen", False)
     layers.use_cpu_kernel(True)
-    assert layers._bf16_kernel is True  # the real one agrees
+    assert layers._bf16_kernel_max_rows > 0  # the real one agrees
     monkeypatch.setattr(cpu_gemm_bf16, "xwt", lambda x, w: torch.zeros(x.shape[0], w.shape[0],
                                                                          dtype=torch.bfloat16))
     layers.use_cpu_kernel(True)
-    assert layers._bf16_kernel is False
+    assert (layers._bf16_kernel_max_rows, layers._bf16_widen) == (0, False)
     assert "disagrees with float64" in caplog.text
