@@ -32,13 +32,17 @@ def model_display_name(path: Path) -> str:
     return DEFAULT_MODEL if path.suffix == ".gguf" and DEFAULT_MODEL in path.name else path.stem
 
 
+def cache_root() -> Path:
+    """Where pagoda keeps what it derives once per machine: PAGODA_CACHE, else ~/.cache/pagoda."""
+    return Path(os.environ.get("PAGODA_CACHE", Path.home() / ".cache" / "pagoda"))
+
+
 def cache_dir(path: Path, what: str) -> Path:
     """A folder for things derived from a model file (dequantized weights, tokenizer), keyed by its
     path, size and mtime so that a changed file is converted again."""
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = Path(os.environ.get("PAGODA_CACHE", Path.home() / ".cache" / "pagoda"))
-    out = root / f"{path.stem}-{key}" / what
+    out = cache_root() / f"{path.stem}-{key}" / what
     out.mkdir(parents=True, exist_ok=True)
     return out
 

@@ -6,7 +6,6 @@ allocation: these blocks use as few ops and new tensors as give the same numbers
 """
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
@@ -14,76 +13,36 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8
+from worker import cpu_matmul
+from worker.cpu_matmul import CpuMatmul
 
 
-# Rows up to which an fp32 CPU projection runs through kernels/cpu_gemm.c, by the path it takes
-# (bench/bench_gemm.py): on an AVX2 EPYC its AVX2 path beats MKL's sgemm from 1 row (1.9-3.5x for
-# 1-64 rows, the decode steps) to about 1024, MKL being as fast on 2048-row prefill chunks; on an
-# AVX-512 Xeon its AVX-512F path wins up to 64 rows (1.1x there) and MKL from 128 (1.17-1.26x at
-# 128-1024 rows), so prefill chunks go to MKL there.
-KERNEL_MAX_ROWS = {1: 1024, 2: 64}
-# Rows up to which a bf16 CPU projection runs through kernels/cpu_gemm_bf16.c, by the path it takes
-# here (bench/bench_gemm.py --dtype bfloat16): on AVX512-BF16 (an EPYC Zen 5) 2-4x torch's bf16
-# linear for 1-4 rows, slower from about 16; on AVX2+FMA (an EPYC without bf16 instructions) the
-# fastest path up to 8 rows (19 ms for SmolLM2's projections with one row, 56 with 8).
-BF16_KERNEL_MAX_ROWS = {2: 4, 1: 8}
-_kernel = False
-_kernel_max_rows = 0  # KERNEL_MAX_ROWS of the path the fp32 kernel takes here, once it is on
-_bf16_kernel_max_rows = 0  # BF16_KERNEL_MAX_ROWS of the bf16 kernel's path here, 0 when off
-# Without bf16 instructions torch's bf16 linear runs at about 15 GFLOP/s whatever the rows (2.4-3x
-# slower than the bf16 kernel); past the kernel's rows, operands widened to fp32 for the fp32
-# kernel or MKL are faster, the weights' conversion included: SmolLM2's projections with 16 rows
-# 70 ms against 102 (kernel) and 262 (torch), 2048 rows 3.8 s against 11.2 and 37.5 (stop 36, AVX2
-# EPYC). Where the CPU has them, torch's bf16 matmul (oneDNN) keeps those rows.
-_bf16_widen = False
+# How CPU projections are computed here, by dtype and rows (worker/cpu_matmul.py): chosen once
+# at start-up by use_cpu_kernel, read by every projection.
+CPU = CpuMatmul()
 
 
-def use_cpu_kernel(wanted: bool) -> bool:
-    """--cpu-matmul: whether fp32 CPU projections go through pagoda's kernels (when they can be
-    built and the CPU has AVX2), and bf16 ones with few rows too (AVX512-BF16 or AVX2). Each
-    checks itself against float64 once; one that disagrees is turned off, with a log line.
-    Returns whether the fp32 one is on."""
-    global _kernel, _kernel_max_rows, _bf16_kernel_max_rows, _bf16_widen
-    _kernel = wanted and cpu_gemm.available() and _agrees(cpu_gemm.xwt, torch.float32, 1e-5)
-    _kernel_max_rows = KERNEL_MAX_ROWS[cpu_gemm.supported_isas()[0]] if _kernel else 0
-    bf16 = wanted and cpu_gemm_bf16.available() and _agrees(
-        cpu_gemm_bf16.xwt, torch.bfloat16, 2.0 ** -7)
-    best = cpu_gemm_bf16.supported_isas()[0] if bf16 else 0
-    _bf16_kernel_max_rows = BF16_KERNEL_MAX_ROWS[best] if bf16 else 0
-    _bf16_widen = bf16 and best != 2  # 2: AVX512-BF16
-    return _kernel
-
-
-def _agrees(xwt, dtype: torch.dtype, rtol: float) -> bool:
-    g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(3, 200, generator=g).to(dtype), torch.randn(37, 200, generator=g).to(dtype)
-    want = x.double() @ w.double().t()
-    scale = x.double().abs() @ w.double().abs().t()
-    ok = bool(((xwt(x, w).double() - want).abs() <= rtol * scale + 1e-6).all())
-    if not ok:
-        logging.getLogger(__name__).warning(
-            "the %s CPU matmul kernel disagrees with float64 on this machine: it is off", dtype)
-    return ok
-
-
-def kernel_max_rows() -> int:
-    """Rows up to which fp32 projections take kernels/cpu_gemm.c here (0: it is off)."""
-    return _kernel_max_rows
+def use_cpu_kernel(wanted: bool, shape: tuple[int, int], dtype: torch.dtype) -> CpuMatmul:
+    """--cpu-matmul auto (wanted) or torch: whether fp32 and bf16 CPU projections go through
+    pagoda's kernels, and up to how many rows, for a `dtype` model whose MLP weight is [shape]."""
+    global CPU
+    CPU = cpu_matmul.choose(wanted, shape, dtype)
+    return CPU
 
 
 def kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (_kernel and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= _kernel_max_rows
+    return (x.device.type == "cpu" and x.dim() == 2 and 0 < x.shape[0] <= CPU.fp32_kernel_rows
             and x.dtype == weight.dtype == torch.float32)
 
 
 def bf16_kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= _bf16_kernel_max_rows
+    return (x.device.type == "cpu" and x.dim() == 2 and 0 < x.shape[0] <= CPU.bf16_kernel_rows
             and x.dtype == weight.dtype == torch.bfloat16)
 
 
 def bf16_widens(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a bf16 CPU projection the bf16 kernel does not take runs in fp32 (_bf16_widen)."""
-    return _bf16_widen and x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16
+    """Whether a bf16 CPU projection the bf16 kernel does not take runs in fp32."""
+    return CPU.bf16_widen and x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -24,7 +24,7 @@ from worker.cache import CacheEngine, bytes_per_block, num_device_blocks
 from worker.eos import eos_token_ids
 from worker.grammar import GrammarRows, why_no_token
 from worker.input_batch import InputBatch, StepInputs
-from worker.layers import kernel_max_rows, use_cpu_kernel
+from worker.layers import use_cpu_kernel
 from worker.loader import load_weights
 from worker.model import build_model
 from worker.parallel import FORGET, PLAN, TensorParallel, shard_config
@@ -69,11 +69,10 @@ class ModelRunner:
             logger.warning("--max-model-len %d is beyond the %d positions the model was trained on",
                            self.max_model_len, trained_len)
         self.backend = select_backend(args.attention_backend, self.device.type)
-        if self.device.type == "cpu" and use_cpu_kernel(args.cpu_matmul == "auto"):
-            logger.info("fp32 projections of up to %d rows run through kernels/cpu_gemm.c",
-                        kernel_max_rows())
         # This rank's share of the heads and MLP (all of them without a group).
         shard = shard_config(self.config, self.tp.size)
+        if self.device.type == "cpu":
+            use_cpu_kernel(args.cpu_matmul == "auto", (shard.intermediate_size, shard.hidden_size), self.dtype)
         self.model = build_model(shard, weights, self.backend, self.max_model_len, self.device,
                                  self.dtype, self.tp)
         del weights

@@ -59,8 +59,10 @@ def add_worker_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="seeds the sampling of unseeded requests")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"])
     g.add_argument("--cpu-matmul", default="auto", choices=["auto", "torch"],
-                   help="fp32 CPU projections: auto = pagoda's AVX2 kernel (kernels/cpu_gemm.c) "
-                        "where it builds and the CPU has AVX2, torch = torch's BLAS")
+                   help="fp32 and bf16 CPU projections: auto = pagoda's kernels (kernels/cpu_gemm.c, "
+                        "cpu_gemm_bf16.c) where they build, up to the rows where they beat torch's "
+                        "BLAS, measured at a machine's first start (worker/cpu_matmul.py); "
+                        "torch = torch's BLAS")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="the largest batch, used to profile activation memory")
     g.add_argument("--scheduler-worker-address", default="tcp://127.0.0.1:5556")

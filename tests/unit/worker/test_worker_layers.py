@@ -10,6 +10,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 import worker.runner
 from kernels import cpu_gemm
 from worker.attention_backends import TorchBackend
+from worker.cpu_matmul import CpuMatmul
 from tests.plan_driver import PlanDriver
 from tests.worker_tiny_models import make_hf_model, runner_args, save_model
 from worker.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
@@ -106,7 +107,7 @@ def test_cpu_logits_equal_float64(rows, kernel, monkeypatch):
     float64 product's value."""
     from worker.model import LlamaForCausalLM
     monkeypatch.setattr("worker.model._VOCAB_SLICE", 96)
-    monkeypatch.setattr("worker.layers._kernel", kernel and cpu_gemm.available())
+    monkeypatch.setattr("worker.layers.CPU", CpuMatmul(1024 if kernel and cpu_gemm.available() else 0))
     vocab, hidden = 1000, 64                      # 10 full slices and a partial one
     weight = torch.randn(vocab, hidden, generator=GEN)
     h = torch.randn(rows, hidden, generator=GEN)
@@ -129,10 +130,8 @@ def test_bf16_logits_go_through_the_bf16_kernel_or_fp32_and_equal_float64(rows, 
     from worker.model import LlamaForCausalLM
     if not cpu_gemm_bf16.available():
         pytest.skip(f"no bf16 kernel on this CPU ({torch.backends.cpu.get_cpu_capability()})")
-    monkeypatch.setattr("worker.layers._bf16_kernel_max_rows", 4)
-    monkeypatch.setattr("worker.layers._bf16_widen", widen)
-    monkeypatch.setattr("worker.layers._kernel", cpu_gemm.available())  # the fp32 leg's path
-    monkeypatch.setattr("worker.layers._kernel_max_rows", 1024)
+    # The fp32 leg through the fp32 kernel where it runs.
+    monkeypatch.setattr("worker.layers.CPU", CpuMatmul(1024 if cpu_gemm.available() else 0, 4, widen))
     calls, widened = [], []
     real = cpu_gemm_bf16.xwt
     monkeypatch.setattr(cpu_gemm_bf16, "xwt", lambda x, w: calls.append(x.shape) or real(x, w))
@@ -162,14 +161,12 @@ def test_bf16_linear_past_the_kernels_rows_is_widened_to_fp32_where_the_cpu_lack
     from worker.layers import linear
     if not cpu_gemm_bf16.available():
         pytest.skip("no bf16 kernel on this CPU")
-    monkeypatch.setattr("worker.layers._bf16_kernel_max_rows", 8)
-    monkeypatch.setattr("worker.layers._bf16_widen", True)
     calls = []
     monkeypatch.setattr("worker.layers.F.linear", lambda x, w, b=None, real=F.linear: calls.append(x.dtype) or real(x, w, b))
     weight = torch.randn(96, 40, generator=GEN).bfloat16()
     b = torch.randn(96, generator=GEN).bfloat16()
     x = torch.randn(rows, 40, generator=GEN).bfloat16()
-    monkeypatch.setattr("worker.layers._kernel", False)  # the fp32 leg through MKL, seen by the spy
+    monkeypatch.setattr("worker.layers.CPU", CpuMatmul(0, 8, True))  # the fp32 leg through MKL, seen by the spy
     got = linear(x, weight, b)
     assert calls == ([] if rows <= 8 else [torch.float32])
     want = x.double() @ weight.double().t() + b.double()
@@ -185,8 +182,8 @@ def test_cpu_linear_equals_float64(rows, bias, kernel, monkeypatch):
     """worker.layers.linear runs up to its bound's rows through kernels/cpu_gemm.c and more
     through F.linear: both are x W^T + b to float32 rounding, contiguous, in the input's dtype."""
     from worker.layers import linear
-    monkeypatch.setattr("worker.layers._kernel", kernel and cpu_gemm.available())
-    monkeypatch.setattr("worker.layers._kernel_max_rows", 1024)  # the parametrization straddles it
+    # The parametrization straddles the kernel's bound.
+    monkeypatch.setattr("worker.layers.CPU", CpuMatmul(1024 if kernel and cpu_gemm.available() else 0))
     calls = []
     monkeypatch.setattr(cpu_gemm, "xwt", lambda *a, real=cpu_gemm.xwt: calls.append(1) or real(*a))
     weight = torch.randn(96, 40, generator=GEN)
@@ -197,56 +194,3 @@ def test_cpu_linear_equals_float64(rows, bias, kernel, monkeypatch):
     assert got.is_contiguous() and got.dtype == torch.float32 and got.shape == (rows, 96)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     assert calls == ([1] if kernel and cpu_gemm.available() and rows <= 1024 else [])
-
-
-def test_the_kernels_row_bound_is_its_paths(monkeypatch):
-    """MKL takes over where it is faster: above 64 rows on the AVX-512F path, 1024 on AVX2."""
-    import worker.layers as layers
-    if not cpu_gemm.available():
-        pytest.skip("no fp32 kernel here")
-    from kernels import cpu_gemm_bf16
-    for name in ("_kernel", "_kernel_max_rows", "_bf16_kernel_max_rows", "_bf16_widen"):
-        monkeypatch.setattr(layers, name, getattr(layers, name))  # put back afterwards
-    assert layers.use_cpu_kernel(True)
-    assert layers.kernel_max_rows() == layers.KERNEL_MAX_ROWS[cpu_gemm.supported_isas()[0]]
-    assert layers.KERNEL_MAX_ROWS == {1: 1024, 2: 64}
-    if cpu_gemm_bf16.available():  # 8 rows and fp32 past them on AVX2, 4 rows on AVX512-BF16
-        best = cpu_gemm_bf16.supported_isas()[0]
-        assert layers._bf16_kernel_max_rows == {1: 8, 2: 4}[best]
-        assert layers._bf16_widen == (best == 1)
-    assert layers.use_cpu_kernel(False) is False and layers.kernel_max_rows() == 0
-    assert (layers._bf16_kernel_max_rows, layers._bf16_widen) == (0, False)
-
-
-def test_cpu_matmul_flag_turns_the_kernel_off(monkeypatch):
-    """--cpu-matmul torch: projections go through F.linear even where the kernel could run."""
-    import worker.layers as layers
-    monkeypatch.setattr(layers, "_kernel", False)
-    assert layers.use_cpu_kernel(False) is False
-    calls = []
-    real = cpu_gemm.xwt
-    monkeypatch.setattr(cpu_gemm, "xwt", lambda *a: calls.append(a))
-    layers.linear(torch.randn(3, 8), torch.randn(4, 8))
-    assert calls == []
-    if cpu_gemm.available():
-        monkeypatch.setattr(cpu_gemm, "xwt", real)
-        assert layers.use_cpu_kernel(True) is True
-        monkeypatch.setattr(cpu_gemm, "xwt", lambda *a: calls.append(a))
-        layers.linear(torch.randn(3, 8), torch.randn(4, 8))
-        assert len(calls) == 1
-
-
-def test_a_kernel_that_disagrees_with_float64_at_start_up_is_turned_off(monkeypatch, caplog):
-    import worker.layers as layers
-    from kernels import cpu_gemm_bf16
-    if not cpu_gemm_bf16.available():
-        pytest.skip("no bf16 kernel on this CPU")
-    monkeypatch.setattr(layers, "_bf16_kernel_max_rows", 0)
-    monkeypatch.setattr(layers, "_bf16_widen", False)
-    layers.use_cpu_kernel(True)
-    assert layers._bf16_kernel_max_rows > 0  # the real one agrees
-    monkeypatch.setattr(cpu_gemm_bf16, "xwt", lambda x, w: torch.zeros(x.shape[0], w.shape[0],
-                                                                         dtype=torch.bfloat16))
-    layers.use_cpu_kernel(True)
-    assert (layers._bf16_kernel_max_rows, layers._bf16_widen) == (0, False)
-    assert "disagrees with float64" in caplog.text

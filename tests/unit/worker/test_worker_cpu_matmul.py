@@ -1,0 +1,204 @@
+"""worker/cpu_matmul.py: which path CPU projections take is measured once per machine and kept;
+the measurement races the very products each path would compute; a kernel that disagrees with
+float64 is off; --cpu-matmul torch turns both kernels off."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import worker.layers as layers
+from kernels import cpu_gemm, cpu_gemm_bf16
+from worker import cpu_matmul
+from worker.cpu_matmul import BF16_ROWS, FP32_ROWS, WIDEN_ROWS, CpuMatmul
+
+SHAPE = (96, 40)
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGODA_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / cpu_matmul.CACHE_FILE
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """measure() replaced by a recorder returning a fixed choice."""
+    calls = []
+    choice = CpuMatmul(256, 8, True)
+    monkeypatch.setattr(cpu_matmul, "measure", lambda fp32, bf16, shape: calls.append(shape) or choice)
+    monkeypatch.setattr(cpu_gemm, "available", lambda: True)
+    monkeypatch.setattr(cpu_gemm_bf16, "available", lambda: True)
+    monkeypatch.setattr(cpu_matmul, "agrees", lambda *a: True)
+    return calls, choice
+
+
+def test_the_bound_is_the_prefix_of_row_counts_that_saves_the_most():
+    def ratios(table):
+        return lambda m: table[m]
+
+    rows = (16, 64, 128, 256, 512, 1024)
+    assert cpu_matmul.bound(rows, ratios(dict(zip(rows, (0.5, 0.7, 0.9, 1.1, 1.3, 1.5))))) == 128
+    # One noisy tie or small loss among wins does not hand the larger products to BLAS.
+    assert cpu_matmul.bound(rows, ratios(dict(zip(rows, (0.5, 1.05, 0.8, 0.9, 0.95, 1.2))))) == 512
+    assert cpu_matmul.bound(rows, ratios(dict(zip(rows, (0.5, 0.6, 0.7, 0.8, 0.9, 0.95))))) == 1024
+    assert cpu_matmul.bound(rows, ratios(dict(zip(rows, (1.2, 1.1, 0.95, 1.3, 1.4, 1.5))))) == 0
+    # A win far out does not pay for the losses before it.
+    assert cpu_matmul.bound(rows, ratios(dict(zip(rows, (0.9, 1.3, 1.3, 0.8, 1.2, 1.2))))) == 16
+
+
+def test_the_ratio_is_the_median_of_pairs_timed_back_to_back_on_weights_apart(monkeypatch):
+    """Each pair: the kernel on one weight, then the other path on the weight half the pool away;
+    every weight of the pool for few rows, a share of it for many; a median, so one slow pair
+    (the VM's neighbour) does not move it."""
+    pool = [torch.full((4, 8), float(i)) for i in range(8)]
+    seen, clock = [], [0.0]
+
+    def timed(name, cost):
+        def fn(x, w):
+            seen.append((name, int(w[0, 0]), x.shape[0]))
+            clock[0] += cost * (50 if len(seen) == 9 else 1)  # one pair 50 times slower
+        return fn
+
+    monkeypatch.setattr(cpu_matmul.time, "perf_counter", lambda: clock[0])
+    few = cpu_matmul.ratio(timed("k", 1.0), timed("o", 2.0), torch.zeros(3, 8), pool, pairs=12)
+    assert few == pytest.approx(0.5)
+    timed_calls = seen[2:]  # after the warm-up pair
+    assert [(a[1], b[1]) for a, b in zip(timed_calls[::2], timed_calls[1::2])] == \
+        [(i, (i + 4) % 8) for i in range(8)] * 2  # 16 pairs: the pool twice, at least 12
+    seen.clear()
+    cpu_matmul.ratio(timed("k", 1.0), timed("o", 2.0), torch.zeros(4 * cpu_matmul.STREAM_ROWS, 8), pool)
+    assert {w for _, w, _ in seen} == {0, 1}  # a quarter of the pool for 4x the streaming rows
+
+
+def test_a_measurement_is_kept_and_read_back_by_the_next_start(cache, measured):
+    calls, choice = measured
+    assert cpu_matmul.choose(True, SHAPE, BF16) == choice and calls == [SHAPE]
+    assert cpu_matmul.choose(True, SHAPE, BF16) == choice and calls == [SHAPE]  # read, not measured
+    (entry,) = json.loads(cache.read_text()).values()
+    assert entry == {"fp32_kernel_rows": 256, "bf16_kernel_rows": 8, "bf16_widen": True}
+    # Another shape, or another thread count, is another measurement.
+    cpu_matmul.choose(True, (SHAPE[0] * 2, SHAPE[1]), BF16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        cpu_matmul.choose(True, SHAPE, BF16)
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == [SHAPE, (SHAPE[0] * 2, SHAPE[1]), SHAPE]
+    assert len(json.loads(cache.read_text())) == 3
+
+
+@pytest.mark.parametrize("content", ["{not json", '["a list"]', None], ids=["garbled", "not-a-dict", "old-fields"])
+def test_a_cache_it_cannot_use_costs_a_measurement_not_a_start(cache, measured, content):
+    calls, choice = measured
+    cpu_matmul.choose(True, SHAPE, BF16)
+    if content is None:  # an entry written by a version with other fields
+        data = json.loads(cache.read_text())
+        data = {k: {"old_rows": 1} for k in data}
+        content = json.dumps(data)
+    cache.write_text(content)
+    assert cpu_matmul.choose(True, SHAPE, BF16) == choice and len(calls) == 2
+    assert cpu_matmul.choose(True, SHAPE, BF16) == choice and len(calls) == 2  # rewritten
+
+
+def test_an_unwritable_cache_still_gives_the_choice(tmp_path, monkeypatch, measured):
+    calls, choice = measured
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("PAGODA_CACHE", str(blocker))  # a file where the folder should be
+    assert cpu_matmul.choose(True, SHAPE, BF16) == choice
+    assert cpu_matmul.choose(True, SHAPE, BF16) == choice and len(calls) == 2
+
+
+def test_the_flag_turns_both_kernels_off_without_measuring(cache, measured):
+    calls, _ = measured
+    assert layers.use_cpu_kernel(False, SHAPE, BF16) == CpuMatmul() == layers.CPU
+    assert calls == [] and not cache.exists()
+
+
+@pytest.mark.skipif(not cpu_gemm.available(), reason="no fp32 kernel on this CPU")
+def test_with_the_flag_off_projections_go_through_torch(monkeypatch, cache):
+    calls = []
+    monkeypatch.setattr(layers, "CPU", layers.CPU)  # put back afterwards
+    monkeypatch.setattr(cpu_gemm, "xwt", lambda *a: calls.append(a))
+    layers.use_cpu_kernel(False, SHAPE, BF16)
+    layers.linear(torch.randn(3, 8), torch.randn(4, 8))
+    assert calls == []
+
+
+def test_the_measurement_races_the_products_each_path_computes(monkeypatch):
+    """measure() with a stand-in clock: every race compares two computations of the same
+    product (within float32 / bf16 rounding of each other), at every row count the bounds need."""
+    if not (cpu_gemm.available() and cpu_gemm_bf16.available()):
+        pytest.skip("needs both kernels")
+    raced = []
+
+    def ratio(kernel, other, x, pool, pairs=cpu_matmul.PAIRS):
+        a, b = kernel(x, pool[0]), other(x, pool[-1] if len(pool) == 1 else pool[0])
+        assert a.shape == b.shape == (x.shape[0], SHAPE[0]) and a.dtype == b.dtype == x.dtype
+        tol = 1e-4 if a.dtype == torch.float32 else 2.0 ** -6
+        torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol * 10)
+        raced.append((a.dtype, x.shape[0]))
+        if x.shape[0] == WIDEN_ROWS and a.dtype == BF16:
+            return 0.2  # widening wins
+        return 0.5 if x.shape[0] <= (512 if a.dtype == torch.float32 else 4) else 2.0
+
+    monkeypatch.setattr(cpu_matmul, "ratio", ratio)
+    assert cpu_matmul.measure(True, True, SHAPE) == CpuMatmul(512, 4, True)
+    assert raced == ([(torch.float32, m) for m in FP32_ROWS] + [(BF16, WIDEN_ROWS)]
+                     + [(BF16, m) for m in BF16_ROWS])
+    raced.clear()
+    assert cpu_matmul.measure(True, False, SHAPE) == CpuMatmul(512, 0, False)
+    assert raced == [(torch.float32, m) for m in FP32_ROWS]
+
+
+def test_an_fp32_model_measures_no_bf16_bound(cache, monkeypatch):
+    if not (cpu_gemm.available() and cpu_gemm_bf16.available()):
+        pytest.skip("needs both kernels")
+    asked = []
+    monkeypatch.setattr(cpu_matmul, "measure", lambda fp32, bf16, shape: asked.append((fp32, bf16))
+                        or CpuMatmul(64 * fp32, 8 * bf16, bf16))
+    assert cpu_matmul.choose(True, SHAPE, torch.float32) == CpuMatmul(64, 0, False)
+    assert cpu_matmul.choose(True, SHAPE, BF16) == CpuMatmul(64, 8, True)
+    assert asked == [(True, False), (True, True)]
+
+
+def test_a_kernel_that_disagrees_with_float64_at_start_up_is_turned_off(monkeypatch, cache, caplog):
+    if not cpu_gemm_bf16.available():
+        pytest.skip("no bf16 kernel on this CPU")
+    monkeypatch.setattr(cpu_matmul, "measure", lambda fp32, bf16, shape: CpuMatmul(64 * fp32, 8 * bf16, bf16))
+    assert cpu_matmul.choose(True, SHAPE, BF16).bf16_kernel_rows == 8  # the real one agrees
+    monkeypatch.setattr(cpu_gemm_bf16, "xwt", lambda x, w: torch.zeros(x.shape[0], w.shape[0],
+                                                                         dtype=torch.bfloat16))
+    choice = cpu_matmul.choose(True, SHAPE, BF16)
+    assert (choice.bf16_kernel_rows, choice.bf16_widen) == (0, False)
+    assert "disagrees with float64" in caplog.text
+
+
+def test_workers_starting_together_measure_once(cache, measured, monkeypatch):
+    """Two at once: the second waits for the first's measurement and reads it (two measuring
+    together on two cores would time each other)."""
+    import threading
+    import time
+    calls, choice = measured
+    inside = []
+
+    def slow_measure(fp32, bf16, shape):
+        inside.append(1)
+        assert len(inside) == 1, "two measurements at once"
+        time.sleep(0.3)
+        inside.pop()
+        calls.append(shape)
+        return choice
+
+    monkeypatch.setattr(cpu_matmul, "measure", slow_measure)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(cpu_matmul.choose(True, SHAPE, BF16))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [choice, choice] and calls == [SHAPE]

@@ -1,0 +1,207 @@
+"""Which path a CPU projection takes, by dtype and rows: pagoda's kernels (kernels/cpu_gemm.c,
+kernels/cpu_gemm_bf16.c) where they are faster, torch's BLAS (MKL, oneDNN) where it is.
+
+Decided once, at start-up (choose): each kernel first checks itself against float64 and is
+turned off, with a log line, if it disagrees; then the rows up to which it pays are measured on
+this machine with the model's own MLP shape. The crossover belongs to the machine, not to its
+instruction set: 64 rows on an AVX-512 Xeon, about 2048 on a Zen 3 EPYC, 256 on a later AVX2
+EPYC (docs/benchmarks.md), so a table by instruction set was wrong somewhere whatever it said.
+The measurement (about half a second) is kept per machine, thread count, shape and kernel build
+in the cache folder (PAGODA_CACHE, else ~/.cache/pagoda), so only a machine's first worker pays
+it; delete cpu-matmul.json there to measure again."""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels import cbuild, cpu_gemm, cpu_gemm_bf16
+from modelfiles.resolve import cache_root
+
+logger = logging.getLogger(__name__)
+
+FP32_ROWS = (16, 64, 128, 256, 512, 1024)  # rows timed for the fp32 kernel, in order
+BF16_ROWS = (1, 2, 4, 8, 16, 32, 64)  # and for the bf16 kernel (few rows: decode steps)
+WIDEN_ROWS = 256  # a prefill-sized product, where torch's bf16 matmul shows what it can do
+PAIRS = 12  # timed pairs of calls per row count, at least
+POOL_BYTES = 64 << 20  # distinct weights beyond a server CPU's last-level cache (32 MB here)
+MAX_POOL = 64  # weights at most (a tiny model's would be thousands)
+STREAM_ROWS = 64  # products of up to this many rows stream the whole pool
+CACHE_FILE = "cpu-matmul.json"
+
+
+@dataclass(frozen=True)
+class CpuMatmul:
+    """The choice: rows up to which each kernel runs (0: off), and whether bf16 products past
+    the bf16 kernel's rows are computed in fp32 on widened operands (a CPU without bf16
+    instructions, where torch's bf16 matmul runs at about 15 GFLOP/s whatever the rows)."""
+    fp32_kernel_rows: int = 0
+    bf16_kernel_rows: int = 0
+    bf16_widen: bool = False
+
+
+def choose(wanted: bool, shape: tuple[int, int], dtype: torch.dtype) -> CpuMatmul:
+    """--cpu-matmul auto (wanted) or torch: the paths for projections of a [shape] weight (out,
+    in features) in a model of `dtype` on this machine, measured or read from the cache. The fp32
+    bound serves bf16 models too (their widened products); the bf16 one only them."""
+    fp32 = wanted and cpu_gemm.available() and agrees(cpu_gemm.xwt, torch.float32, 1e-5)
+    bf16 = (wanted and dtype == torch.bfloat16 and cpu_gemm_bf16.available()
+            and agrees(cpu_gemm_bf16.xwt, torch.bfloat16, 2.0 ** -7))
+    if not (fp32 or bf16):
+        return CpuMatmul()
+    key = _cache_key(fp32, bf16, shape)
+    with _one_at_a_time():  # workers starting together would time each other's load
+        try:
+            choice, how = CpuMatmul(**_read_cache()[key]), "as measured before on this machine"
+        except (KeyError, TypeError):  # not measured yet, or by another version
+            started = time.perf_counter()
+            choice = measure(fp32, bf16, shape)
+            how = f"measured in {time.perf_counter() - started:.1f} s"
+            _write_cache(key, choice)
+    said = f"fp32 projections of up to {choice.fp32_kernel_rows} rows run through kernels/cpu_gemm.c"
+    if bf16:
+        said += (f", bf16 ones of up to {choice.bf16_kernel_rows} through kernels/cpu_gemm_bf16.c"
+                 + (" and larger ones in fp32 on widened operands" if choice.bf16_widen else ""))
+    logger.info("%s (%s)", said, how)
+    return choice
+
+
+def measure(fp32: bool, bf16: bool, shape: tuple[int, int]) -> CpuMatmul:
+    g = torch.Generator().manual_seed(0)
+    pool = [torch.randn(*shape, generator=g) for _ in range(_pool_size(shape, 4))]
+    x = torch.randn(max(FP32_ROWS), shape[1], generator=g)
+    fp32_rows = bound(FP32_ROWS, lambda m: ratio(cpu_gemm.xwt, F.linear, x[:m], pool)) if fp32 else 0
+    if not bf16:
+        return CpuMatmul(fp32_rows)
+
+    def widened(xb, wb):  # what worker.layers.linear does with a widened bf16 product
+        xf, wf = xb.float(), wb.float()
+        out = cpu_gemm.xwt(xf, wf) if xf.shape[0] <= fp32_rows else F.linear(xf, wf)
+        return out.to(torch.bfloat16)
+
+    xb = x.bfloat16()
+    pool = [torch.randn(*shape, generator=g).bfloat16() for _ in range(_pool_size(shape, 2))]
+    widen = ratio(widened, F.linear, xb[:WIDEN_ROWS], pool, pairs=3) <= 1  # 5-10x either way
+    other = widened if widen else F.linear
+    bf16_rows = bound(BF16_ROWS, lambda m: ratio(cpu_gemm_bf16.xwt, other, xb[:m], pool))
+    return CpuMatmul(fp32_rows, bf16_rows, widen)
+
+
+def bound(rows: tuple[int, ...], ratio_at) -> int:
+    """The bound over `rows` (ascending) that saves the most: the kernel takes every row count up
+    to it, where each saves 1 - ratio_at(m) (the kernel's time over BLAS's; negative where BLAS
+    is faster), BLAS the rest; 0 where no prefix saves anything. A prefix sum rather than the
+    first loss: one noisy tie among wins must not hand the larger products to BLAS."""
+    best, best_saving, saving = 0, 0.0, 0.0
+    for m in rows:
+        saving += 1.0 - ratio_at(m)
+        if saving > best_saving:
+            best, best_saving = m, saving
+    return best
+
+
+def ratio(kernel, other, x: torch.Tensor, pool: list[torch.Tensor], pairs: int = PAIRS) -> float:
+    """kernel's time over other's for x against the pool's weights: the median over at least
+    `pairs` pairs of calls timed back to back (a VM's speed drifts by the second), each pair's two
+    calls on two weights half the pool apart, so that neither reads what the other just brought
+    into the cache. Products of up to STREAM_ROWS rows go round the whole pool, which no cache
+    holds, so the weights come from memory as in a step; larger ones, bound by arithmetic, round
+    a share of it (the timing stays short)."""
+    weights = pool[:max(1, len(pool) * STREAM_ROWS // max(x.shape[0], STREAM_ROWS))]
+    kernel(x, weights[0]), other(x, weights[0])  # first calls pay one-time costs
+    ratios: list[float] = []
+    while len(ratios) < max(pairs, len(weights)):
+        for i, w in enumerate(weights):
+            start = time.perf_counter()
+            kernel(x, w)
+            middle = time.perf_counter()
+            other(x, weights[(i + len(weights) // 2) % len(weights)])
+            ratios.append((middle - start) / max(time.perf_counter() - middle, 1e-9))
+    return statistics.median(ratios)
+
+
+def _pool_size(shape: tuple[int, int], itemsize: int) -> int:
+    return max(1, min(MAX_POOL, POOL_BYTES // (shape[0] * shape[1] * itemsize)))
+
+
+def agrees(xwt, dtype: torch.dtype, rtol: float) -> bool:
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 200, generator=g).to(dtype), torch.randn(37, 200, generator=g).to(dtype)
+    want = x.double() @ w.double().t()
+    scale = x.double().abs() @ w.double().abs().t()
+    ok = bool(((xwt(x, w).double() - want).abs() <= rtol * scale + 1e-6).all())
+    if not ok:
+        logger.warning("the %s CPU matmul kernel disagrees with float64 on this machine: it is off", dtype)
+    return ok
+
+
+def _cache_key(fp32: bool, bf16: bool, shape: tuple[int, int]) -> str:
+    """What the choice depends on: the CPU, torch (its BLAS), the threads, the shape and the
+    kernels' builds (their library names hash source and flags)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    builds = [cbuild.library_path(k.SOURCE, k.FLAGS).name if on else "-"
+              for k, on in ((cpu_gemm, fp32), (cpu_gemm_bf16, bf16))]
+    return "|".join([cpu, torch.__version__, f"threads={torch.get_num_threads()}",
+                     f"shape={shape[0]}x{shape[1]}", *builds])
+
+
+def _cache_path() -> Path:
+    return cache_root() / CACHE_FILE
+
+
+@contextlib.contextmanager
+def _one_at_a_time():
+    """An exclusive lock on the cache folder's lock file, where it can be made; else none."""
+    try:
+        cache_root().mkdir(parents=True, exist_ok=True)
+        f = open(cache_root() / (CACHE_FILE + ".lock"), "a")
+    except OSError:
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _read_cache() -> dict:
+    try:
+        data = json.loads(_cache_path().read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(key: str, choice: CpuMatmul) -> None:
+    """Kept beside the others; a folder that cannot be written costs the next start a measurement."""
+    path = _cache_path()
+    data = _read_cache()
+    data[key] = asdict(choice)
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)  # workers starting together never read half a file
+    except OSError as e:
+        logger.info("the CPU projections' measurement is not kept (%s): %s", path, e)
+        if tmp and os.path.exists(tmp):
+            os.unlink(tmp)
