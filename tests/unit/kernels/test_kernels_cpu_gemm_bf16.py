@@ -1,6 +1,6 @@
 """kernels/csrc/cpu_gemm_bf16.c against a float64 product of the same bf16 values, on every
 instruction-set path this CPU has (the test names which ran): every row block and K tail,
-strided rows, any thread count."""
+weight-row groups of 1 to 4, strided rows, any thread count."""
 from __future__ import annotations
 
 import pytest
@@ -34,7 +34,7 @@ def check(x: torch.Tensor, w: torch.Tensor, isa: int, threads: int = 2) -> None:
 @pytest.mark.parametrize("isa", PATHS, ids=lambda i: bf16.ISA_NAMES[i])
 @pytest.mark.parametrize("M,N,K", [
     (1, 1, 1), (1, 4, 31), (2, 5, 32), (3, 8, 33), (4, 13, 64), (5, 7, 65), (8, 1536, 576),
-    (1, 576, 1536), (9, 17, 100), (1, 49152, 576)])
+    (1, 576, 1536), (9, 17, 100), (1, 49152, 576), (7, 6, 9), (64, 37, 100), (100, 3, 8)])
 def test_equals_float64(M, N, K, isa):
     check(torch.randn(M, K, generator=GEN), torch.randn(N, K, generator=GEN), isa)
 
