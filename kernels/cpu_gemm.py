@@ -9,16 +9,16 @@ reads each weight once per 96 rows of x and keeps 12 dot products in registers, 
 near the memory bandwidth with one row and near the FMA peak from a few dozen rows on.
 
 The shared library is built from the source on first use into kernels/build/ (`make install`
-does it ahead), named by a hash of the source and flags, so an edited source is rebuilt and a
-stale library is never loaded. Without a compiler, or on a CPU without AVX2 and FMA, available()
-is False and the caller uses torch.
+does it ahead, for every kernel: `python -m kernels.cpu_gemm --build`), named by a hash of the
+source and flags, so an edited source is rebuilt and a stale library is never loaded. Without a
+compiler, or on a CPU without AVX2 and FMA, available() is False (one log line says why) and the
+caller uses torch.
 
     python -m kernels.cpu_gemm --build
 """
 from __future__ import annotations
 
 import ctypes
-import logging
 import sys
 from pathlib import Path
 
@@ -26,13 +26,16 @@ import torch
 
 from kernels import cbuild
 
-logger = logging.getLogger(__name__)
-
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_gemm.c"
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+ISA_NAMES = {2: "AVX-512F", 1: "AVX2+FMA"}
 
-_lib: ctypes.CDLL | None = None
-_tried = False
+_kernel = cbuild.IsaKernel(
+    SOURCE, FLAGS, "cpu_gemm_isa", "cpu_gemm_xwt",
+    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+     ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int],
+    ISA_NAMES, "using torch's matmul")
+available, isa, supported_isas = _kernel.available, _kernel.isa, _kernel.supported_isas
 
 
 def library_path() -> Path:
@@ -44,44 +47,6 @@ def build() -> Path:
     return cbuild.build(SOURCE, FLAGS)
 
 
-def _cpu_supported() -> bool:
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-
-
-def available() -> bool:
-    """Loads the library on first call; False (and one log line saying why) where it cannot run."""
-    global _lib, _tried
-    if not _tried:
-        _tried = True
-        if not _cpu_supported():
-            logger.info("CPU matmul kernel off: the CPU lacks AVX2 (torch reports %s)",
-                        torch.backends.cpu.get_cpu_capability())
-            return False
-        try:
-            lib = ctypes.CDLL(str(build()))
-        except (OSError, RuntimeError) as e:
-            logger.warning("CPU matmul kernel off, using torch's matmul: %s", e)
-            return False
-        fn = lib.cpu_gemm_xwt
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_int]
-        fn.restype = None
-        global _best
-        _best = lib.cpu_gemm_isa()
-        _lib = lib
-    return _lib is not None
-
-
-ISA_NAMES = {2: "AVX-512F", 1: "AVX2+FMA"}
-_best = 0
-
-
-def supported_isas() -> list[int]:
-    """The paths this CPU runs, best first (each is tested)."""
-    return list(range(_best, 0, -1)) if available() else []
-
-
 def xwt(x: torch.Tensor, w: torch.Tensor, isa: int | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> [M, N], fp32 CPU tensors whose rows are contiguous. Call only
     after available() returned True. isa: a path of supported_isas() (default the best)."""
@@ -90,24 +55,18 @@ def xwt(x: torch.Tensor, w: torch.Tensor, isa: int | None = None) -> torch.Tenso
     x, w = cbuild.row_major(x, w)
     out = torch.empty(M, N, dtype=torch.float32)
     if M and N:
-        _lib.cpu_gemm_xwt(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), out.data_ptr(), N,
-                          M, N, K, torch.get_num_threads(), isa or _best)
+        _kernel.fn(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), out.data_ptr(), N,
+                   M, N, K, torch.get_num_threads(), isa or _kernel.best)
     return out
 
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--build"]:
         sys.exit(__doc__)
-    if not _cpu_supported():
-        print(f"kernels/cpu_gemm: not built, the CPU lacks AVX2 ({torch.backends.cpu.get_cpu_capability()})")
-    else:
-        try:
-            print(f"kernels/cpu_gemm: {build()}")
-        except RuntimeError as e:  # a missing compiler costs speed, not the install
-            print(f"kernels/cpu_gemm: not built ({e}); the worker uses torch's matmul")
-    # The others build on any x86-64, whatever it runs (each picks its path at run time).
+    # Every kernel builds on any x86-64, whatever it runs (each picks its path at run time).
     import importlib
-    for name, without in (("cpu_gemm_bf16", "the worker uses torch's bf16 matmul"),
+    for name, without in (("cpu_gemm", "the worker uses torch's matmul"),
+                          ("cpu_gemm_bf16", "the worker uses torch's bf16 matmul"),
                           ("cpu_gemm_int8", "--quantization int8 multiplies dequantized weights"),
                           ("cpu_gemm_gguf", "--quantization q8_0 / q4_1 multiply dequantized weights"),
                           ("cpu_decode_attention", "the CPU attention decodes with torch ops"),
@@ -116,5 +75,5 @@ if __name__ == "__main__":
         kernel = importlib.import_module(f"kernels.{name}")
         try:
             print(f"kernels/{name}: {cbuild.build(kernel.SOURCE, kernel.FLAGS)}")
-        except RuntimeError as e:
+        except RuntimeError as e:  # a missing compiler costs speed, not the install
             print(f"kernels/{name}: not built ({e}); {without}")

@@ -11,32 +11,35 @@
  * (speculative decoding) are one pass over the weights: on a 2-core AVX-512 Xeon 5 rows took
  * 1.55x one row's time with the AVX2 blocks (bench/bench_gemm.py).
  *
- * Built with -O3 -mavx2 -mfma -fopenmp; libgomp.so.1 resolves to the copy torch has loaded, so
- * these threads are torch's threads. */
+ * Each path is compiled for its instruction set (per-function target attributes), so the library
+ * builds and loads on any x86-64 and cpu_gemm_isa says 0 where neither runs. Built with -O3
+ * -fopenmp; libgomp.so.1 resolves to the copy torch has loaded, so these threads are torch's
+ * threads. */
+#define AVX2 __attribute__((target("avx2,fma")))
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 
 /* Lanes [0, n) of a load set, the rest 0 (the tail of K). */
-static inline __m256i tail_mask(int n) {
+AVX2 static inline __m256i tail_mask(int n) {
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes);
 }
 
 /* The four 8-lane sums of a, b, c, d as one 4-lane vector. */
-static inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+AVX2 static inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-static inline float hsum(__m256 a) {
+AVX2 static inline float hsum(__m256 a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 /* The sums of nr (4 or 1) accumulators into dst[0, nr). */
-static inline void store_sums(float *dst, const __m256 *acc, int nr) {
+AVX2 static inline void store_sums(float *dst, const __m256 *acc, int nr) {
     if (nr == 4)
         _mm_storeu_ps(dst, sum4(acc[0], acc[1], acc[2], acc[3]));
     else
@@ -45,7 +48,7 @@ static inline void store_sums(float *dst, const __m256 *acc, int nr) {
 
 /* MR rows of x against NR rows of w (MR * NR <= 12 registers of sums). */
 #define BLOCK(MR, NR)                                                                         \
-static void block_##MR##x##NR(const float *x, int64_t ldx, const float *w, int64_t ldw,    \
+AVX2 static void block_##MR##x##NR(const float *x, int64_t ldx, const float *w, int64_t ldw,    \
                               float *out, int64_t ldo, int K) {                            \
     __m256 acc[MR][NR];                                                                     \
     for (int i = 0; i < MR; i++)                                                            \
@@ -135,14 +138,15 @@ static const Blocks AVX2_BLOCKS = {3, {0, block_1x4, block_2x4, block_3x4},
 static const Blocks AVX512_BLOCKS = {6, {0, block512_1x4, block512_2x4, block512_3x4, block512_4x4, block512_5x4, block512_6x4},
                                      {0, block512_1x1, block512_2x1, block512_3x1, block512_4x1, block512_5x1, block512_6x1}};
 
-/* 2: AVX-512F, 1: AVX2 + FMA (the library is built for AVX2, so that is the floor). */
+/* 2: AVX-512F, 1: AVX2 + FMA, 0: neither (the caller uses torch). */
 int cpu_gemm_isa(void) {
     __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return 0;
     return __builtin_cpu_supports("avx512f") ? 2 : 1;
 }
 
 /* Rows [n0, n1) of w, all M rows of x. */
-static void columns(const Blocks *b, const float *x, int64_t ldx, const float *w, int64_t ldw, float *out,
+AVX2 static void columns(const Blocks *b, const float *x, int64_t ldx, const float *w, int64_t ldw, float *out,
                     int64_t ldo, int M, int64_t n0, int64_t n1, int K) {
     for (int64_t n = n0; n < n1;) {
         int nr = n1 - n >= 4 ? 4 : 1;
