@@ -6,28 +6,20 @@ turned off, with a log line, if it disagrees; then the rows up to which it pays 
 this machine with the model's own MLP shape. The crossover belongs to the machine, not to its
 instruction set: 64 rows on an AVX-512 Xeon, about 2048 on a Zen 3 EPYC, 256 on a later AVX2
 EPYC (docs/benchmarks.md), so a table by instruction set was wrong somewhere whatever it said.
-The measurement (about half a second) is kept per machine, thread count, shape and kernel build
-in the cache folder (PAGODA_CACHE, else ~/.cache/pagoda), so only a machine's first worker pays
-it; delete cpu-matmul.json there to measure again."""
+The measurement (about a second) is kept per machine, thread count, shape and kernel build
+(worker/kept.py: PAGODA_CACHE/cpu-matmul.json), so only a machine's first worker pays it."""
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
 import logging
-import os
-import platform
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from kernels import cbuild, cpu_gemm, cpu_gemm_bf16
-from modelfiles.resolve import cache_root
+from worker.kept import kept, machine_key
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +30,7 @@ PAIRS = 12  # timed pairs of calls per row count, at least
 POOL_BYTES = 64 << 20  # distinct weights beyond a server CPU's last-level cache (32 MB here)
 MAX_POOL = 64  # weights at most (a tiny model's would be thousands)
 STREAM_ROWS = 64  # products of up to this many rows stream the whole pool
-CACHE_FILE = "cpu-matmul.json"
+CACHE_NAME = "cpu-matmul"  # PAGODA_CACHE/cpu-matmul.json (worker/kept.py)
 
 
 @dataclass(frozen=True)
@@ -60,15 +52,14 @@ def choose(wanted: bool, shape: tuple[int, int], dtype: torch.dtype) -> CpuMatmu
             and agrees(cpu_gemm_bf16.xwt, torch.bfloat16, 2.0 ** -7))
     if not (fp32 or bf16):
         return CpuMatmul()
-    key = _cache_key(fp32, bf16, shape)
-    with _one_at_a_time():  # workers starting together would time each other's load
-        try:
-            choice, how = CpuMatmul(**_read_cache()[key]), "as measured before on this machine"
-        except (KeyError, TypeError):  # not measured yet, or by another version
-            started = time.perf_counter()
-            choice = measure(fp32, bf16, shape)
-            how = f"measured in {time.perf_counter() - started:.1f} s"
-            _write_cache(key, choice)
+    builds = [cbuild.library_path(k.SOURCE, k.FLAGS).name if on else "-"
+              for k, on in ((cpu_gemm, fp32), (cpu_gemm_bf16, bf16))]
+    started = time.perf_counter()
+    found, was_kept = kept(CACHE_NAME, machine_key(f"shape={shape[0]}x{shape[1]}", *builds),
+                           lambda: asdict(measure(fp32, bf16, shape)), set(asdict(CpuMatmul())))
+    choice = CpuMatmul(**found)
+    how = ("as measured before on this machine" if was_kept
+           else f"measured in {time.perf_counter() - started:.1f} s")
     said = f"fp32 projections of up to {choice.fp32_kernel_rows} rows run through kernels/cpu_gemm.c"
     if bf16:
         said += (f", bf16 ones of up to {choice.bf16_kernel_rows} through kernels/cpu_gemm_bf16.c"
@@ -144,64 +135,3 @@ def agrees(xwt, dtype: torch.dtype, rtol: float) -> bool:
     if not ok:
         logger.warning("the %s CPU matmul kernel disagrees with float64 on this machine: it is off", dtype)
     return ok
-
-
-def _cache_key(fp32: bool, bf16: bool, shape: tuple[int, int]) -> str:
-    """What the choice depends on: the CPU, torch (its BLAS), the threads, the shape and the
-    kernels' builds (their library names hash source and flags)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    builds = [cbuild.library_path(k.SOURCE, k.FLAGS).name if on else "-"
-              for k, on in ((cpu_gemm, fp32), (cpu_gemm_bf16, bf16))]
-    return "|".join([cpu, torch.__version__, f"threads={torch.get_num_threads()}",
-                     f"shape={shape[0]}x{shape[1]}", *builds])
-
-
-def _cache_path() -> Path:
-    return cache_root() / CACHE_FILE
-
-
-@contextlib.contextmanager
-def _one_at_a_time():
-    """An exclusive lock on the cache folder's lock file, where it can be made; else none."""
-    try:
-        cache_root().mkdir(parents=True, exist_ok=True)
-        f = open(cache_root() / (CACHE_FILE + ".lock"), "a")
-    except OSError:
-        yield
-        return
-    with f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        yield
-
-
-def _read_cache() -> dict:
-    try:
-        data = json.loads(_cache_path().read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_cache(key: str, choice: CpuMatmul) -> None:
-    """Kept beside the others; a folder that cannot be written costs the next start a measurement."""
-    path = _cache_path()
-    data = _read_cache()
-    data[key] = asdict(choice)
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, path)  # workers starting together never read half a file
-    except OSError as e:
-        logger.info("the CPU projections' measurement is not kept (%s): %s", path, e)
-        if tmp and os.path.exists(tmp):
-            os.unlink(tmp)

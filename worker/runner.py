@@ -32,6 +32,7 @@ from worker.plan_checks import check_compile, check_plan
 from worker.device import resolve_device, resolve_dtype
 from worker.sampler import Sampler
 from worker.speculative import build_speculator, result_columns
+from worker.startup_measurements import measure_prefill, profile_peak_memory
 from worker.step_logprobs import prompt_logprobs, sampled_logprobs
 from worker.worker_flags import default_worker_id
 
@@ -94,7 +95,7 @@ class ModelRunner:
         # A draft model's cache has a block for each of the target's, in the same budget.
         block_bytes = bytes_per_block(shard, self.block_size, self.dtype) + (
             self.speculator.draft_bytes_per_block(self.block_size) if self.speculator else 0)
-        peak = self._profile_peak_memory() if self.device.type == "cuda" else 0
+        peak = profile_peak_memory(self) if self.device.type == "cuda" else 0
         num_blocks = num_device_blocks(
             override=args.num_gpu_blocks_override, device=self.device, block_bytes=block_bytes,
             kv_cache_memory=args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES,
@@ -111,7 +112,7 @@ class ModelRunner:
         self.swap_bytes_per_s = self.cache.measure_swap_bandwidth()
         progress.update()
         stage("warming up (one prefill)")
-        self.prefill_tokens_per_s = self._measure_prefill()
+        self.prefill_tokens_per_s = measure_prefill(self)
         progress.update()
         progress.close()
 
@@ -339,60 +340,3 @@ class ModelRunner:
         if self.device.type == "cpu":
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
-
-    # ------------------------------------------------------------------ start-up measurements
-
-    def _dummy_forward(self, num_tokens: int, kv_caches, num_blocks: int) -> int:
-        """A prefill of num_tokens through the real step path, split into sequences that fit
-        max_model_len and the given cache; every sequence samples so the logits path runs too."""
-        batch = InputBatch(self.max_model_len, self.block_size)
-        counts, left, block = [], num_tokens, 0
-        while left > 0:
-            n = min(left, self.max_model_len)
-            need = -(-n // self.block_size)
-            if block + need > num_blocks:
-                break
-            batch.add(len(counts), [0] * n, range(block, block + need), 0, n,
-                      internal_pb2.SamplingConfig())
-            counts.append(n)
-            block, left = block + need, left - n
-        if not counts:
-            return 0
-        inputs = self.prepare_inputs(np.arange(len(counts)), np.array(counts), batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, kv_caches)
-        if self.tp.rank == 0:
-            self.model.compute_logits(hidden[inputs.logits_indices]).argmax(-1).tolist()
-        return num_tokens - left
-
-    @torch.inference_mode()
-    def _profile_peak_memory(self) -> int:
-        """Peak bytes of weights + activations of the largest batch (CUDA), the KV cache excluded,
-        plus what CUDA itself holds outside torch's allocator (context, cuBLAS workspaces)."""
-        tokens = self.args.max_num_batched_tokens
-        num_blocks = -(-tokens // self.block_size) + -(-tokens // self.max_model_len)
-        scratch = CacheEngine(self.config, num_blocks, 0, self.block_size, self.dtype, self.device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._dummy_forward(tokens, scratch.kv_caches, num_blocks)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - scratch.device_cache.nbytes
-        free, total = torch.cuda.mem_get_info(self.device)
-        outside_torch = max(0, (total - free) - torch.cuda.memory_reserved(self.device))
-        del scratch
-        torch.cuda.empty_cache()
-        return peak + outside_torch
-
-    @torch.inference_mode()
-    def _measure_prefill(self) -> float:
-        """Tokens per second of one prefill, after a small forward that pays one-time costs."""
-        num_blocks = self.cache.num_blocks
-        tokens = min(self.args.max_num_batched_tokens, 256 if self.device.type == "cpu" else 2048,
-                     num_blocks * self.block_size)
-        self._dummy_forward(min(16, tokens), self.cache.kv_caches, num_blocks)
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda *a: None)
-        sync()
-        start = time.perf_counter()
-        done = self._dummy_forward(tokens, self.cache.kv_caches, num_blocks)
-        sync()
-        return done / max(time.perf_counter() - start, 1e-9)
-

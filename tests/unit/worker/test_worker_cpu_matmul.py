@@ -20,7 +20,7 @@ BF16 = torch.bfloat16
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGODA_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache" / cpu_matmul.CACHE_FILE
+    return tmp_path / "cache" / f"{cpu_matmul.CACHE_NAME}.json"
 
 
 @pytest.fixture

@@ -1,0 +1,88 @@
+"""Measurements a worker makes of its machine at start-up, kept for the next start: the CPU
+kernels' row bounds (worker/cpu_matmul.py) and the prefill rate the scheduler's deadlines use
+(worker/runner.py). Each kind is one JSON file in the cache folder (PAGODA_CACHE, else
+~/.cache/pagoda), keyed by what the figure depends on; delete the file to measure again.
+
+Workers starting together on a machine take turns (a lock beside the file): one measures, the
+others read its answer, and nobody times the others' load. A folder that cannot be written
+costs the next start a measurement, never a start."""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import platform
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from modelfiles.resolve import cache_root
+
+logger = logging.getLogger(__name__)
+
+
+def machine_key(*parts: object) -> str:
+    """The CPU's model name, torch's version (its BLAS), the thread count, then `parts`."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return "|".join([cpu, torch.__version__, f"threads={torch.get_num_threads()}", *map(str, parts)])
+
+
+def kept(name: str, key: str, measure: Callable[[], dict], fields: set[str]) -> tuple[dict, bool]:
+    """(the figures kept under `key` in `name`.json, True), or (measure()'s, False) after keeping
+    them. An entry without exactly `fields` (a garbled file, another version's) is measured again."""
+    path = cache_root() / f"{name}.json"
+    with _one_at_a_time(path):
+        found = _read(path).get(key)
+        if isinstance(found, dict) and set(found) == fields:
+            return found, True
+        value = measure()
+        _write(path, key, value)
+        return value, False
+
+
+@contextlib.contextmanager
+def _one_at_a_time(path: Path):
+    """An exclusive lock on the file's lock file, where it can be made; else none."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path.with_suffix(".lock"), "a")
+    except OSError:
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(path: Path, key: str, value: dict) -> None:
+    data = _read(path)
+    data[key] = value
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)  # a reader never sees half a file
+    except OSError as e:
+        logger.info("a start-up measurement is not kept (%s): %s", path, e)
+        if tmp and os.path.exists(tmp):
+            os.unlink(tmp)
