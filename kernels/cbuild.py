@@ -72,7 +72,9 @@ class IsaKernel:
     """A kernel library with paths for several instruction sets, built and loaded on first use:
     `isa_symbol()` returns the best path the CPU runs (0: none), `fn_symbol` is the entry point,
     whose last argument is the path to take. Where it cannot build or run, available() is False
-    and one log line says why (`off`: what the caller does instead)."""
+    and one log line says why (`off`: what the caller does instead). A module may set `check`:
+    a comparison of its best path with float64 on a small random case, run once a process on
+    the first available(); a kernel that disagrees is off, with one log line."""
 
     def __init__(self, source: Path, flags: list[str], isa_symbol: str, fn_symbol: str,
                  argtypes: list, names: dict[int, str], off: str) -> None:
@@ -80,6 +82,7 @@ class IsaKernel:
         self.isa_symbol, self.fn_symbol, self.argtypes = isa_symbol, fn_symbol, argtypes
         self.fn = self.lib = None  # lib: for a library's other entry points
         self.best = 0
+        self.check = None  # () -> bool, set by the kernel's module
         self._tried = False
         self._functions: dict[str, object] = {}
 
@@ -100,7 +103,20 @@ class IsaKernel:
             fn = getattr(lib, self.fn_symbol)
             fn.argtypes, fn.restype = self.argtypes, None
             self.fn, self.lib = fn, lib
+            if self.check is not None and not self._agrees(log):
+                self.fn = None
         return self.fn is not None
+
+    def _agrees(self, log: logging.Logger) -> bool:
+        try:
+            ok = bool(self.check())
+        except Exception as e:  # a kernel that fails its own check is as off as a wrong one
+            log.warning("%s kernel's start-up check failed (%s): it is off, %s", self.source.stem, e, self.off)
+            return False
+        if not ok:
+            log.warning("the %s kernel (%s) disagrees with float64 on this machine: it is off, %s",
+                        self.source.stem, self.names.get(self.best), self.off)
+        return ok
 
     def function(self, name: str, argtypes: list):
         """Another entry point of the library, typed once (call only after available())."""

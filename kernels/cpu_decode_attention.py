@@ -77,3 +77,24 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 _WRITE_KV_ARGS = [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_int, _c.c_void_p, _c.c_int,
                   _c.c_int, _c.c_int, _c.c_int]
+
+
+def agrees_with_reference() -> bool:
+    """The best path against kernels/reference.py's float64 attention on a small random step
+    (three sequences, GQA, a partial last block; the start-up check)."""
+    from kernels import cpu_attention, reference
+    g = torch.Generator().manual_seed(0)
+    lens, hq, hkv, d, bs = torch.tensor([5, 17, 33]), 4, 2, 16, 8
+    num_blocks = 12
+    keys, v_cache = (torch.randn(num_blocks, bs, hkv, d, generator=g) for _ in range(2))
+    k_cache = torch.empty_like(keys)
+    cpu_attention.key_blocks(k_cache).copy_(keys.permute(0, 2, 3, 1))
+    tables = torch.tensor([[0, 0, 0, 0, 0], [1, 2, 3, 0, 0], [4, 5, 6, 7, 8]], dtype=torch.int32)
+    q = torch.randn(3, hq, d, generator=g)
+    out = torch.empty_like(q)
+    decode(q, k_cache, v_cache, torch.arange(3), lens, tables, d ** -0.5, out)
+    want = reference.paged_attention_float64(q, keys, v_cache, tables, lens, torch.arange(4), d ** -0.5)
+    return bool(((out.double() - want).abs() <= 1e-5).all())
+
+
+_kernel.check = agrees_with_reference

@@ -149,3 +149,22 @@ def reference(x: torch.Tensor, blocks: torch.Tensor, kind: str, isa: int | None 
         q, d, _ = quantize_activations(x)
         x = (q.double().view(*d.shape, BLOCK) * d.double()[..., None]).view(x.shape)
     return x.double() @ dequantize(blocks, kind, torch.float64).t()
+
+
+def agrees_with_reference() -> bool:
+    """The path xwt takes, and the C dequantizer, against float64 on a small random product of
+    each format (the start-up check)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4 * BLOCK, generator=g)
+    for kind in FORMATS:
+        blocks = quantize(torch.randn(37, 4 * BLOCK, generator=g), kind)
+        w = dequantize(blocks, kind, torch.float64)
+        bound = x.double().abs() @ w.abs().t()
+        if not (((xwt(x, blocks, kind).double() - reference(x, blocks, kind, best_isa())).abs()
+                 <= 1e-5 * bound + 1e-6).all() and
+                ((dequantize(blocks, kind).double() - w).abs() <= 1e-6 * w.abs() + 1e-7).all()):
+            return False
+    return True
+
+
+_kernel.check = agrees_with_reference

@@ -39,7 +39,22 @@ def available() -> bool:
                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
         fn.restype = None
         _fn = fn
+        if not agrees_with_reference():
+            logger.warning("the grammar mask kernel disagrees with its reference on this machine: "
+                           "it is off, using xgrammar's")
+            _fn = None
     return _fn is not None
+
+
+def agrees_with_reference() -> bool:
+    """The kernel against reference() on random logits and masks, a partial last word included
+    (the start-up check)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 70, generator=g)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, 3), generator=g, dtype=torch.int64).to(torch.int32)
+    out, index = logits.clone(), torch.tensor([2, 0], dtype=torch.int64)
+    _fn(out.data_ptr(), out.stride(0), index.data_ptr(), 2, bitmask.data_ptr(), bitmask.shape[1], out.shape[1])
+    return torch.equal(out, reference(logits, [2, 0], bitmask))
 
 
 def masked(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> torch.Tensor:
