@@ -42,3 +42,14 @@ def xwt(x: torch.Tensor, w: torch.Tensor, isa: int | None = None) -> torch.Tenso
         _kernel.fn(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), out.data_ptr(),
                    N, M, N, K, torch.get_num_threads(), isa or _kernel.best)
     return out
+
+
+def agrees_with_reference() -> bool:
+    """The best path against float64 on a small random product (the start-up check)."""
+    from kernels.reference import matmul_within
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 200, generator=g).to(torch.bfloat16), torch.randn(37, 200, generator=g).to(torch.bfloat16)
+    return matmul_within(xwt(x, w), x, w, 2.0 ** -7)
+
+
+_kernel.check = agrees_with_reference

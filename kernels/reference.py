@@ -134,3 +134,10 @@ def paged_attention_float64(q, k_cache, v_cache, block_tables, seq_lens, query_s
                 scores = (kh @ q[t, h].double()) * scale
                 out[t, h] = torch.softmax(scores, 0) @ v[:pos + 1, h // group]
     return out
+
+
+def matmul_within(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rtol: float) -> bool:
+    """Whether got equals x @ w^T (w as its float64 values) within rtol of the sum of |x||w| per
+    entry: the start-up checks of the CPU matmul kernels (fp32, bf16, int8, GGUF)."""
+    x, w = x.double(), w.double()
+    return bool(((got.double() - x @ w.t()).abs() <= rtol * (x.abs() @ w.abs().t()) + 1e-6).all())

@@ -1,8 +1,8 @@
 """Which path a CPU projection takes, by dtype and rows: pagoda's kernels (kernels/cpu_gemm.c,
 kernels/cpu_gemm_bf16.c) where they are faster, torch's BLAS (MKL, oneDNN) where it is.
 
-Decided once, at start-up (choose): each kernel first checks itself against float64 and is
-turned off, with a log line, if it disagrees; then the rows up to which it pays are measured on
+Decided once, at start-up (choose): a kernel that disagreed with float64 is off (its own
+start-up check, kernels/cbuild.py IsaKernel.check); then the rows up to which it pays are measured on
 this machine with the model's own MLP shape. The crossover belongs to the machine, not to its
 instruction set: 64 rows on an AVX-512 Xeon, about 2048 on a Zen 3 EPYC, 256 on a later AVX2
 EPYC (docs/benchmarks.md), so a table by instruction set was wrong somewhere whatever it said.
@@ -47,9 +47,8 @@ def choose(wanted: bool, shape: tuple[int, int], dtype: torch.dtype) -> CpuMatmu
     """--cpu-matmul auto (wanted) or torch: the paths for projections of a [shape] weight (out,
     in features) in a model of `dtype` on this machine, measured or read from the cache. The fp32
     bound serves bf16 models too (their widened products); the bf16 one only them."""
-    fp32 = wanted and cpu_gemm.available() and agrees(cpu_gemm.xwt, torch.float32, 1e-5)
-    bf16 = (wanted and dtype == torch.bfloat16 and cpu_gemm_bf16.available()
-            and agrees(cpu_gemm_bf16.xwt, torch.bfloat16, 2.0 ** -7))
+    fp32 = wanted and cpu_gemm.available()  # each checked against float64 on the first call
+    bf16 = wanted and dtype == torch.bfloat16 and cpu_gemm_bf16.available()
     if not (fp32 or bf16):
         return CpuMatmul()
     builds = [cbuild.library_path(k.SOURCE, k.FLAGS).name if on else "-"
@@ -124,14 +123,3 @@ def ratio(kernel, other, x: torch.Tensor, pool: list[torch.Tensor], pairs: int =
 
 def _pool_size(shape: tuple[int, int], itemsize: int) -> int:
     return max(1, min(MAX_POOL, POOL_BYTES // (shape[0] * shape[1] * itemsize)))
-
-
-def agrees(xwt, dtype: torch.dtype, rtol: float) -> bool:
-    g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(3, 200, generator=g).to(dtype), torch.randn(37, 200, generator=g).to(dtype)
-    want = x.double() @ w.double().t()
-    scale = x.double().abs() @ w.double().abs().t()
-    ok = bool(((xwt(x, w).double() - want).abs() <= rtol * scale + 1e-6).all())
-    if not ok:
-        logger.warning("the %s CPU matmul kernel disagrees with float64 on this machine: it is off", dtype)
-    return ok

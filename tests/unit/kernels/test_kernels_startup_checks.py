@@ -1,17 +1,19 @@
 """Each C kernel checks itself against its float64 (or torch) reference once a process, on the
-first available(), and is off with one log line when it disagrees: the fp32 and bf16 matmuls in
-worker/cpu_matmul.py, the fused decode step in kernels/cpu_decode_layer.py, and here the int8
-and GGUF matmuls, the decode attention and the grammar mask. Each check passes with the real
+first available(), and is off with one log line when it disagrees: the fp32, bf16, int8 and
+GGUF matmuls, the decode attention and the grammar mask here, the fused decode step in
+tests/unit/kernels/test_kernels_cpu_decode_layer.py. Each check passes with the real
 kernel on this CPU and fails with a kernel that computes nothing."""
 from __future__ import annotations
 
 import logging
 
 import pytest
+import torch
 
-from kernels import cbuild, cpu_decode_attention, cpu_gemm_gguf, cpu_gemm_int8, grammar_mask
+from kernels import (cbuild, cpu_decode_attention, cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8,
+                     grammar_mask)
 
-MODULES = {"int8": cpu_gemm_int8, "gguf": cpu_gemm_gguf, "decode_attention": cpu_decode_attention}
+MODULES = {"fp32": cpu_gemm, "bf16": cpu_gemm_bf16, "int8": cpu_gemm_int8, "gguf": cpu_gemm_gguf, "decode_attention": cpu_decode_attention}
 
 
 @pytest.mark.parametrize("name", list(MODULES))
@@ -21,8 +23,18 @@ def test_the_check_passes_with_the_kernel_and_fails_with_one_that_computes_nothi
         pytest.skip(f"no {name} kernel on this CPU")
     print(f"\n{name} kernel checked on this CPU: {module.isa()}")
     assert module.agrees_with_reference()
+    poison_allocations(monkeypatch)
     monkeypatch.setattr(module._kernel, "fn", lambda *args: None)  # leaves its output as allocated
     assert not module.agrees_with_reference()
+
+
+def poison_allocations(monkeypatch):
+    """New float tensors start as NaN: a kernel that writes nothing cannot pass on what the
+    allocator handed back from the previous, correct product."""
+    for name in ("empty", "empty_like"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, real=real, **k: (
+            lambda t: t.fill_(float("nan")) if t.is_floating_point() else t)(real(*a, **k)))
 
 
 def test_the_grammar_mask_check_fails_with_a_kernel_that_masks_nothing(monkeypatch):

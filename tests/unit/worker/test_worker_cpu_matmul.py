@@ -1,6 +1,6 @@
 """worker/cpu_matmul.py: which path CPU projections take is measured once per machine and kept;
-the measurement races the very products each path would compute; a kernel that disagrees with
-float64 is off; --cpu-matmul torch turns both kernels off."""
+the measurement races the very products each path would compute; --cpu-matmul torch turns both
+kernels off (a kernel that disagrees with float64 is off: tests/unit/kernels/test_kernels_startup_checks.py)."""
 from __future__ import annotations
 
 import json
@@ -31,7 +31,6 @@ def measured(monkeypatch):
     monkeypatch.setattr(cpu_matmul, "measure", lambda fp32, bf16, shape: calls.append(shape) or choice)
     monkeypatch.setattr(cpu_gemm, "available", lambda: True)
     monkeypatch.setattr(cpu_gemm_bf16, "available", lambda: True)
-    monkeypatch.setattr(cpu_matmul, "agrees", lambda *a: True)
     return calls, choice
 
 
@@ -164,18 +163,6 @@ def test_an_fp32_model_measures_no_bf16_bound(cache, monkeypatch):
     assert cpu_matmul.choose(True, SHAPE, torch.float32) == CpuMatmul(64, 0, False)
     assert cpu_matmul.choose(True, SHAPE, BF16) == CpuMatmul(64, 8, True)
     assert asked == [(True, False), (True, True)]
-
-
-def test_a_kernel_that_disagrees_with_float64_at_start_up_is_turned_off(monkeypatch, cache, caplog):
-    if not cpu_gemm_bf16.available():
-        pytest.skip("no bf16 kernel on this CPU")
-    monkeypatch.setattr(cpu_matmul, "measure", lambda fp32, bf16, shape: CpuMatmul(64 * fp32, 8 * bf16, bf16))
-    assert cpu_matmul.choose(True, SHAPE, BF16).bf16_kernel_rows == 8  # the real one agrees
-    monkeypatch.setattr(cpu_gemm_bf16, "xwt", lambda x, w: torch.zeros(x.shape[0], w.shape[0],
-                                                                         dtype=torch.bfloat16))
-    choice = cpu_matmul.choose(True, SHAPE, BF16)
-    assert (choice.bf16_kernel_rows, choice.bf16_widen) == (0, False)
-    assert "disagrees with float64" in caplog.text
 
 
 def test_workers_starting_together_measure_once(cache, measured, monkeypatch):
