@@ -2,8 +2,12 @@
 real stack (launcher: scheduler, worker, gateway over gRPC), greedy, on two workloads built from
 local text, one stream at a time and 16 at once:
 
-  repetitive      answers that repeat their context: pagoda's own functions rewritten with one
-                  name changed, and paragraphs of its docs quoted before a one-line summary
+  repetitive      answers that repeat their context with edits: pagoda's own functions rewritten
+                  with one name changed, and paragraphs of its docs with misspelt words to correct
+  quote-mix       the functions again, alternating with paragraphs to quote and summarise: the
+                  repetitive workload of stops 33-37, kept to compare. SmolLM2-135M does not
+                  quote (greedy: "This is a complete example of a chatbot's response..."), so
+                  half its answers do not repeat their context
   non-repetitive  open questions (explanations, stories, advice)
 
 Greedy with speculation gives the very tokens it gives without (tests/integration/
@@ -11,8 +15,10 @@ test_integration_speculation.py), so the two runs of a workload produce the same
 tokens/s compare directly: output tokens / wall time end to end, and decode tokens/s (tokens
 after each request's first over the time from its first token to its last: the prefill, which
 speculation does not touch, left out); cluster start and a warm-up excluded.
-Configurations alternate (off, on, off, on, ...) and the table gives each one's median of
---repeats runs, with the acceptance counters the scheduler reports (GetLoads).
+Every configuration's cluster is started first and stays up; passes alternate between them
+(off, on, off, on, ...), so that a slow spell of the VM falls on all of them alike, and the
+table gives each one's median of --repeats passes, with the acceptance counters the scheduler
+reports (GetLoads), and the median of the paired ratios (each pass against the off pass before it).
 
     .venv/bin/python bench/speculative.py [--dtype float32] [--repeats 3] [--max-tokens 128]
         [--spec '{"method": "ngram", "num_speculative_tokens": 4}' [--spec ...]]
@@ -74,28 +80,40 @@ def _paragraphs(limit: int = 16) -> list[str]:
     return [p for p in paras if 300 <= len(p) <= 900 and not p.startswith(("#", "|", "```"))][:limit]
 
 
+def misspelt(paragraph: str) -> str:
+    """Every ninth word of five letters or more with its third and fourth letters swapped."""
+    words = paragraph.split(" ")
+    for i in range(3, len(words), 9):
+        if len(words[i]) > 4 and words[i].isalpha():
+            words[i] = words[i][:2] + words[i][3] + words[i][2] + words[i][4:]
+    return " ".join(words)
+
+
 def workloads() -> dict[str, list[str]]:
     rewrite = [f"Rewrite this Python function with `{name}` renamed to `{name}_new`. Show the whole "
                f"function and nothing else.\n\n```python\n{code}\n```" for code, name in _functions()]
+    correct = [f"Correct the spelling mistakes in this paragraph. Reply with the corrected paragraph "
+               f"only.\n\n{misspelt(p)}" for p in _paragraphs()]
     quote = [f"Quote this paragraph exactly, then summarise it in one sentence.\n\n{p}"
              for p in _paragraphs()]
-    repetitive = [x for pair in zip(rewrite, quote) for x in pair][:16]
-    return {"repetitive": repetitive, "non-repetitive": QUESTIONS[:16]}
+    alternate = lambda a, b: [x for pair in zip(a, b) for x in pair][:16]  # noqa: E731
+    return {"repetitive": alternate(rewrite, correct), "quote-mix": alternate(rewrite, quote),
+            "non-repetitive": QUESTIONS[:16]}
 
 
-def request(content: str, max_tokens: int) -> pb.GenerateRequest:
-    return pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=content)],
+def request(content: str, max_tokens: int, salt: str = "") -> pb.GenerateRequest:
+    return pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=content)], cache_salt=salt,
                               sampling=pb.SamplingParams(temperature=0),
                               stopping=pb.StoppingCriteria(max_tokens=max_tokens))
 
 
-def measure(stub, prompts: list[str], streams: int, max_tokens: int) -> tuple[float, float, int]:
+def measure(stub, prompts: list[str], streams: int, max_tokens: int, salt: str) -> tuple[float, float, int]:
     """With `streams` requests in flight: output tokens/s end to end, decode tokens/s (each
     request's tokens after its first over the time from its first token to its last, summed
     over requests: the prefill left out) and the tokens."""
     def one(content: str) -> tuple[int, float]:
         n, first = 0, None
-        for msg in stub.GenerateStream(request(content, max_tokens), timeout=3600):
+        for msg in stub.GenerateStream(request(content, max_tokens, salt), timeout=3600):
             if msg.token_ids and first is None:
                 first, n = time.perf_counter(), n - 1  # the first token comes from the prefill
             n += len(msg.token_ids)
@@ -109,32 +127,37 @@ def measure(stub, prompts: list[str], streams: int, max_tokens: int) -> tuple[fl
     return tokens / wall, sum(n for n, _ in done) / sum(t for _, t in done), tokens
 
 
-def run(dtype: str, spec: str | None, max_tokens: int, single: int, only: set[str]) -> dict:
+def start(dtype: str, spec: str | None, name: str) -> Cluster:
     flags = ["--dtype", dtype, "--max-num-seqs", "16", "--num-gpu-blocks-override", "1024"]
     if spec:
         flags += ["--speculative-config", spec]
-    cluster = Cluster(*flags, log_path=Path("/tmp/pagoda-speculative.log")).start(timeout=600)
+    cluster = Cluster(*flags, log_path=Path(f"/tmp/pagoda-speculative-{name}.log")).start(timeout=600)
+    with grpc.insecure_channel(cluster.target) as ch:
+        pagoda_pb2_grpc.GenerationStub(ch).Generate(request("Hello", 8), timeout=600)  # warm-up
+    return cluster
+
+
+def run(cluster: Cluster, max_tokens: int, single: int, only: set[str], salt: str) -> dict:
+    """One pass of every selected workload on a cluster that is already up (an idle cluster
+    waits on its sockets and takes no CPU from the one measured). The pass's own cache salt
+    keeps the prompts' blocks of earlier passes out of its prefix cache: each pass prefills."""
     out = {}
-    try:
-        with grpc.insecure_channel(cluster.target) as ch:
-            stub = pagoda_pb2_grpc.GenerationStub(ch)
-            stub.Generate(request("Hello", 8), timeout=600)  # warm-up
-            for name, prompts in workloads().items():
-                for streams, subset in ((1, prompts[:single]), (16, prompts)):
-                    if only and f"{name}/{streams}" not in only:
-                        continue
-                    before = stub.GetLoads(pb.GetLoadsRequest(), timeout=10).workers[0]
-                    rate, decode, tokens = measure(stub, subset, streams, max_tokens)
-                    after = stub.GetLoads(pb.GetLoadsRequest(), timeout=10).workers[0]
-                    drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
-                    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
-                    drafts = after.spec_num_drafts - before.spec_num_drafts
-                    out[f"{name}/{streams}"] = {
-                        "tok_s": rate, "decode_tok_s": decode, "tokens": tokens,
-                        "acceptance": accepted / drafted if drafted else 0.0,
-                        "mean_len": 1 + accepted / drafts if drafts else 1.0}
-    finally:
-        cluster.stop()
+    with grpc.insecure_channel(cluster.target) as ch:
+        stub = pagoda_pb2_grpc.GenerationStub(ch)
+        for name, prompts in workloads().items():
+            for streams, subset in ((1, prompts[:single]), (16, prompts)):
+                if only and f"{name}/{streams}" not in only:
+                    continue
+                before = stub.GetLoads(pb.GetLoadsRequest(), timeout=10).workers[0]
+                rate, decode, tokens = measure(stub, subset, streams, max_tokens, salt)
+                after = stub.GetLoads(pb.GetLoadsRequest(), timeout=10).workers[0]
+                drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+                accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+                drafts = after.spec_num_drafts - before.spec_num_drafts
+                out[f"{name}/{streams}"] = {
+                    "tok_s": rate, "decode_tok_s": decode, "tokens": tokens,
+                    "acceptance": accepted / drafted if drafted else 0.0,
+                    "mean_len": 1 + accepted / drafts if drafts else 1.0}
     return out
 
 
@@ -153,10 +176,17 @@ def main() -> None:
     only = {k for k in args.only.split(",") if k}
     configs = [("off", None)] + [(f"on{i}" if len(specs) > 1 else "on", s) for i, s in enumerate(specs)]
     runs: dict[str, list[dict]] = {c: [] for c, _ in configs}
-    for _ in range(args.repeats):
+    clusters = {}
+    try:
         for config, spec in configs:
-            runs[config].append(run(args.dtype, spec, args.max_tokens, args.single, only))
-            print(config, json.dumps(runs[config][-1]), file=sys.stderr, flush=True)
+            clusters[config] = start(args.dtype, spec, config)
+        for i in range(args.repeats):
+            for config, _spec in configs:
+                runs[config].append(run(clusters[config], args.max_tokens, args.single, only, f"pass-{i}"))
+                print(config, json.dumps(runs[config][-1]), file=sys.stderr, flush=True)
+    finally:
+        for cluster in clusters.values():
+            cluster.stop()
     for (config, spec) in configs[1:]:
         table(runs, config, spec, args)
     if args.json:
@@ -167,16 +197,20 @@ def table(runs: dict[str, list[dict]], config: str, spec: str, args) -> None:
     print(f"machine: {platform.processor() or platform.machine()}, dtype {args.dtype}, "
           f"spec {spec}, {args.repeats} alternating runs, median")
     print("| workload | streams | off tok/s | on tok/s | speed-up | off decode tok/s | on decode "
-          "tok/s | decode speed-up | acceptance | mean accepted length |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "tok/s | decode speed-up | paired speed-up | paired decode speed-up | acceptance | "
+          "mean accepted length |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for key in runs["off"][0]:
         med = {c: {f: statistics.median(r[key][f] for r in runs[c]) for f in runs[c][0][key]}
                for c in ("off", config)}
         off, on = med["off"], med[config]
+        paired = {f: statistics.median(b[key][f] / a[key][f] for a, b in zip(runs["off"], runs[config]))
+                  for f in ("tok_s", "decode_tok_s")}
         name, streams = key.split("/")
         print(f"| {name} | {streams} | {off['tok_s']:.1f} | {on['tok_s']:.1f} | "
               f"{on['tok_s'] / off['tok_s']:.2f}x | {off['decode_tok_s']:.1f} | {on['decode_tok_s']:.1f} | "
-              f"{on['decode_tok_s'] / off['decode_tok_s']:.2f}x | {on['acceptance']:.0%} | "
+              f"{on['decode_tok_s'] / off['decode_tok_s']:.2f}x | {paired['tok_s']:.2f}x | "
+              f"{paired['decode_tok_s']:.2f}x | {on['acceptance']:.0%} | "
               f"{on['mean_len']:.2f} |")
         tokens = {r[key]["tokens"] for r in runs["off"] + runs[config]}
         if len(tokens) != 1:
