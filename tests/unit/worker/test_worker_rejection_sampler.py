@@ -37,11 +37,11 @@ def test_every_output_position_has_the_targets_distribution(temperature, top_p, 
     draft_probs = DRAFT_LOGITS.softmax(-1) if proposer == "draft model" else None
     g = torch.Generator().manual_seed(1234)
     counts = np.zeros((3, V))
-    for _ in range(DRAWS):
-        if draft_probs is None:
-            draft = [0, 1]  # fixed proposals, as a lookup makes them (likely ones)
-        else:
-            draft = [int(torch.multinomial(draft_probs[i], 1, generator=g)) for i in range(2)]
+    # Every draw's proposals, drawn at once: fixed ones as a lookup makes them (likely ones), or
+    # the draft distribution's.
+    drafts = ([[0, 1]] * DRAWS if draft_probs is None else
+              torch.multinomial(draft_probs, DRAWS, replacement=True, generator=g).T.tolist())
+    for draft in drafts:
         out = verify(probs, draft, draft_probs, greedy=False, seed=None, first_position=10, generator=g)
         assert out.tokens[:out.accepted] == draft[:out.accepted] and len(out.tokens) == out.accepted + 1
         for i, t in enumerate(out.tokens):
