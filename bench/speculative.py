@@ -20,7 +20,7 @@ Every configuration's cluster is started first and stays up; passes alternate be
 table gives each one's median of --repeats passes, with the acceptance counters the scheduler
 reports (GetLoads), and the median of the paired ratios (each pass against the off pass before it).
 
-    .venv/bin/python bench/speculative.py [--dtype float32] [--repeats 3] [--max-tokens 128]
+    .venv/bin/python bench/speculative.py [--dtype float32] [--quantization q4_1] [--repeats 3] [--max-tokens 128]
         [--spec '{"method": "ngram", "num_speculative_tokens": 4}' [--spec ...]]
         [--only repetitive/1,non-repetitive/16] [--json out.json]
 
@@ -127,8 +127,10 @@ def measure(stub, prompts: list[str], streams: int, max_tokens: int, salt: str) 
     return tokens / wall, sum(n for n, _ in done) / sum(t for _, t in done), tokens
 
 
-def start(dtype: str, spec: str | None, name: str) -> Cluster:
+def start(dtype: str, quantization: str | None, spec: str | None, name: str) -> Cluster:
     flags = ["--dtype", dtype, "--max-num-seqs", "16", "--num-gpu-blocks-override", "1024"]
+    if quantization:
+        flags += ["--quantization", quantization]
     if spec:
         flags += ["--speculative-config", spec]
     cluster = Cluster(*flags, log_path=Path(f"/tmp/pagoda-speculative-{name}.log")).start(timeout=600)
@@ -164,6 +166,7 @@ def run(cluster: Cluster, max_tokens: int, single: int, only: set[str], salt: st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantization", choices=["int8", "q8_0", "q4_1"], help="weights (default: the dtype's)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--single", type=int, default=4, help="requests of each single-stream run")
@@ -179,7 +182,7 @@ def main() -> None:
     clusters = {}
     try:
         for config, spec in configs:
-            clusters[config] = start(args.dtype, spec, config)
+            clusters[config] = start(args.dtype, args.quantization, spec, config)
         for i in range(args.repeats):
             for config, _spec in configs:
                 runs[config].append(run(clusters[config], args.max_tokens, args.single, only, f"pass-{i}"))
@@ -195,6 +198,7 @@ def main() -> None:
 
 def table(runs: dict[str, list[dict]], config: str, spec: str, args) -> None:
     print(f"machine: {platform.processor() or platform.machine()}, dtype {args.dtype}, "
+          f"quantization {args.quantization or 'none'}, "
           f"spec {spec}, {args.repeats} alternating runs, median")
     print("| workload | streams | off tok/s | on tok/s | speed-up | off decode tok/s | on decode "
           "tok/s | decode speed-up | paired speed-up | paired decode speed-up | acceptance | "
