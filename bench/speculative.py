@@ -1,5 +1,5 @@
 """Speculative decoding's worth: decode tokens/s with and without --speculative-config on the
-real stack (launcher: scheduler, worker, gateway over gRPC), greedy, on two workloads built from
+real stack (launcher: scheduler, worker, gateway over gRPC), greedy, on workloads built from
 local text, one stream at a time and 16 at once:
 
   repetitive      answers that repeat their context with edits: pagoda's own functions rewritten
@@ -20,7 +20,8 @@ Every configuration's cluster is started first and stays up; passes alternate be
 table gives each one's median of --repeats passes, with the acceptance counters the scheduler
 reports (GetLoads), and the median of the paired ratios (each pass against the off pass before it).
 
-    .venv/bin/python bench/speculative.py [--dtype float32] [--quantization q4_1] [--repeats 3] [--max-tokens 128]
+    .venv/bin/python bench/speculative.py [--dtype float32] [--quantization q4_1] [--repeats 3]
+        [--max-tokens 128]
         [--spec '{"method": "ngram", "num_speculative_tokens": 4}' [--spec ...]]
         [--only repetitive/1,non-repetitive/16] [--json out.json]
 
@@ -89,6 +90,10 @@ def misspelt(paragraph: str) -> str:
     return " ".join(words)
 
 
+def _alternate(a: list[str], b: list[str]) -> list[str]:
+    return [x for pair in zip(a, b) for x in pair][:16]
+
+
 def workloads() -> dict[str, list[str]]:
     rewrite = [f"Rewrite this Python function with `{name}` renamed to `{name}_new`. Show the whole "
                f"function and nothing else.\n\n```python\n{code}\n```" for code, name in _functions()]
@@ -96,8 +101,7 @@ def workloads() -> dict[str, list[str]]:
                f"only.\n\n{misspelt(p)}" for p in _paragraphs()]
     quote = [f"Quote this paragraph exactly, then summarise it in one sentence.\n\n{p}"
              for p in _paragraphs()]
-    alternate = lambda a, b: [x for pair in zip(a, b) for x in pair][:16]  # noqa: E731
-    return {"repetitive": alternate(rewrite, correct), "quote-mix": alternate(rewrite, quote),
+    return {"repetitive": _alternate(rewrite, correct), "quote-mix": _alternate(rewrite, quote),
             "non-repetitive": QUESTIONS[:16]}
 
 
