@@ -43,10 +43,11 @@ class CpuMatmul:
     bf16_widen: bool = False
 
 
-def choose(wanted: bool, shape: tuple[int, int], dtype: torch.dtype) -> CpuMatmul:
+def choose(wanted: bool, shape: tuple[int, int], dtype: torch.dtype, again: bool = False) -> CpuMatmul:
     """--cpu-matmul auto (wanted) or torch: the paths for projections of a [shape] weight (out,
-    in features) in a model of `dtype` on this machine, measured or read from the cache. The fp32
-    bound serves bf16 models too (their widened products); the bf16 one only them."""
+    in features) in a model of `dtype` on this machine, measured or read from the cache (measured
+    whatever it holds with `again`, --measure-again). The fp32 bound serves bf16 models too (their
+    widened products); the bf16 one only them."""
     fp32 = wanted and cpu_gemm.available()  # each checked against float64 on the first call
     bf16 = wanted and dtype == torch.bfloat16 and cpu_gemm_bf16.available()
     if not (fp32 or bf16):
@@ -55,7 +56,7 @@ def choose(wanted: bool, shape: tuple[int, int], dtype: torch.dtype) -> CpuMatmu
               for k, on in ((cpu_gemm, fp32), (cpu_gemm_bf16, bf16))]
     started = time.perf_counter()
     found, was_kept = kept(CACHE_NAME, machine_key(f"shape={shape[0]}x{shape[1]}", *builds),
-                           lambda: asdict(measure(fp32, bf16, shape)), set(asdict(CpuMatmul())))
+                           lambda: asdict(measure(fp32, bf16, shape)), set(asdict(CpuMatmul())), again)
     choice = CpuMatmul(**found)
     how = ("as measured before on this machine" if was_kept
            else f"measured in {time.perf_counter() - started:.1f} s")

@@ -38,12 +38,14 @@ def machine_key(*parts: object) -> str:
     return "|".join([cpu, torch.__version__, f"threads={torch.get_num_threads()}", *map(str, parts)])
 
 
-def kept(name: str, key: str, measure: Callable[[], dict], fields: set[str]) -> tuple[dict, bool]:
+def kept(name: str, key: str, measure: Callable[[], dict], fields: set[str],
+         again: bool = False) -> tuple[dict, bool]:
     """(the figures kept under `key` in `name`.json, True), or (measure()'s, False) after keeping
-    them. An entry without exactly `fields` (a garbled file, another version's) is measured again."""
+    them. An entry without exactly `fields` (a garbled file, another version's) is measured again,
+    and so is every entry with `again` (--measure-again), the new figures replacing it."""
     path = cache_root() / f"{name}.json"
     with _one_at_a_time(path):
-        found = _read(path).get(key)
+        found = None if again else _read(path).get(key)
         if isinstance(found, dict) and set(found) == fields:
             return found, True
         value = measure()

@@ -22,11 +22,13 @@ from worker.cpu_matmul import CpuMatmul
 CPU = CpuMatmul()
 
 
-def use_cpu_kernel(wanted: bool, shape: tuple[int, int], dtype: torch.dtype) -> CpuMatmul:
+def use_cpu_kernel(wanted: bool, shape: tuple[int, int], dtype: torch.dtype,
+                   again: bool = False) -> CpuMatmul:
     """--cpu-matmul auto (wanted) or torch: whether fp32 and bf16 CPU projections go through
-    pagoda's kernels, and up to how many rows, for a `dtype` model whose MLP weight is [shape]."""
+    pagoda's kernels, and up to how many rows, for a `dtype` model whose MLP weight is [shape]
+    (measured again, whatever was kept, with `again`: --measure-again)."""
     global CPU
-    CPU = cpu_matmul.choose(wanted, shape, dtype)
+    CPU = cpu_matmul.choose(wanted, shape, dtype, again)
     return CPU
 
 

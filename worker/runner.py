@@ -73,7 +73,8 @@ class ModelRunner:
         # This rank's share of the heads and MLP (all of them without a group).
         shard = shard_config(self.config, self.tp.size)
         if self.device.type == "cpu":
-            use_cpu_kernel(args.cpu_matmul == "auto", (shard.intermediate_size, shard.hidden_size), self.dtype)
+            use_cpu_kernel(args.cpu_matmul == "auto", (shard.intermediate_size, shard.hidden_size), self.dtype,
+                           args.measure_again)
         self.model = build_model(shard, weights, self.backend, self.max_model_len, self.device,
                                  self.dtype, self.tp)
         del weights

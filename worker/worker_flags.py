@@ -63,6 +63,10 @@ def add_worker_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "cpu_gemm_bf16.c) where they build, up to the rows where they beat torch's "
                         "BLAS, measured at a machine's first start (worker/cpu_matmul.py); "
                         "torch = torch's BLAS")
+    g.add_argument("--measure-again", action="store_true",
+                   help="time the CPU kernels' row bounds and the prefill rate again at this start "
+                        "and keep the new figures, in place of those a machine's first start kept in "
+                        "PAGODA_CACHE (a first start under load keeps skewed ones)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="the largest batch, used to profile activation memory")
     g.add_argument("--scheduler-worker-address", default="tcp://127.0.0.1:5556")

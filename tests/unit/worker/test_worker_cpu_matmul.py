@@ -90,6 +90,18 @@ def test_a_measurement_is_kept_and_read_back_by_the_next_start(cache, measured):
     assert len(json.loads(cache.read_text())) == 3
 
 
+def test_measure_again_measures_whatever_was_kept_and_keeps_the_new_bounds(cache, measured, monkeypatch):
+    calls, choice = measured
+    assert cpu_matmul.choose(True, SHAPE, BF16) == choice and calls == [SHAPE]
+    again = CpuMatmul(64, 4, False)  # what a quieter machine measures
+    monkeypatch.setattr(cpu_matmul, "measure", lambda fp32, bf16, shape: calls.append(shape) or again)
+    assert layers.use_cpu_kernel(True, SHAPE, BF16, again=True) == again == layers.CPU
+    assert calls == [SHAPE, SHAPE]
+    assert cpu_matmul.choose(True, SHAPE, BF16) == again and calls == [SHAPE, SHAPE]  # kept, read back
+    (entry,) = json.loads(cache.read_text()).values()
+    assert entry == {"fp32_kernel_rows": 64, "bf16_kernel_rows": 4, "bf16_widen": False}
+
+
 @pytest.mark.parametrize("content", ["{not json", '["a list"]', None], ids=["garbled", "not-a-dict", "old-fields"])
 def test_a_cache_it_cannot_use_costs_a_measurement_not_a_start(cache, measured, content):
     calls, choice = measured
