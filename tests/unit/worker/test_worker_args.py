@@ -28,6 +28,7 @@ def test_defaults():
     assert (a.num_gpu_blocks_override, a.kv_cache_memory, a.gpu_memory_utilization) == (None, None, 0.9)
     assert (a.swap_space, a.seed, a.attention_backend, a.max_num_batched_tokens) == (0.0, 0, "auto", 2048)
     assert a.scheduler_worker_address == "tcp://127.0.0.1:5556" and a.worker_id is None
+    assert a.measure_again is False and worker_args(["--measure-again"]).measure_again is True
     assert worker_args(["--kv-cache-memory", "2GiB"]).kv_cache_memory == 2 << 30
 
 
@@ -36,7 +37,8 @@ def test_flag_names_are_the_contract():
     flags = {f for f in parser._option_string_actions if f.startswith("--")} - {"--help"}
     assert flags == {"--model", "--dtype", "--device", "--block-size", "--max-model-len",
                      "--num-gpu-blocks-override", "--kv-cache-memory", "--gpu-memory-utilization",
-                     "--swap-space", "--seed", "--attention-backend", "--cpu-matmul", "--max-num-batched-tokens", "--quantization",
+                     "--swap-space", "--seed", "--attention-backend", "--cpu-matmul", "--measure-again",
+                     "--max-num-batched-tokens", "--quantization",
                      "--scheduler-worker-address", "--worker-id", "--max-message-bytes", "--max-num-seqs",
                      "--log-level", "--tensor-parallel-size", "--busy-poll-us", "--zmq-hwm",
                      "--zmq-keys-dir", "--insecure", "--speculative-config"}
