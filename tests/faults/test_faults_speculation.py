@@ -14,7 +14,7 @@ from tests.fake_worker import reference_output
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 3}'
 PROMPTS = [[11 + i, 22 + i, 33 + i] for i in range(6)]
-MAX_TOKENS = 80
+MAX_TOKENS = 60
 
 
 def test_a_speculating_worker_killed_mid_stream_loses_no_request(tmp_path):

@@ -165,14 +165,15 @@ def test_seeded_sampling_gives_what_the_plain_cluster_gives(spec_stub, stub, ref
     """Each position is drawn as the plain sampler draws it (worker/rejection_sampler.py), so
     speculation changes how many tokens a step gives, not which: alone, in a batch, every time."""
     names = ("rename", "count")
-    alone = {n: _streamed(spec_stub, _sampled(reference[n][0])) for n in names}
+    alone = _streamed(spec_stub, _sampled(reference["rename"][0]))  # long accepted runs
     with ThreadPoolExecutor(2) as pool:
         plain = dict(zip(names, pool.map(lambda n: _streamed(stub, _sampled(reference[n][0])), names)))
     with ThreadPoolExecutor(4) as pool:
         crowd = list(pool.map(lambda n: _streamed(spec_stub, _sampled(reference[n][0])),
                               names + ("json", "question")))
+    assert alone == plain["rename"]
     for i, n in enumerate(names):
-        assert alone[n] == plain[n] == crowd[i], n
+        assert plain[n] == crowd[i], n
         assert len(plain[n][0]) == SAMPLED_TOKENS and plain[n][0] != plain[n][1]
 
 
@@ -208,11 +209,11 @@ def test_penalties_bias_and_min_tokens_act_at_every_verified_position(spec_stub,
                          dict(temperature=0, frequency_penalty=0.2, logit_bias={expected[3]: -5.0}),
                          dict(temperature=0.7, seed=5, presence_penalty=0.4, repetition_penalty=1.1)):
             requests.append(pb.GenerateRequest(prompt_token_ids=ids, sampling=pb.SamplingParams(**sampling),
-                                               stopping=pb.StoppingCriteria(max_tokens=40, min_tokens=30)))
+                                               stopping=pb.StoppingCriteria(max_tokens=32, min_tokens=24)))
     got, plain = on_both(spec_stub, stub, requests)
     for request, g, p in zip(requests, got, plain):
         assert list(g.token_ids) == list(p.token_ids), request.sampling
-        assert len(g.token_ids) >= 30
+        assert len(g.token_ids) >= 24
     assert loads(spec_stub).spec_num_drafts > before
 
 
