@@ -141,3 +141,11 @@ def matmul_within(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rtol: flo
     entry: the start-up checks of the CPU matmul kernels (fp32, bf16, int8, GGUF)."""
     x, w = x.double(), w.double()
     return bool(((got.double() - x @ w.t()).abs() <= rtol * (x.abs() @ w.abs().t()) + 1e-6).all())
+
+
+def xwt_agrees(xwt, dtype: torch.dtype, rtol: float) -> bool:
+    """xwt(x, w) against float64 on a small random product of `dtype` operands (the start-up
+    check of the fp32 and bf16 kernels)."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 200, generator=g).to(dtype), torch.randn(37, 200, generator=g).to(dtype)
+    return matmul_within(xwt(x, w), x, w, rtol)
