@@ -25,6 +25,7 @@ from gateway.scheduler_client import SchedulerClient
 from gateway.tokenizer import load_tokenizer
 from gateway.limits import limits_from_args
 from launch import lifetime, watchdog
+from launch.flag_errors import FlagError, main_refusing
 from proto.auth import check_auth_args
 from proto.sizes import largest_scheduler_message
 
@@ -32,7 +33,10 @@ log = logging.getLogger("pagoda.gateway")
 
 
 async def run(args) -> None:
-    tokenizer = load_tokenizer(args.model, args.chat_template)
+    try:
+        tokenizer = load_tokenizer(args.model, args.chat_template)
+    except (FileNotFoundError, ValueError) as e:  # the messages name --model
+        raise FlagError(str(e)) from None
     limits = limits_from_args(args, max_model_len=0, vocab_size=0)
     # A client may send no more than the largest valid request needs.
     max_request_bytes = args.max_request_bytes or largest_generate_request(limits)
@@ -99,4 +103,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    lifetime.exit_now(main_refusing(main))

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from launch.flag_errors import BAD_FLAGS
 from launch.lifetime import PARENT_ENV
 from launch.restarts import RestartPolicy, after_death
 
@@ -37,6 +38,7 @@ class Child:
     restart_at: float | None = None
     given_up: bool = False
     stopped_since: float | None = None  # SIGSTOPped (state T) since, by the last look
+    last_code: int | None = None  # its last exit code
 
 
 def kill_if_stopped_too_long(child: Child, now: float, timeout_s: float) -> None:
@@ -82,7 +84,10 @@ def reap(child: Child, now: float, policy: RestartPolicy) -> str | None:
     """child has exited: schedule its restart or give up on it; says why everything must stop
     when it was the scheduler or the gateway that was given up on."""
     code, lived = child.proc.returncode, now - child.started
-    child.proc = None
+    child.proc, child.last_code = None, code
+    if code == BAD_FLAGS:  # its flags will be as wrong on every restart, and every worker has them
+        child.given_up = True
+        return f"pagoda: {child.name} refused its flags (exit {code}; why is above); stopping everything"
     verdict = after_death(policy, child.deaths_in_a_row, lived)
     child.deaths_in_a_row = verdict.deaths_in_a_row
     if verdict.delay_s is not None:

@@ -59,3 +59,31 @@ def with_keys(argv: list[str], keys_dir: Path = DEFAULT_KEYS_DIR) -> list[str]:
         return argv
     from proto.auth import create_keys
     return [*argv, "--zmq-keys-dir", str(create_keys(keys_dir))]
+
+
+def check_flags(routed: dict[str, list[str]], parsers: dict[str, argparse.ArgumentParser],
+                stand_ins: bool = False) -> dict[str, argparse.Namespace]:
+    """Each process's flags parsed as that process will parse them, before anything starts: a
+    bad value exits 2 here with argparse's message, where each worker would otherwise exit with
+    it in turn. The model files a worker and the gateway will look for must be there too, unless
+    stand-ins (tests' --*-module) run in their place."""
+    from launch.flag_errors import refuse
+    args = {}
+    for name, parser in parsers.items():
+        parser.prog = f"pagoda ({name})"
+        # Its usage (dozens of flags) would bury the one line that says what is wrong.
+        parser.print_usage = lambda file=None: None
+        args[name] = parser.parse_args(routed[name])
+    if not stand_ins:
+        from modelfiles.resolve import resolve_model
+        from worker.speculative_config import SpeculativeConfig
+        worker = args["worker"]
+        models = [(worker.model, "--model")]
+        if worker.speculative_config and (draft := SpeculativeConfig.parse(worker.speculative_config).model):
+            models.append((draft, "--speculative-config.model"))
+        for model, flag in models:
+            try:
+                resolve_model(model, flag)
+            except FileNotFoundError as e:
+                refuse(str(e))
+    return args

@@ -8,6 +8,8 @@ reconnect to it by themselves; one that had lived --crash-loop-window seconds (6
 count afresh. At its --crash-loop-deaths-th death in a row (10) the launcher gives up on that
 process alone: a worker given up on is logged and the rest keep serving; giving up on the
 scheduler or the gateway, without which nothing is served, stops everything with exit code 1.
+Flags are checked before anything starts (launch/flag_routing.py check_flags), and a child that
+exits 2 refused its flags (launch/flag_errors.py): that stops everything at once, with exit 2.
 
 Each child has a bounded life of its own (launch/lifetime.py): it exits within its drain plus a
 few seconds of SIGTERM, and within a few seconds of this launcher's death, even with its loop
@@ -31,7 +33,8 @@ import time
 from launch.children import (Child, kill_if_stopped_too_long, module_command, reap, start,
                              stop_in_order)
 from launch import lifetime
-from launch.flag_routing import process_parsers, route_flags, with_keys
+from launch.flag_errors import BAD_FLAGS
+from launch.flag_routing import check_flags, process_parsers, route_flags, with_keys
 from launch.lifetime import PARENT_ENV
 from launch.restarts import RestartPolicy
 
@@ -68,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     opts, rest = launcher_parser().parse_known_args(argv)
     parsers = process_parsers()
     routed = route_flags(with_keys(rest), parsers)
-    gateway_grace = parsers["gateway"].parse_args(routed["gateway"]).shutdown_grace_period
+    stand_ins = (opts.worker_module, opts.gateway_module) != ("worker.main", "gateway.main")
+    gateway_grace = check_flags(routed, parsers, stand_ins)["gateway"].shutdown_grace_period
     policy = RestartPolicy(healthy_after_s=opts.crash_loop_window,
                            give_up_after=opts.crash_loop_deaths)
 
@@ -96,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 why = reap(child, now, policy)
                 if why is not None:
                     print(why, flush=True)
-                    code = 1
+                    code = BAD_FLAGS if child.last_code == BAD_FLAGS else 1
                     stopping.append(True)
                     break
             elif child.proc is None and child.restart_at is not None and now >= child.restart_at:

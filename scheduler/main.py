@@ -33,3 +33,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    lifetime.exit_now(0)

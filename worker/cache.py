@@ -7,9 +7,11 @@ layers at once instead of 2 * num_layers small copies.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from worker.model_config import ModelConfig
@@ -44,6 +46,16 @@ def num_device_blocks(*, override: int | None, device: torch.device, block_bytes
     return kv_cache_memory // block_bytes
 
 
+def zeroed_host(shape: tuple, dtype: torch.dtype, align: int = 64) -> torch.Tensor:
+    """Zeros in host memory, 64-byte aligned, that cost nothing until written: calloc (numpy's
+    zeros) maps fresh pages the kernel zeroes on first touch, where torch.zeros writes every byte
+    at once (0.35 s for a 1 GB cache at start-up, and all of it resident from then on)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = torch.from_numpy(np.zeros(nbytes + align, np.uint8))
+    skip = -raw.data_ptr() % align
+    return raw[skip:skip + nbytes].view(dtype).view(shape)
+
+
 class CacheEngine:
     def __init__(self, config: ModelConfig, num_blocks: int, num_cpu_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -53,12 +65,15 @@ class CacheEngine:
         self.block_bytes = bytes_per_block(config, block_size, dtype)
         tail = (block_size, config.num_kv_heads, config.head_dim)
         # Zeros, not empty: attention multiplies masked-out slots by 0, and 0 * NaN garbage is NaN.
-        self.device_cache = torch.zeros((config.num_layers, 2, num_blocks, *tail), dtype=dtype, device=device)
+        shape = (config.num_layers, 2, num_blocks, *tail)
+        self.device_cache = (zeroed_host(shape, dtype) if device.type == "cpu"
+                             else torch.zeros(shape, dtype=dtype, device=device))
         self.cpu_cache = None
         if num_cpu_blocks:
-            pin = device.type == "cuda"  # pinned memory makes the copies asynchronous DMA
-            self.cpu_cache = torch.zeros((config.num_layers, 2, num_cpu_blocks, *tail), dtype=dtype,
-                                         pin_memory=pin)
+            shape = (config.num_layers, 2, num_cpu_blocks, *tail)
+            # pinned memory makes the copies asynchronous DMA
+            self.cpu_cache = (torch.zeros(shape, dtype=dtype, pin_memory=True) if device.type == "cuda"
+                              else zeroed_host(shape, dtype))
         # Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim]: views, no copies.
         self.kv_caches = [(layer[0], layer[1]) for layer in self.device_cache]
 

@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from launch.flag_errors import FlagError
 from modelfiles.resolve import resolve_model
 from worker.attention_backends import AttentionBackend
 from worker.cache import CacheEngine, bytes_per_block
@@ -42,12 +43,12 @@ class DraftModel:
     def __init__(self, path: str, vocab_size: int, backend: AttentionBackend, max_model_len: int,
                  device: torch.device, dtype: torch.dtype) -> None:
         try:
-            resolved = resolve_model(path)
-        except (FileNotFoundError, ValueError) as e:
-            raise SystemExit(f"--speculative-config.model: {e}") from None
+            resolved = resolve_model(path, "--speculative-config.model")
+        except FileNotFoundError as e:
+            raise FlagError(str(e)) from None
         self.config, weights = load_weights(resolved)
         if self.config.vocab_size != vocab_size:
-            raise SystemExit(f"--speculative-config.model: the draft's vocabulary has "
+            raise FlagError(f"--speculative-config.model: the draft's vocabulary has "
                              f"{self.config.vocab_size} tokens, the target's {vocab_size}; "
                              "a draft must share the target's tokenizer")
         self.model = build_model(self.config, weights, backend, max_model_len, device, dtype,

@@ -23,6 +23,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from launch import lifetime, watchdog
+from launch.flag_errors import main_refusing
 from proto import internal_pb2
 from proto.auth import check_auth_args, secure_client
 from proto.polling import receive, resolve_busy_poll_us
@@ -266,4 +267,4 @@ def _serve_scheduler(args, runner, ranks) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    lifetime.exit_now(main_refusing(main))

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from launch.flag_errors import FlagError
 from modelfiles.resolve import model_display_name, resolve_model
 from proto import internal_pb2
 from proto.auth import PROTOCOL_VERSION
@@ -53,7 +54,10 @@ class ModelRunner:
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.block_size = args.block_size
-        self.model_path = resolve_model(args.model)
+        try:
+            self.model_path = resolve_model(args.model)
+        except FileNotFoundError as e:
+            raise FlagError(str(e)) from None
 
         # A progress bar where a person watches (a terminal); the log lines below say the same.
         progress = tqdm(total=5, desc=f"worker {self.worker_id}", unit="stage", disable=None,
@@ -80,7 +84,7 @@ class ModelRunner:
         del weights
         if args.quantization:
             if self.device.type != "cpu" or self.dtype != torch.float32 or self.tp.size != 1:
-                raise SystemExit(f"--quantization {args.quantization} runs on the CPU, with --dtype "
+                raise FlagError(f"--quantization {args.quantization} runs on the CPU, with --dtype "
                                  "float32, on one rank")
             logger.info("%s weights: %.0f MB", args.quantization,
                         self.model.quantize(args.quantization, self.model_path) / 1e6)

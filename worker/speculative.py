@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from launch.flag_errors import FlagError
 from proto.columns import pack, unpack
 from proto.speculation import may_speculate
 from worker.grammar import GrammarRows, apply_grammar_mask
@@ -44,13 +45,13 @@ class Proposals:
 def build_speculator(text: str | None, runner) -> "Speculator | None":
     """The --speculative-config's Speculator (None without the flag), its draft model loaded
     for the runner's vocabulary, attention backend, length, device and dtype; SystemExit naming
-    the field when the flag is wrong."""
+    the field when the flag is wrong (FlagError)."""
     if not text:
         return None
     try:
         config = SpeculativeConfig.parse(text)
     except ValueError as e:
-        raise SystemExit(str(e)) from None
+        raise FlagError(str(e)) from None
     draft = None
     if config.method == "draft_model":
         from worker.draft_model import DraftModel

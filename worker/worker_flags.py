@@ -37,7 +37,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "int8 per output channel (kernels/cpu_gemm_int8.c); q8_0, q4_1: GGUF's "
                         "blocks of 32, a GGUF's own where it stores that format, else made with "
                         "the gguf package (kernels/cpu_gemm_gguf.c)")
-    g.add_argument("--speculative-config", default=None, metavar="JSON",
+    g.add_argument("--speculative-config", default=None, metavar="JSON", type=speculative_config,
                    help='speculative decoding, vLLM\'s fields: {"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5, '
                         '"disable_by_batch_size": 8}, or {"method": "draft_model", "model": PATH, '
@@ -94,3 +94,15 @@ def add_worker_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def worker_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parsed worker flags with defaults, e.g. worker_args(["--dtype", "float32"]) in tests."""
     return add_worker_args(argparse.ArgumentParser("pagoda worker")).parse_args(argv or [])
+
+
+def speculative_config(text: str) -> str:
+    """The flag's JSON as given, once it parses (worker/speculative_config.py), so that argparse,
+    in the launcher as in the worker, refuses a bad one with the field named."""
+    from worker.speculative_config import SpeculativeConfig
+    try:
+        SpeculativeConfig.parse(text)
+    except ValueError as e:
+        # argparse says "argument --speculative-config: " first
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--speculative-config").lstrip(".: ")) from None
+    return text

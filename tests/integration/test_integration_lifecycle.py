@@ -214,6 +214,18 @@ def test_a_scheduler_that_keeps_dying_at_start_stops_everything(tmp_path):
     print(f"\ncrash loop: the launcher gave up after {took:.1f} s")
 
 
+def test_flags_only_the_real_worker_can_check_stop_the_stack_at_once_with_exit_code_2(tmp_path):
+    """The launcher checks what it can before it starts (tests/unit/launch/test_launch.py); a
+    combination that only a worker's start finds wrong ends it the same way, not in restarts."""
+    c = Cluster("--quantization", "q4_1", "--dtype", "bfloat16", log_path=tmp_path / "cluster.log")
+    with pytest.raises(RuntimeError, match="launcher exited with 2"):
+        c.start(120)
+    log = c.log_path.read_text()
+    assert log.count("pagoda: --quantization q4_1 runs on the CPU, with --dtype float32, on one rank") == 1
+    assert "pagoda: worker0 refused its flags (exit 2; why is above); stopping everything" in log
+    assert "restarting" not in log and "Traceback" not in log
+
+
 def test_the_compose_health_probe_reads_the_gateway_and_the_scheduler(cluster):
     new_request_succeeds_within(cluster, RECOVERY_BOUND_S)
 

@@ -56,3 +56,40 @@ def test_speculative_config_reaches_the_worker_from_serve_and_from_llm_keywords(
         assert SpeculativeConfig.parse(worker.speculative_config) == SpeculativeConfig(
             "ngram", 3, prompt_lookup_min=4, prompt_lookup_max=4)
         assert "--speculative-config" not in routed["scheduler"] + routed["gateway"]
+
+
+BAD = [  # (flags, the one line that names what is wrong)
+    (["--speculative-config", '{"method": "bogus"}'],
+     "pagoda (worker): error: argument --speculative-config: method must be one of ['ngram', "
+     "'draft_model', 'suffix'], got 'bogus'"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}'],
+     "pagoda (worker): error: argument --speculative-config: num_speculative_tokens must be an "
+     "integer in [1, 16], got 99"),
+    (["--max-num-seqs", "many"],
+     "pagoda (scheduler): error: argument --max-num-seqs: invalid int value: 'many'"),
+    (["--model", "/no/such/model.gguf"],
+     "pagoda: --model '/no/such/model.gguf': no such file or directory (no model hub is reached)"),
+    (["--speculative-config", '{"method": "draft_model", "model": "/no/draft", "num_speculative_tokens": 2}'],
+     "pagoda: --speculative-config.model '/no/draft': no such file or directory (no model hub is "
+     "reached)"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD, ids=[m.split(": ", 1)[1][:30] for _, m in BAD])
+def test_the_launcher_refuses_bad_flags_before_it_starts_anything(argv, message, capsys):
+    """Exit 2 with one line (no usage of every flag), rather than a worker that fails its start
+    again at every restart."""
+    from launch.flag_routing import check_flags
+    parsers = process_parsers()
+    with pytest.raises(SystemExit) as exit_:
+        check_flags(route_flags(argv, parsers), parsers)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == message
+
+
+def test_good_flags_pass_the_launchers_check():
+    from launch.flag_routing import check_flags
+    parsers = process_parsers()
+    spec = '{"method": "draft_model", "model": "smollm2", "num_speculative_tokens": 2}'
+    args = check_flags(route_flags(["--speculative-config", spec, "--max-num-seqs", "4"], parsers), parsers)
+    assert (args["worker"].speculative_config, args["scheduler"].max_num_seqs) == (spec, 4)

@@ -80,6 +80,16 @@ def test_a_death_before_giving_up_schedules_the_restart(capsys):
     assert "restarting in 0.5 s" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("name", ["worker0", "scheduler"])
+def test_a_child_that_refuses_its_flags_stops_everything_at_its_first_death(name, capsys):
+    """Exit 2 (launch/flag_errors.py): its next start would refuse them again."""
+    child = Child(name, [], proc=SimpleNamespace(returncode=2), started=40.0)
+    why = reap(child, now=100.0, policy=RestartPolicy())
+    assert why == f"pagoda: {name} refused its flags (exit 2; why is above); stopping everything"
+    assert (child.given_up, child.restart_at, child.last_code) == (True, None, 2)
+    assert capsys.readouterr().out == ""
+
+
 def test_the_health_page_answers_503_once_the_loop_stalls():
     port = free_port()
     server = start_metrics_server(port, "127.0.0.1")
@@ -172,9 +182,9 @@ def test_a_loop_that_ticks_or_has_not_started_is_left_alone():
 
 
 def launcher(tmp_path: Path, *flags: str, **popen) -> subprocess.Popen:
-    env = dict(ENV, PAGODA_STAND_IN_LOG=str(tmp_path / "stand-ins.log"))
+    popen.setdefault("env", dict(ENV, PAGODA_STAND_IN_LOG=str(tmp_path / "stand-ins.log")))
     return subprocess.Popen([sys.executable, "-m", "launch", "--insecure", *flags], cwd=ROOT,
-                            env=env, text=True, **popen)
+                            text=True, **popen)
 
 
 def stand_ins(tmp_path: Path, worker_module: str, *flags: str) -> tuple[subprocess.Popen, Path]:
@@ -235,6 +245,23 @@ def test_giving_up_on_the_scheduler_stops_everything_with_exit_code_1(tmp_path):
     assert ("pagoda: scheduler died 3 times in a row, each within 60 s of starting (last exit "
             "code 3); giving up on it and stopping everything") in out
     assert len(notes(tmp_path, "crashed")) == 3
+    serving = sorted(pid for pid, _ in notes(tmp_path, "serving"))
+    assert len(serving) == 2 and sorted(pid for pid, _ in notes(tmp_path, "stopped")) == serving
+
+
+@pytest.mark.integration
+def test_a_worker_that_refuses_its_flags_stops_everything_with_exit_code_2(tmp_path):
+    proc = launcher(tmp_path, "--scheduler-module", "tests.stand_in_serving", "--gateway-module",
+                    "tests.stand_in_serving", "--worker-module", "tests.stand_in_crashing",
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    env=dict(ENV, PAGODA_STAND_IN_LOG=str(tmp_path / "stand-ins.log"), PAGODA_STAND_IN_EXIT="2"))
+    try:
+        out, _ = proc.communicate(timeout=15)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2, out
+    assert "pagoda: worker0 refused its flags (exit 2; why is above); stopping everything" in out
+    assert len(notes(tmp_path, "crashed")) == 1 and "restarting" not in out
     serving = sorted(pid for pid, _ in notes(tmp_path, "serving"))
     assert len(serving) == 2 and sorted(pid for pid, _ in notes(tmp_path, "stopped")) == serving
 

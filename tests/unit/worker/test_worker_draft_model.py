@@ -15,6 +15,7 @@ import torch
 from proto import internal_pb2 as pb
 from tests.unit.scheduler.test_scheduler import GW, make_router, run, with_workers
 from tests.worker_tiny_models import make_hf_model, runner_args, save_model
+from launch.flag_errors import FlagError
 from worker import draft_model
 from worker.runner import ModelRunner
 
@@ -150,10 +151,11 @@ def test_a_draft_that_is_missing_or_of_another_vocabulary_stops_the_worker_namin
         models, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
     _, folder, _ = models
-    with pytest.raises(SystemExit, match=r"--speculative-config.model: .*no such file"):
+    with pytest.raises(FlagError, match=r"--speculative-config.model '.*absent': no such file") as refused:
         serve(folder, tmp_path / "absent")
+    assert refused.value.code == 2  # the launcher stops everything rather than restart it
     small = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=48,
                                          num_hidden_layers=1, num_attention_heads=2,
                                          num_key_value_heads=1))
-    with pytest.raises(SystemExit, match=r"--speculative-config.model: .*128 tokens, the target's 256"):
+    with pytest.raises(FlagError, match=r"--speculative-config.model: .*128 tokens, the target's 256"):
         serve(folder, save_model(small, tmp_path / "small"))

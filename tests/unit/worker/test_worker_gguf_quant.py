@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 
+from launch.flag_errors import FlagError
 from kernels import cpu_decode_layer, cpu_gemm_gguf
 from kernels.cpu_decode_layer import decode_step
 from tests.unit.worker.test_worker_loader import write_gguf
@@ -123,6 +124,6 @@ def test_a_gguf_files_own_blocks_are_used_as_they_are(tmp_path, monkeypatch, exa
 
 def test_refused_where_it_cannot_run(tmp_path):
     hf = make_hf_model("llama")
-    with pytest.raises(SystemExit, match="--quantization q4_1 runs on the CPU, with --dtype float32"):
+    with pytest.raises(FlagError, match="--quantization q4_1 runs on the CPU, with --dtype float32"):
         ModelRunner(runner_args(save_model(hf, tmp_path / "m"), "--quantization", "q4_1",
                                 "--dtype", "bfloat16"))

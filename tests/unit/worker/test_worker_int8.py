@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 
+from launch.flag_errors import FlagError
 from kernels import cpu_gemm_int8
 from tests.worker_tiny_models import (VARIANTS, assert_greedy_equals_reference, make_hf_model,
                                       runner_args, save_model)
@@ -43,6 +44,6 @@ def test_int8_greedy_and_logits_equal_float64_on_the_dequantized_weights(variant
 
 def test_int8_is_refused_where_it_cannot_run(tmp_path):
     hf = make_hf_model("llama")
-    with pytest.raises(SystemExit, match="--quantization int8 runs on the CPU, with --dtype float32"):
+    with pytest.raises(FlagError, match="--quantization int8 runs on the CPU, with --dtype float32"):
         ModelRunner(runner_args(save_model(hf, tmp_path / "m"), "--quantization", "int8",
                                 "--dtype", "bfloat16"))

@@ -104,3 +104,15 @@ def test_sigterm_says_goodbye_and_exits_cleanly(tiny_model, scheduler_socket):
         if proc.poll() is None:
             proc.kill()
         proc.communicate()
+
+
+@pytest.mark.parametrize("module", ["worker.main", "gateway.main"])
+def test_a_model_that_is_not_there_exits_2_with_one_line(module):
+    """As a container runs it (no launcher to check first): the flag named, no traceback, and
+    argparse's exit code, which the launcher does not restart."""
+    proc = subprocess.run([sys.executable, "-m", module, "--model", "/no/such/model.gguf", "--insecure"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "pagoda: --model '/no/such/model.gguf': no such file or directory (no model hub is reached)")
+    assert "Traceback" not in proc.stderr
