@@ -8,7 +8,6 @@ does the work."""
 from __future__ import annotations
 
 import ctypes
-import logging
 from pathlib import Path
 from typing import Sequence
 
@@ -16,34 +15,20 @@ import torch
 
 from kernels import cbuild
 
-logger = logging.getLogger(__name__)
-
 SOURCE = Path(__file__).resolve().parent / "csrc" / "grammar_mask.c"
 FLAGS = ["-O3", "-shared", "-fPIC"]
 
-_fn = None
-_tried = False
+_kernel = cbuild.IsaKernel(
+    SOURCE, FLAGS, "pagoda_mask_isa", "pagoda_mask_rows",
+    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+     ctypes.c_int64, ctypes.c_int64, ctypes.c_int],
+    {1: "portable C"}, "using xgrammar's")
+available = _kernel.available
 
 
-def available() -> bool:
-    global _fn, _tried
-    if not _tried:
-        _tried = True
-        try:
-            lib = ctypes.CDLL(str(cbuild.build(SOURCE, FLAGS)))
-        except (OSError, RuntimeError) as e:
-            logger.warning("grammar mask kernel off, using xgrammar's: %s", e)
-            return False
-        fn = lib.pagoda_mask_rows
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-        fn.restype = None
-        _fn = fn
-        if not agrees_with_reference():
-            logger.warning("the grammar mask kernel disagrees with its reference on this machine: "
-                           "it is off, using xgrammar's")
-            _fn = None
-    return _fn is not None
+def _mask_rows(out: torch.Tensor, index: torch.Tensor, bitmask: torch.Tensor) -> None:
+    _kernel.fn(out.data_ptr(), out.stride(0), index.data_ptr(), len(index), bitmask.data_ptr(),
+               bitmask.shape[1], out.shape[1], _kernel.best)
 
 
 def agrees_with_reference() -> bool:
@@ -53,8 +38,11 @@ def agrees_with_reference() -> bool:
     logits = torch.randn(3, 70, generator=g)
     bitmask = torch.randint(-2**31, 2**31 - 1, (2, 3), generator=g, dtype=torch.int64).to(torch.int32)
     out, index = logits.clone(), torch.tensor([2, 0], dtype=torch.int64)
-    _fn(out.data_ptr(), out.stride(0), index.data_ptr(), 2, bitmask.data_ptr(), bitmask.shape[1], out.shape[1])
+    _mask_rows(out, index, bitmask)
     return torch.equal(out, reference(logits, [2, 0], bitmask))
+
+
+_kernel.check = agrees_with_reference
 
 
 def masked(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> torch.Tensor:
@@ -65,9 +53,7 @@ def masked(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> 
     bitmask = bitmask.to("cpu").contiguous()
     if out.device.type == "cpu" and out.dtype == torch.float32 and out.stride(1) == 1 \
             and bitmask.dtype == torch.int32 and available():
-        index = torch.tensor(list(rows), dtype=torch.int64)
-        _fn(out.data_ptr(), out.stride(0), index.data_ptr(), len(rows), bitmask.data_ptr(),
-            bitmask.shape[1], out.shape[1])
+        _mask_rows(out, torch.tensor(list(rows), dtype=torch.int64), bitmask)
         return out
     import xgrammar as xgr
     index = torch.tensor(list(rows), device=out.device)

@@ -12,8 +12,13 @@
 
 #define NEG_INF_BITS 0xff800000u /* -inf as a float's bits */
 
+/* One path, portable C that the compiler vectorizes: every CPU runs it (kernels/cbuild.py
+ * IsaKernel asks). */
+int pagoda_mask_isa(void) { return 1; }
+
 void pagoda_mask_rows(float *logits, int64_t row_stride, const int64_t *rows, int64_t num_rows,
-                      const int32_t *bitmask, int64_t words, int64_t vocab) {
+                      const int32_t *bitmask, int64_t words, int64_t vocab, int isa) {
+    (void)isa;
     for (int64_t r = 0; r < num_rows; r++) {
         float *x = logits + rows[r] * row_stride;
         const uint32_t *m = (const uint32_t *)(bitmask + r * words);
