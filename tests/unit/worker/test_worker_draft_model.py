@@ -138,6 +138,26 @@ def test_a_noisy_draft_is_rejected_at_times_and_the_answers_stay_the_targets(mod
         (spec.num_accepted_tokens, spec.num_draft_tokens, spec.accepted_per_position)
 
 
+def test_a_smaller_draft_has_a_cache_of_its_own_shape_and_the_answers_stay_the_targets(
+        models, reference, tmp_path):
+    """One layer of half the width and heads: the draft's cache is sized and addressed by its
+    own config, through the target's block tables, preempted and caught up again."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    _, folder, _ = models
+    small = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=48,
+                                         num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, bos_token_id=None, eos_token_id=None,
+                                         pad_token_id=None))
+    router, workers = serve(folder, save_model(small, tmp_path / "small"), *preempting("recompute"))
+    draft = workers[b"w0"].runner.speculator.draft  # the target: 2 layers, 2 KV heads of 16
+    assert draft.cache.device_cache.shape[:1] + draft.cache.device_cache.shape[-2:] == (1, 1, 16)
+    assert generate(router, workers, PROMPTS) == reference
+    sched = stats(router)
+    assert sched.stats.num_preemptions["recompute"] > 0
+    assert sched.speculation.num_draft_tokens > NEW_TOKENS
+    assert sched.kv.num_free == sched.kv.num_blocks
+
+
 def test_a_seeded_request_gives_the_same_tokens_alone_and_in_a_batch(models):
     _, folder, other = models
     sampling = pb.SamplingConfig(temperature=0.9, top_p=0.9, has_seed=True, seed=7)
