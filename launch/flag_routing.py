@@ -9,6 +9,7 @@ from pathlib import Path
 
 from launch import watchdog
 from launch.children import ROOT
+from launch.flag_errors import FlagError
 
 DEFAULT_KEYS_DIR = ROOT / ".cache" / "zmq-keys"
 
@@ -30,22 +31,23 @@ def process_parsers() -> dict[str, argparse.ArgumentParser]:
 
 
 def route_flags(argv: list[str], parsers: dict[str, argparse.ArgumentParser]) -> dict[str, list[str]]:
-    """Split argv into one argument list per process. Unknown flags are an error, not ignored."""
+    """Split argv into one argument list per process. Unknown flags are an error (FlagError),
+    not ignored."""
     routed: dict[str, list[str]] = {name: [] for name in parsers}
     i = 0
     while i < len(argv):
         token = argv[i]
         if not token.startswith("--"):
-            raise SystemExit(f"pagoda: unexpected argument {token!r}")
+            raise FlagError(f"unexpected argument {token!r}")
         flag, has_value, _ = token.partition("=")
         owners = [n for n, p in parsers.items() if flag in p._option_string_actions]
         if not owners:
-            raise SystemExit(f"pagoda: unknown flag {flag}")
+            raise FlagError(f"unknown flag {flag}")
         action = parsers[owners[0]]._option_string_actions[flag]
         takes_value = action.nargs != 0 and not has_value
         tokens = argv[i:i + 2] if takes_value else [token]
         if takes_value and len(tokens) < 2:
-            raise SystemExit(f"pagoda: {flag} needs a value")
+            raise FlagError(f"{flag} needs a value")
         for name in owners:
             routed[name] += tokens
         i += len(tokens)
@@ -64,16 +66,17 @@ def with_keys(argv: list[str], keys_dir: Path = DEFAULT_KEYS_DIR) -> list[str]:
 def check_flags(routed: dict[str, list[str]], parsers: dict[str, argparse.ArgumentParser],
                 stand_ins: bool = False) -> dict[str, argparse.Namespace]:
     """Each process's flags parsed as that process will parse them, before anything starts: a
-    bad value exits 2 here with argparse's message, where each worker would otherwise exit with
-    it in turn. The model files a worker and the gateway will look for must be there too, unless
-    stand-ins (tests' --*-module) run in their place."""
-    from launch.flag_errors import refuse
+    bad value is a FlagError here with argparse's message (and not the usage of dozens of
+    flags), where each worker would otherwise exit with it in turn. The model files a worker and
+    the gateway will look for must be there too, unless stand-ins (tests' --*-module) run in
+    their place."""
     args = {}
     for name, parser in parsers.items():
-        parser.prog = f"pagoda ({name})"
-        # Its usage (dozens of flags) would bury the one line that says what is wrong.
-        parser.print_usage = lambda file=None: None
-        args[name] = parser.parse_args(routed[name])
+        parser.exit_on_error = False
+        try:
+            args[name] = parser.parse_args(routed[name])
+        except argparse.ArgumentError as e:
+            raise FlagError(str(e)) from None
     if not stand_ins:
         from modelfiles.resolve import resolve_model
         from worker.speculative_config import SpeculativeConfig
@@ -85,5 +88,5 @@ def check_flags(routed: dict[str, list[str]], parsers: dict[str, argparse.Argume
             try:
                 resolve_model(model, flag)
             except FileNotFoundError as e:
-                refuse(str(e))
+                raise FlagError(str(e)) from None
     return args

@@ -22,7 +22,8 @@ from typing import Sequence
 from tqdm import tqdm
 
 from launch.children import Child, module_command, spawn, stop_in_order
-from launch.flag_routing import process_parsers, route_flags
+from launch.flag_errors import FlagError
+from launch.flag_routing import check_flags, process_parsers, route_flags
 from launch.outputs import RequestOutput, collect
 from launch.params import BeamSearchParams, SamplingParams, generate_request
 from proto.auth import create_keys
@@ -63,7 +64,12 @@ class LLM:
                        "scheduler_gateway_address": f"tcp://127.0.0.1:{ports[0]}",
                        "scheduler_worker_address": f"tcp://127.0.0.1:{ports[1]}",
                        "scheduler_metrics_port": 0})
-        routed = route_flags(argv, process_parsers())
+        parsers = process_parsers()
+        try:
+            routed = route_flags(argv, parsers)
+            check_flags(routed, parsers)
+        except FlagError as e:  # a library raises, where the launcher exits 2
+            raise ValueError(str(e)) from None
         gateway_args = add_gateway_args(argparse.ArgumentParser()).parse_args(routed["gateway"])
         self.log_path = Path(log_file or tempfile.mkstemp(prefix="pagoda-llm-", suffix=".log")[1])
         log = open(self.log_path, "ab")

@@ -1,8 +1,11 @@
 """The launcher hands each flag to every process whose parser knows it."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from launch.flag_errors import FlagError
 from launch.flag_routing import process_parsers, route_flags
 
 
@@ -25,9 +28,9 @@ def test_flags_reach_their_owners_and_parse():
 
 def test_unknown_or_incomplete_flags_are_errors():
     parsers = process_parsers()
-    with pytest.raises(SystemExit, match="unknown flag --max-num-seq"):
+    with pytest.raises(FlagError, match="unknown flag --max-num-seq"):
         route_flags(["--max-num-seq", "8"], parsers)
-    with pytest.raises(SystemExit, match="needs a value"):
+    with pytest.raises(FlagError, match="needs a value"):
         route_flags(["--max-num-seqs"], parsers)
 
 
@@ -60,31 +63,43 @@ def test_speculative_config_reaches_the_worker_from_serve_and_from_llm_keywords(
 
 BAD = [  # (flags, the one line that names what is wrong)
     (["--speculative-config", '{"method": "bogus"}'],
-     "pagoda (worker): error: argument --speculative-config: method must be one of ['ngram', "
-     "'draft_model', 'suffix'], got 'bogus'"),
+     "argument --speculative-config: method must be one of ['ngram', 'draft_model', 'suffix'], got "
+     "'bogus'"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}'],
-     "pagoda (worker): error: argument --speculative-config: num_speculative_tokens must be an "
-     "integer in [1, 16], got 99"),
-    (["--max-num-seqs", "many"],
-     "pagoda (scheduler): error: argument --max-num-seqs: invalid int value: 'many'"),
+     "argument --speculative-config: num_speculative_tokens must be an integer in [1, 16], got 99"),
+    (["--max-num-seqs", "many"], "argument --max-num-seqs: invalid int value: 'many'"),
     (["--model", "/no/such/model.gguf"],
-     "pagoda: --model '/no/such/model.gguf': no such file or directory (no model hub is reached)"),
+     "--model '/no/such/model.gguf': no such file or directory (no model hub is reached)"),
     (["--speculative-config", '{"method": "draft_model", "model": "/no/draft", "num_speculative_tokens": 2}'],
-     "pagoda: --speculative-config.model '/no/draft': no such file or directory (no model hub is "
-     "reached)"),
+     "--speculative-config.model '/no/draft': no such file or directory (no model hub is reached)"),
 ]
 
 
-@pytest.mark.parametrize("argv,message", BAD, ids=[m.split(": ", 1)[1][:30] for _, m in BAD])
-def test_the_launcher_refuses_bad_flags_before_it_starts_anything(argv, message, capsys):
-    """Exit 2 with one line (no usage of every flag), rather than a worker that fails its start
-    again at every restart."""
+@pytest.mark.parametrize("argv,message", BAD, ids=[m[:30] for _, m in BAD])
+def test_the_launcher_refuses_bad_flags_before_it_starts_anything(argv, message):
+    """Exit 2 (FlagError) with one line, rather than a worker that fails its start again at
+    every restart; the offline LLM raises ValueError with the same line, having started nothing."""
     from launch.flag_routing import check_flags
+    from launch.offline import LLM
     parsers = process_parsers()
-    with pytest.raises(SystemExit) as exit_:
+    with pytest.raises(FlagError) as refused:
         check_flags(route_flags(argv, parsers), parsers)
-    assert exit_.value.code == 2
-    assert capsys.readouterr().err.strip() == message
+    assert (refused.value.code, str(refused.value)) == (2, message)
+    engine = dict(zip([a[2:].replace("-", "_") for a in argv[::2]], argv[1::2]))
+    if "speculative_config" in engine:
+        engine["speculative_config"] = json.loads(engine["speculative_config"])
+    with pytest.raises(ValueError) as raised:
+        LLM(insecure=True, **engine)
+    assert str(raised.value) == message
+
+
+def test_the_launcher_prints_the_line_and_exits_2():
+    import subprocess
+    import sys
+    from tests.cluster import ROOT
+    done = subprocess.run([sys.executable, "-m", "launch", *BAD[0][0]], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert (done.returncode, done.stderr, done.stdout) == (2, f"pagoda: {BAD[0][1]}\n", "")
 
 
 def test_good_flags_pass_the_launchers_check():
