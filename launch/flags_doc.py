@@ -27,7 +27,9 @@ tests/unit/docs/test_docs.py fails when this file is out of date.
 `make run ARGS="--num-gpu-blocks-override 64 --max-num-seqs 8"` (or `python -m launch ...`)
 hands each flag to every process whose parser knows it. So a flag can appear in several tables
 below: `--max-num-seqs` reaches the scheduler and the workers, and an address flag reaches both
-ends of its socket. A flag no parser knows is an error. Names follow vLLM's.
+ends of its socket. A flag no parser knows is an error, and so is a bad value or a model that is
+not there: the launcher parses every process's flags before it starts any, and exits 2 with
+one line (docs/faults.md). Names follow vLLM's.
 
 An empty default means none, or a value computed at start-up as the help says. Where a
 parser has no help for a flag, the text comes from NOTES in launch/flags_doc.py.
