@@ -41,7 +41,7 @@ def test_the_grammar_mask_check_fails_with_a_kernel_that_masks_nothing(monkeypat
     if not grammar_mask.available():
         pytest.skip("no grammar mask kernel here")
     assert grammar_mask.agrees_with_reference()
-    monkeypatch.setattr(grammar_mask, "_fn", lambda *args: None)
+    monkeypatch.setattr(grammar_mask._kernel, "fn", lambda *args: None)
     assert not grammar_mask.agrees_with_reference()
 
 
