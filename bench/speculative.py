@@ -10,6 +10,9 @@ local text, one stream at a time and 16 at once:
                   half its answers do not repeat their context
   non-repetitive  open questions (explanations, stories, advice)
 
+The prompts are kept in bench/data/speculative_workloads.json, as the tree of fe61a75 built them
+(build_workloads), so that every stop measures the same text.
+
 Greedy with speculation gives the very tokens it gives without (tests/integration/
 test_integration_speculation.py), so the two runs of a workload produce the same tokens and
 tokens/s compare directly: output tokens / wall time end to end, and decode tokens/s (tokens
@@ -94,7 +97,18 @@ def _alternate(a: list[str], b: list[str]) -> list[str]:
     return [x for pair in zip(a, b) for x in pair][:16]
 
 
+# The prompts as built from the tree at fe61a75 and kept: an edit to the first scheduler
+# functions or design.md paragraphs would otherwise change the workload, and the acceptance with
+# it, without a word. --write-workloads builds them again from the tree (then earlier figures
+# no longer compare).
+WORKLOADS_FILE = ROOT / "bench" / "data" / "speculative_workloads.json"
+
+
 def workloads() -> dict[str, list[str]]:
+    return json.loads(WORKLOADS_FILE.read_text())
+
+
+def build_workloads() -> dict[str, list[str]]:
     rewrite = [f"Rewrite this Python function with `{name}` renamed to `{name}_new`. Show the whole "
                f"function and nothing else.\n\n```python\n{code}\n```" for code, name in _functions()]
     correct = [f"Correct the spelling mistakes in this paragraph. Reply with the corrected paragraph "
@@ -178,7 +192,14 @@ def main() -> None:
                     help='default: {"method": "ngram", "num_speculative_tokens": 4}')
     ap.add_argument("--only", default="", help="workload/streams keys, comma-separated")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--write-workloads", action="store_true",
+                    help=f"build the prompts from the tree again into {WORKLOADS_FILE.relative_to(ROOT)}, and stop")
     args = ap.parse_args()
+    if args.write_workloads:
+        WORKLOADS_FILE.parent.mkdir(exist_ok=True)
+        WORKLOADS_FILE.write_text(json.dumps(build_workloads(), indent=1) + "\n")
+        print(f"wrote {WORKLOADS_FILE}")
+        return
     specs = args.spec or ['{"method": "ngram", "num_speculative_tokens": 4}']
     only = {k for k in args.only.split(",") if k}
     configs = [("off", None)] + [(f"on{i}" if len(specs) > 1 else "on", s) for i, s in enumerate(specs)]
