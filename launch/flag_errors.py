@@ -1,19 +1,12 @@
 """Flags a process cannot run with. Such a process says which flag and why in one line and exits
 with argparse's own code, 2; the launcher stops everything when a child exits 2 rather than
 restart, forever, a process that can never start (launch/children.py). The launcher checks
-what it can before it starts anything (launch/stack.py preflight)."""
+what it can before it starts anything (launch/flag_routing.py check_flags)."""
 from __future__ import annotations
 
 import sys
-from typing import NoReturn
 
 BAD_FLAGS = 2
-
-
-def refuse(message: str) -> NoReturn:
-    """Exit 2 with message on stderr (no traceback: the flag is wrong, not the code)."""
-    print(f"pagoda: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(BAD_FLAGS)
 
 
 class FlagError(SystemExit):
@@ -27,8 +20,10 @@ class FlagError(SystemExit):
 
 
 def main_refusing(main) -> int:
-    """main()'s exit code, or refuse() with a FlagError's message."""
+    """main()'s exit code, or BAD_FLAGS after a FlagError's message on stderr (one line, no
+    traceback: the flag is wrong, not the code)."""
     try:
         return main()
     except FlagError as e:
-        refuse(str(e))
+        print(f"pagoda: {e}", file=sys.stderr, flush=True)
+        return BAD_FLAGS
