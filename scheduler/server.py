@@ -326,18 +326,28 @@ class SchedulerServer:
             log.error("no worker for %.1f s: %d waiting sequences failed", now - self.no_workers_since, n)
 
     def _send_plans(self) -> None:
+        lost: list[bytes] = []
         # Grammars first: a worker compiles them while it runs the plans.
         for ident, request in self.router.grammar_requests():
             if not self._send(self.workers, ident, pb.SchedulerToWorker(compile=request)):
-                self.router.remove(ident, "unreachable")
-                self._broadcast_info()
+                lost.append(ident)
         # Again until no worker takes one more: a worker with no plan out gets the plan after
         # too, so the pipeline fills at once rather than one result later.
         while plans := self.router.plans():
             for ident, plan in plans:
                 if not self._send(self.workers, ident, pb.SchedulerToWorker(plan=plan)):
+                    lost.append(ident)
+        if lost:
+            # A worker that said goodbye and closed is unreachable before its goodbye is read:
+            # read what came in first, so that it leaves for the reason it gave.
+            self._drain(self.workers, self._on_worker, _WORKER_BATCH)
+            for ident in dict.fromkeys(lost):
+                if ident in self.router.workers:
                     self.router.remove(ident, "unreachable")
                     self._broadcast_info()
+            # Their sequences, requeued, go to the workers left in this turn, not after a poll.
+            # Each pass removes the workers it could not reach, so this ends.
+            self._send_plans()
 
     # -- plumbing -----------------------------------------------------------------------------
     def _send(self, sock: zmq.Socket, ident: bytes, msg) -> bool:

@@ -2,7 +2,8 @@
 sockets, raw DEALERs as its gateway and worker, one turn of the loop at a time. A turn serves the
 workers first and handles a bounded batch of gateway messages; refusals leave in one message
 per turn; an unreachable gateway costs one log line a second; and a gateway declared silent and
-then heard again gets the next numbers on its link, never seq 1 again (scheduler/links.py)."""
+then heard again gets the next numbers on its link, never seq 1 again (scheduler/links.py); a
+worker whose goodbye is read only after a plan to it failed leaves for the reason it gave."""
 from __future__ import annotations
 
 import argparse
@@ -15,11 +16,12 @@ import zmq
 
 from proto import internal_pb2 as pb
 from proto.auth import PROTOCOL_VERSION
+from proto.token_stream import updates
 from scheduler import server as server_module
 from scheduler.scheduler_flags import add_scheduler_args
 from scheduler.links import GatewayLinks
 from scheduler.server import SchedulerServer
-from tests.fake_worker import FakeWorker
+from tests.fake_worker import FakeWorker, reference_output
 
 _names = itertools.count()
 
@@ -179,3 +181,59 @@ def test_link_numbers_stay_bounded_and_a_forgotten_link_never_repeats_a_number()
                 number(f"gone-{i}".encode())
             assert len(links.seqs) <= 4 + 1
     assert number(b"live") == 4  # a leased link is never forgotten
+
+
+def test_a_worker_that_said_goodbye_and_closed_leaves_for_that_reason_though_a_plan_failed_first(
+        make_server, caplog):
+    """The race of a stopping worker: its goodbye arrives and its connection closes after the
+    turn read the workers, so the plan sent to it fails before the goodbye is read."""
+    server = make_server()
+    caplog.set_level(logging.WARNING, logger="pagoda.scheduler")
+    leaving, staying = peer(server, server.workers, b"w0"), peer(server, server.workers, b"w1")
+    for ident, sock in ((b"w0", leaving), (b"w1", staying)):
+        sock.send(pb.WorkerMessage(hello=FakeWorker(64).hello()).SerializeToString())
+        while ident not in server.router.workers:
+            server.turn()
+    gateway = peer(server, server.gateways, b"gw")
+    gateway.send(hello())
+    for i in range(4):
+        gateway.send(add(i))
+    planned = server.router.plans
+
+    def plans_then_goodbye():
+        plans = planned()
+        # Between this turn's read of the workers and its send of w0's first plan.
+        if leaving in server.test_peers and b"w0" in dict(plans):
+            leaving.send(pb.WorkerMessage(goodbye=True).SerializeToString())
+            leaving.close(0)
+            server.test_peers.remove(leaving)
+            while True:  # until the scheduler's socket sees it gone, as when the race happens
+                try:
+                    server.workers.send_multipart([b"w0", b""], zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    break
+                time.sleep(0.001)
+        return plans
+    server.router.plans = plans_then_goodbye
+    while leaving in server.test_peers:
+        server.turn()
+    drops = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert [d.split(" dropped ")[1].split(";")[0] for d in drops] == ["(said goodbye)"]
+    assert any("cannot reach" in r.getMessage() for r in caplog.records)  # the race did happen
+    assert list(server.router.workers) == [b"w1"]
+    # Nothing is lost: the worker left (a fake that answers) completes every request.
+    fake, tokens, finished = FakeWorker(64), {}, set()
+    for _ in range(50):
+        while staying.poll(0):
+            msg = pb.SchedulerToWorker()
+            msg.ParseFromString(staying.recv())
+            if msg.HasField("plan"):
+                staying.send(pb.WorkerMessage(result=fake.execute(msg.plan)).SerializeToString())
+        server.turn(timeout_ms=10)
+        for update in (u for m in received(gateway) for u in updates(m)):
+            tokens.setdefault(update.request_id, []).extend(update.token_ids)
+            if update.finish:
+                finished.add(update.request_id)
+        if len(finished) == 4:
+            break
+    assert tokens == {f"r{i}": reference_output([1, 2, 3], 4) for i in range(4)}
