@@ -1,12 +1,13 @@
 """A whole decode step of a pre-norm transformer in one C call (kernels/csrc/cpu_decode_layer.c):
 every layer (RMSNorm, q/k/v with rotary q and k, the K/V writes, paged attention, o, RMSNorm,
-gated SiLU MLP, the residual sums) in one parallel region, over GGUF Q8_0 / Q4_1 weights and an
-fp32 or bf16 paged cache, then the final norm. For a single stream, where layer-by-layer torch
-spends as long on its ops' dispatch as on the weights (worker/fused_decode.py decides when).
+gated SiLU MLP, the residual sums) in one parallel region, over GGUF Q8_0 / Q4_1 weights or
+dense fp32 / bf16 ones, and an fp32 or bf16 paged cache, then the final norm; activations in
+fp32. For a single stream, where layer-by-layer torch spends a large share of the step on its
+ops' dispatch (worker/fused_decode.py decides when).
 
 Shapes and layouts are kernels/cpu_attention.py's and kernels/cpu_gemm_gguf.py's; reference()
-is the same step in float64 on the dequantized weights, which the kernel is held to. AVX-512F,
-else AVX2 + FMA (+ F16C), chosen at run time; else available() is False.
+is the same step in float64 on the dequantized (or widened) weights, which the kernel is held
+to. AVX-512F, else AVX2 + FMA (+ F16C), chosen at run time; else available() is False.
 """
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ from kernels import cbuild, cpu_decode_attention, cpu_gemm_gguf
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_decode_layer.c"
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 ISA_NAMES = {2: "AVX-512F", 1: "AVX2+FMA"}
+# Weight formats by their ggml type: GGUF blocks, or dense rows.
+DENSE = {"f32": (0, torch.float32), "bf16": (30, torch.bfloat16)}
+WTYPES = {**{kind: fmt[0] for kind, fmt in cpu_gemm_gguf.FORMATS.items()}, **{k: t for k, (t, _) in DENSE.items()}}
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -48,9 +52,9 @@ available, isa, supported_isas = _kernel.available, _kernel.isa, _kernel.support
 
 @dataclass
 class LayerWeights:
-    """One layer as the kernel reads it: GGUF blocks (uint8 [N, K / 32 * bytes]) of the fused
-    q|k|v rows (q and k rows paired for the rotary turn), o, the fused gate|up rows and down;
-    the two norms' weights (fp32 [H])."""
+    """One layer as the kernel reads it: the fused q|k|v rows (q and k rows paired for the
+    rotary turn), o, the fused gate|up rows and down, each GGUF blocks (uint8 [N, K / 32 *
+    bytes]) or dense rows (fp32 or bf16 [N, K]); the two norms' weights (fp32 [H])."""
     qkv: torch.Tensor
     o: torch.Tensor
     gate_up: torch.Tensor
@@ -67,7 +71,7 @@ class Shape:
     head_dim: int
     intermediate: int
     eps: float
-    kind: str                   # "q8_0" or "q4_1"
+    kind: str                   # "q8_0", "q4_1" (GGUF blocks), "f32" or "bf16" (dense rows)
 
 
 def layers_array(weights: list[LayerWeights], kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
@@ -76,11 +80,11 @@ def layers_array(weights: list[LayerWeights], kv_caches: list[tuple[torch.Tensor
     arr = (DecodeLayer * len(weights))()
     for a, w, (k, v) in zip(arr, weights, kv_caches):
         for name in ("qkv", "o", "gate_up", "down"):
-            blocks = getattr(w, name)
-            if blocks.dtype != torch.uint8 or not blocks.is_contiguous():
-                raise ValueError(f"{name}: contiguous uint8 GGUF blocks expected")
-            setattr(a, name, blocks.data_ptr())
-            setattr(a, f"ld_{name}", blocks.stride(0))
+            rows = getattr(w, name)
+            if rows.dtype not in (torch.uint8, torch.float32, torch.bfloat16) or not rows.is_contiguous():
+                raise ValueError(f"{name}: contiguous GGUF blocks (uint8) or fp32 / bf16 rows expected")
+            setattr(a, name, rows.data_ptr())
+            setattr(a, f"ld_{name}", rows.stride(0) * rows.element_size())  # bytes
         a.norm1, a.norm2 = w.norm1.data_ptr(), w.norm2.data_ptr()
         a.k_cache, a.v_cache = k.data_ptr(), v.data_ptr()
     return arr
@@ -98,7 +102,7 @@ def decode_step(layers, shape: Shape, final_norm: torch.Tensor, h: torch.Tensor,
     out = torch.empty_like(h)
     num_blocks, bs, num_kv_heads, head_dim = k_cache.shape
     p = DecodeStep(T=T, H=shape.hidden, Hq=shape.num_heads, Hkv=shape.num_kv_heads, D=shape.head_dim,
-                   I=shape.intermediate, bs=bs, wtype=cpu_gemm_gguf.FORMATS[shape.kind][0],
+                   I=shape.intermediate, bs=bs, wtype=WTYPES[shape.kind],
                    cache_dtype=cpu_decode_attention.DTYPES[k_cache.dtype], num_rows=rows.numel(),
                    threads=torch.get_num_threads(), isa=isa or _kernel.best, eps=shape.eps,
                    scale=shape.head_dim ** -0.5, cis=cis.data_ptr(), positions=positions.data_ptr(),
@@ -114,7 +118,7 @@ def reference(weights: list[LayerWeights], shape: Shape, final_norm: torch.Tenso
               kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lens: torch.Tensor,
               tables: torch.Tensor) -> torch.Tensor:
     """decode_step in float64 (each token t a decode row over lens[t] positions of tables[t]),
-    on the dequantized weights; writes the step's K/V into the caches, rounded to their dtype,
+    on the dequantized (or widened) weights; writes the step's K/V into the caches, rounded to their dtype,
     as the kernel does. Returns float64 [T, H]."""
     from kernels.cpu_attention import key_blocks
     T, D = h.shape[0], shape.head_dim
@@ -125,8 +129,10 @@ def reference(weights: list[LayerWeights], shape: Shape, final_norm: torch.Tenso
     def norm(v, w):
         return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + shape.eps) * w.double()
 
-    def mm(v, blocks):
-        return v @ cpu_gemm_gguf.dequantize(blocks, shape.kind, torch.float64).t()
+    def mm(v, rows):
+        if shape.kind in DENSE:
+            return v @ rows.double().t()
+        return v @ cpu_gemm_gguf.dequantize(rows, shape.kind, torch.float64).t()
 
     def turn(v):  # [T, heads, D], pairs (2i, 2i + 1)
         a, b = v[..., 0::2], v[..., 1::2]
@@ -168,7 +174,8 @@ def agrees_with_reference(kind: str = "q4_1") -> bool:
     shape = Shape(64, 4, 2, 16, 96, 1e-5, kind)
 
     def blocks(n, k):
-        return cpu_gemm_gguf.quantize(torch.randn(n, k, generator=g) * k ** -0.5, kind)
+        w = torch.randn(n, k, generator=g) * k ** -0.5
+        return w.to(DENSE[kind][1]) if kind in DENSE else cpu_gemm_gguf.quantize(w, kind)
     weights = [LayerWeights(blocks(128, 64), blocks(64, 64), blocks(192, 64), blocks(64, 96),
                             1 + 0.1 * torch.randn(64, generator=g), 1 + 0.1 * torch.randn(64, generator=g))
                for _ in range(2)]

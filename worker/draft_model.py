@@ -41,7 +41,7 @@ Prepare = Callable[[np.ndarray, np.ndarray, InputBatch, np.ndarray], StepInputs]
 
 class DraftModel:
     def __init__(self, path: str, vocab_size: int, backend: AttentionBackend, max_model_len: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, fused_decode: bool = False) -> None:
         try:
             resolved = resolve_model(path, "--speculative-config.model")
         except FileNotFoundError as e:
@@ -52,7 +52,7 @@ class DraftModel:
                              f"{self.config.vocab_size} tokens, the target's {vocab_size}; "
                              "a draft must share the target's tokenizer")
         self.model = build_model(self.config, weights, backend, max_model_len, device, dtype,
-                                 TensorParallel())
+                                 TensorParallel(), fused_decode=fused_decode)
         self.dtype, self.device = dtype, device
         self.cache: CacheEngine | None = None
         logger.info("draft model %s: %d layers, %d hidden", resolved, self.config.num_layers,

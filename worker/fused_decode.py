@@ -1,18 +1,22 @@
-"""A GGUF-quantized Llama model's decode steps in one C call (kernels/cpu_decode_layer.c) instead
-of layer by layer in torch.
+"""A Llama model's decode steps in one C call (kernels/cpu_decode_layer.c) instead of layer by
+layer in torch, for GGUF-quantized weights and for dense fp32 and bf16 ones.
 
 A single stream's Q4_1 step reads about 10 ms of weights; layer by layer it took 19-25 ms, the
 rest being torch's dispatch of some 25 small ops a layer and as many parallel regions
-(docs/benchmarks.md). The C step runs the same layers with the same kernels (the GGUF dot
-products, the paged decode attention) in one parallel region.
+(docs/benchmarks.md). An fp32 or bf16 step pays the same overhead over larger reads. The C step
+runs the same layers with the same kernels (the dot products, the paged decode attention) in one
+parallel region; a bf16 model's activations are fp32 inside it (its weights are widened
+exactly), and the step's output is rounded to bf16 for the vocabulary projection.
 
 It takes a step when every token in it is a decode row of the attention plan (one new token of
 a sequence, or a verification's few: kernels/cpu_attention.py MAX_KERNEL_DECODE_ROWS) and there
-are at most MAX_TOKENS of them; any other step (a prefill chunk, a wide batch, a cache the C
-attention does not serve) runs layer by layer. The model qualifies when it runs on the CPU in
-fp32 with GGUF weights (--quantization q8_0 / q4_1) and exact activations, without biases,
-tensor parallelism or another attention backend, and the kernel agrees with its float64
-reference here (checked once; it is turned off, with a log line, if not).
+are at most max_tokens of them; any other step (a prefill chunk, a wide batch, a cache the C
+attention does not serve) runs layer by layer. The model qualifies when it runs on the CPU with
+GGUF weights (--quantization q8_0 / q4_1, fp32, exact activations) or with dense fp32 / bf16
+weights where pagoda's kernels are wanted (--cpu-matmul auto: worker/model.py build_model),
+without biases, tensor parallelism or another attention backend, and the kernel agrees with its
+float64 reference here for that format (checked once; it is turned off, with a log line, if
+not).
 """
 from __future__ import annotations
 
@@ -24,9 +28,13 @@ from kernels import cpu_decode_attention, cpu_decode_layer, cpu_gemm_gguf
 from kernels.cpu_decode_layer import LayerWeights, Shape
 from worker.layers import GGUF_KERNEL_MAX_ROWS, Linear
 
-# Tokens up to which a step goes through the C step: the GGUF kernel's own bound, above which a
-# projection is faster dequantized into torch's GEMM.
+# Tokens up to which a step goes through the C step. GGUF: the GGUF kernel's own bound, above
+# which a projection is faster dequantized into torch's GEMM. Dense: on an AVX2 EPYC the C step
+# won at 8 decodes (fp32 58 against 60 ms, bf16 53 against 65) and lost at 32 in fp32 (174
+# against 143), where the fp32 kernel's blocks of x rows reuse each weight load better
+# (bench/profile_cpu.py --fused-ab, docs/benchmarks.md).
 MAX_TOKENS = GGUF_KERNEL_MAX_ROWS
+MAX_DENSE_TOKENS = 8
 enabled = True  # bench/profile_cpu.py --fused-ab turns it off to time the torch layers
 
 log = logging.getLogger(__name__)
@@ -38,43 +46,53 @@ class FusedDecode:
         inner = model.model
         self.shape = Shape(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                            config.intermediate_size, config.rms_norm_eps, kind)
-        self.weights = [LayerWeights(layer.self_attn.qkv_proj.blocks, layer.self_attn.o_proj.blocks,
-                                     layer.mlp.gate_up_proj.blocks, layer.mlp.down_proj.blocks,
-                                     layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        dense = kind in cpu_decode_layer.DENSE
+
+        def rows(linear: Linear) -> torch.Tensor:
+            return linear.weight.contiguous() if dense else linear.blocks
+
+        def norm(weight: torch.Tensor) -> torch.Tensor:  # the kernel's norms are fp32 (a bf16 model's: a copy)
+            return weight.float().contiguous()
+        self.weights = [LayerWeights(rows(layer.self_attn.qkv_proj), rows(layer.self_attn.o_proj),
+                                     rows(layer.mlp.gate_up_proj), rows(layer.mlp.down_proj),
+                                     norm(layer.input_layernorm.weight), norm(layer.post_attention_layernorm.weight))
                         for layer in inner.layers]
-        self.final_norm = inner.norm.weight
+        self.final_norm = norm(inner.norm.weight)
         self.cis = inner.rotary.cis
         self.backend = inner.layers[0].self_attn.attn.backend
+        self.dtype = inner.norm.weight.dtype  # the model's activations, which the step takes and gives
+        self.max_tokens = MAX_DENSE_TOKENS if dense else MAX_TOKENS
         self._layers, self._caches = None, None
 
     @classmethod
     def build(cls, model) -> FusedDecode | None:
         """The fused step for this model, or None where it does not qualify (module docstring)."""
         linears = [m for m in model.model.layers.modules() if isinstance(m, Linear)]
-        kinds = {m.kind for m in linears}
-        if (len(kinds) != 1 or None in kinds or any(m.bias is not None for m in linears)
+        kind = _kind(linears, model.config)
+        if (kind is None or any(m.bias is not None for m in linears)
                 or model.tp.size != 1 or getattr(model.model.layers[0].self_attn.attn.backend, "name", "") != "torch"
-                or model.model.norm.weight.dtype != torch.float32 or model.model.norm.weight.device.type != "cpu"
-                or cpu_gemm_gguf.int8_activations or not cpu_decode_layer.available()
-                or not cpu_decode_layer.agrees_with_reference()):
+                or model.model.norm.weight.device.type != "cpu"
+                or (kind not in cpu_decode_layer.DENSE and cpu_gemm_gguf.int8_activations)
+                or not cpu_decode_layer.available() or not cpu_decode_layer.agrees_with_reference(kind)):
             return None
-        return cls(model, kinds.pop())
+        return cls(model, kind)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta, kv_caches) -> torch.Tensor | None:
         """The final-normed hidden states of the step, or None: run it layer by layer. x: the
         embeddings, which become the residual stream (summed in place)."""
         T = x.shape[0]
         k_cache = kv_caches[0][0]
-        if not enabled or T > MAX_TOKENS or x.dtype != torch.float32 or not cpu_decode_attention.runs_on(k_cache):
+        if not enabled or T > self.max_tokens or x.dtype != self.dtype or not cpu_decode_attention.runs_on(k_cache):
             return None
         plan = self.backend.plan(meta, k_cache, self.shape.num_heads)
         decode = plan.decode
         if not plan.kernel or plan.prefills or plan.shorts or decode is None or decode.rows.numel() != T:
             return None
-        return cpu_decode_layer.decode_step(
-            self._layers_for(kv_caches), self.shape, self.final_norm, x.contiguous(), self.cis,
+        out = cpu_decode_layer.decode_step(
+            self._layers_for(kv_caches), self.shape, self.final_norm, x.float().contiguous(), self.cis,
             positions.to(torch.int64).contiguous(), meta.slot_mapping.to(torch.int64).contiguous(),
             decode.rows.to(torch.int32), decode.lens.to(torch.int32).contiguous(), decode.tables, k_cache)
+        return out.to(self.dtype)
 
     def _layers_for(self, kv_caches):
         """The kernel's layer array, rebuilt only when the caches are other tensors."""
@@ -82,3 +100,21 @@ class FusedDecode:
         if caches != self._caches:
             self._layers, self._caches = cpu_decode_layer.layers_array(self.weights, kv_caches), caches
         return self._layers
+
+
+def _kind(linears: list[Linear], config) -> str | None:
+    """The one weight format every projection has, if the C step takes it: a GGUF kind, or
+    "f32" / "bf16" for dense weights of widths the dense dot products take (multiples of 32)."""
+    if any(m.w8 is not None for m in linears):
+        return None  # int8: computed by its own kernel, layer by layer
+    kinds = {m.kind for m in linears}
+    if len(kinds) != 1:
+        return None
+    kind = kinds.pop()
+    if kind is not None:
+        return kind
+    dtypes = {m.weight.dtype for m in linears}
+    widths = (config.hidden_size, config.intermediate_size, config.num_heads * config.head_dim)
+    if len(dtypes) != 1 or any(w % 32 for w in widths):
+        return None
+    return {torch.float32: "f32", torch.bfloat16: "bf16"}.get(dtypes.pop())

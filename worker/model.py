@@ -149,6 +149,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_int8 = cpu_gemm_int8.quantize(head)
         if not self.config.tie_word_embeddings:
             del self.lm_head
+        self.model.fused_decode = None  # int8 projections run layer by layer
         return sum(t.numel() * t.element_size() for t in (*self.state_dict().values(), *self.lm_head_int8)) + \
             sum(m.w8.numel() + 4 * m.scale.numel() for m in self.modules() if isinstance(m, Linear))
 
@@ -158,6 +159,7 @@ class LlamaForCausalLM(nn.Module):
         """--quantization kind; returns the bytes the weights take now. For q8_0 / q4_1 a GGUF
         file's tensors already stored in that format are used as they are (the loader reads
         their blocks), the others are quantized from the float weights."""
+        self.model.fused_decode = None  # it holds the float weights, which quantizing frees
         if kind == "int8":
             return self.quantize_int8()
         from worker.loader import gguf_blocks
@@ -274,7 +276,9 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], backend: AttentionBackend,
                 max_positions: int, device: torch.device, dtype: torch.dtype,
-                tp: TensorParallel | None = None) -> LlamaForCausalLM:
+                tp: TensorParallel | None = None, fused_decode: bool = False) -> LlamaForCausalLM:
+    """fused_decode: dense fp32 / bf16 decode steps may run as one C call (--cpu-matmul auto:
+    pagoda's kernels wanted; worker/fused_decode.py says where the model qualifies)."""
     # Built on "meta" so that no time goes into random initialization of weights we overwrite.
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend, max_positions, device, tp)
@@ -283,4 +287,6 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], backend: 
     model = model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
                                                device=device))
     model.load_weights(weights)
+    if fused_decode:
+        model.model.fused_decode = FusedDecode.build(model)
     return model.train(False).requires_grad_(False)  # inference mode, no dropout

@@ -56,7 +56,8 @@ def build_speculator(text: str | None, runner) -> "Speculator | None":
     if config.method == "draft_model":
         from worker.draft_model import DraftModel
         draft = DraftModel(config.model, runner.config.vocab_size, runner.backend,
-                           runner.max_model_len, runner.device, runner.dtype)
+                           runner.max_model_len, runner.device, runner.dtype,
+                           fused_decode=runner.args.cpu_matmul == "auto")
     return Speculator(config, draft, runner.prepare_inputs)
 
 

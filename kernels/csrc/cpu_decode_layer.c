@@ -1,20 +1,24 @@
 // A decode step of a pre-norm transformer (the Llama family's layer: RMSNorm, fused q/k/v with
 // rotary q and k, paged attention, o, RMSNorm, gated SiLU MLP) on the CPU, every layer in one C
-// call and one parallel region, over GGUF Q8_0 / Q4_1 weights (--quantization q8_0 / q4_1).
+// call and one parallel region, over GGUF Q8_0 / Q4_1 weights (--quantization q8_0 / q4_1) or
+// dense fp32 / bf16 ones (--dtype float32 / bfloat16).
 //
 // Why: a one-sequence step reads ~85 MB of Q4_1 weights, about 10 ms; layer by layer in torch
 // the same step took 19-25 ms, the difference being some 25 torch ops a layer (each a dispatch
 // and an allocation: an RMSNorm of 576 floats cost 50 us), seven C calls and as many parallel
 // regions. Here the threads stay in one region for the whole step and meet at a barrier between
-// the phases of a layer (llama.cpp's graph runs the same way).
+// the phases of a layer (llama.cpp's graph runs the same way). Dense weights pay the same
+// overhead layer by layer (an fp32 step reads 430 MB of layer weights, and took 8-10 ms more
+// than that read).
 //
 // The pieces are the tested kernels' own: the GGUF dot products of cpu_gemm_gguf.c (exact fp32
 // activations), the attention of cpu_decode_attention.c (its rows, lengths and block tables:
-// kernels/cpu_attention.py's decode plan), its K/V layout. Added here: RMSNorm (sum of squares
-// in double), the rotary turn of q and k (heads with each pair (i, i + D/2) at (2i, 2i + 1), the
-// layout worker/model.py loads), SiLU(gate) * up (exp_poly), the K/V writes with rounding to
-// bf16 (to nearest even, as torch rounds), and the residual sums, added in place by the o and
-// down projections' rows as they are computed.
+// kernels/cpu_attention.py's decode plan), its K/V layout. Added here: dense dot products (a
+// bf16 weight widened exactly to fp32: it is an fp32's top half; activations stay fp32),
+// RMSNorm (sum of squares in double), the rotary turn of q and k (heads with each pair (i, i +
+// D/2) at (2i, 2i + 1), the layout worker/model.py loads), SiLU(gate) * up (exp_poly), the K/V
+// writes with rounding to bf16 (to nearest even, as torch rounds), and the residual sums, added
+// in place by the o and down projections' rows as they are computed.
 #include "cpu_gemm_gguf.c"
 #include "cpu_decode_attention.c"
 
@@ -22,7 +26,7 @@
 
 // One layer's weights and cache, fixed for the model's life (the caller builds them once).
 typedef struct {
-    const uint8_t *qkv, *o, *gate_up, *down;     // GGUF blocks, [N, K / 32 blocks] each
+    const uint8_t *qkv, *o, *gate_up, *down;     // [N, K]: GGUF blocks (K / 32 a row), fp32 or bf16
     int64_t ld_qkv, ld_o, ld_gate_up, ld_down;    // bytes per weight row
     const float *norm1, *norm2;                   // [H]: input and post-attention RMSNorm
     void *k_cache, *v_cache;                      // kernels/cpu_attention.py's layouts
@@ -31,7 +35,7 @@ typedef struct {
 // What changes with each step.
 typedef struct {
     int T, H, Hq, Hkv, D, I, bs;   // tokens; hidden, heads, head dim, MLP width, block size
-    int wtype, cache_dtype;        // ggml type (8 Q8_0, 3 Q4_1); 0 fp32, 1 bf16 cache
+    int wtype, cache_dtype;        // ggml type (8 Q8_0, 3 Q4_1, 0 F32, 30 BF16); 0 fp32, 1 bf16 cache
     int num_rows, threads, isa;    // decode rows; isa 2 AVX-512F, 1 AVX2 + FMA
     float eps, scale;
     const float *cis;              // [positions, D / 2, 2]: cos, sin
@@ -72,6 +76,85 @@ static inline void store_elem(void *base, int64_t i, float f, int dtype) {
 }
 
 typedef void (*dots_fn)(const float *, int64_t, int, const uint8_t *, int64_t, int, float *);
+
+#define TYPE_F32 0
+#define TYPE_BF16 30
+
+// Dense weight rows (K a multiple of 32), in the GGUF bodies' form: rows and type are constants
+// of each compiled case. Two sums per row of x, as the GGUF bodies keep.
+__attribute__((target("avx2,fma"), always_inline))
+static inline __m256 dense8(const uint8_t *w, int64_t k, const int type) {
+    if (type == TYPE_F32) return _mm256_loadu_ps((const float *)w + k);
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + k)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+
+__attribute__((target("avx2,fma"), always_inline))
+static inline void dense_avx2(const float *x, int64_t ldx, const uint8_t *w, int64_t K, float *s,
+                              const int rows, const int type) {
+    __m256 a[4][2];
+    for (int m = 0; m < rows; m++) a[m][0] = a[m][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __m256 w0 = dense8(w, k, type), w1 = dense8(w, k + 8, type);
+        for (int m = 0; m < rows; m++) {
+            a[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * ldx + k), w0, a[m][0]);
+            a[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * ldx + k + 8), w1, a[m][1]);
+        }
+    }
+    for (int m = 0; m < rows; m++) {
+        const __m256 t = _mm256_add_ps(a[m][0], a[m][1]);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        s[m] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    }
+}
+
+__attribute__((target("avx512f"), always_inline))
+static inline __m512 dense16(const uint8_t *w, int64_t k, const int type) {
+    if (type == TYPE_F32) return _mm512_loadu_ps((const float *)w + k);
+    const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
+
+__attribute__((target("avx512f"), always_inline))
+static inline void dense_avx512(const float *x, int64_t ldx, const uint8_t *w, int64_t K, float *s,
+                                const int rows, const int type) {
+    __m512 a[8][2];
+    for (int m = 0; m < rows; m++) a[m][0] = a[m][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        const __m512 w0 = dense16(w, k, type), w1 = dense16(w, k + 16, type);
+        for (int m = 0; m < rows; m++) {
+            a[m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * ldx + k), w0, a[m][0]);
+            a[m][1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * ldx + k + 16), w1, a[m][1]);
+        }
+    }
+    for (int m = 0; m < rows; m++) s[m] = _mm512_reduce_add_ps(_mm512_add_ps(a[m][0], a[m][1]));
+}
+
+// Every weight format a layer may hold, by its ggml type.
+__attribute__((target("avx2,fma,f16c")))
+static void layer_dots_avx2(const float *x, int64_t ldx, int rows, const uint8_t *w, int64_t K,
+                            int type, float *s) {
+    if (type == TYPE_F32) {
+        switch (rows) { ROWS_1_TO_4(dense_avx2, TYPE_F32) }
+    } else if (type == TYPE_BF16) {
+        switch (rows) { ROWS_1_TO_4(dense_avx2, TYPE_BF16) }
+    } else {
+        dots_avx2(x, ldx, rows, w, K, type, s);
+    }
+}
+
+__attribute__((target("avx512f,f16c")))
+static void layer_dots_avx512(const float *x, int64_t ldx, int rows, const uint8_t *w, int64_t K,
+                              int type, float *s) {
+    if (type == TYPE_F32) {
+        switch (rows) { ROWS_1_TO_4(dense_avx512, TYPE_F32) ROWS_5_TO_8(dense_avx512, TYPE_F32) }
+    } else if (type == TYPE_BF16) {
+        switch (rows) { ROWS_1_TO_4(dense_avx512, TYPE_BF16) ROWS_5_TO_8(dense_avx512, TYPE_BF16) }
+    } else {
+        dots_avx512(x, ldx, rows, w, K, type, s);
+    }
+}
 
 // out[t, n] = (or +=) x[t] . W[n] for every weight row n, split over the team (an orphaned
 // worksharing loop: called from inside the step's parallel region; it ends at a barrier).
@@ -164,8 +247,8 @@ static inline float silu(float x) {
         }                                                                                              \
     }
 
-STEP(avx512, "avx512f,f16c,fma", dots_avx512, 8)
-STEP(avx2, "avx2,fma,f16c", dots_avx2, 4)
+STEP(avx512, "avx512f,f16c,fma", layer_dots_avx512, 8)
+STEP(avx2, "avx2,fma,f16c", layer_dots_avx2, 4)
 
 // Every layer of one decode step, then the final norm into p->out. Every token of the step is a
 // decode row (rows covers 0 .. T - 1); the caller bounds positions, slots and tables by the

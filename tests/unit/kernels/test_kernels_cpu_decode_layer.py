@@ -1,7 +1,8 @@
 """kernels/cpu_decode_layer.c (a whole decode step in one call) against its float64 reference on
-the dequantized weights, on every instruction set this CPU has (the test names them): Q4_1 and
-Q8_0 weights, fp32 and bf16 caches, one token of each of several sequences and a verification's
-several tokens of one, on a cache poisoned with NaN wherever no sequence has a position."""
+the dequantized (or widened) weights, on every instruction set this CPU has (the test names
+them): Q4_1, Q8_0, fp32 and bf16 weights, fp32 and bf16 caches, one token of each of several
+sequences and a verification's several tokens of one, on a cache poisoned with NaN wherever no
+sequence has a position."""
 from __future__ import annotations
 
 import pytest
@@ -29,7 +30,8 @@ def _model(kind: str, g: torch.Generator):
     qkv_rows = (s["num_heads"] + 2 * s["num_kv_heads"]) * s["head_dim"]
 
     def blocks(n, k):
-        return cpu_gemm_gguf.quantize(torch.randn(n, k, generator=g) * k ** -0.5, kind)
+        w = torch.randn(n, k, generator=g) * k ** -0.5
+        return w.to(cpu_decode_layer.DENSE[kind][1]) if kind in cpu_decode_layer.DENSE else cpu_gemm_gguf.quantize(w, kind)
 
     def norm():
         return 1 + 0.1 * torch.randn(s["hidden"], generator=g)
@@ -70,7 +72,7 @@ def _step(seqs, bs, dtype, g):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "f32", "bf16"])
 @pytest.mark.parametrize("step", list(STEPS))
 def test_a_decode_step_equals_float64_on_every_isa_here(step, kind, dtype):
     if not cpu_decode_layer.available():

@@ -1,0 +1,79 @@
+"""Dense fp32 and bf16 models take worker/fused_decode.py's one-C-call decode step: their decode
+steps go through kernels/cpu_decode_layer.c, and what comes out is transformers' (fp32: the same
+greedy tokens, logits within 1e-4; bf16: within bf16's rounding of transformers in fp32). A
+model the step does not take (--cpu-matmul torch, int8 weights) runs layer by layer."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_decode_layer
+from kernels.cpu_decode_layer import decode_step
+from tests.plan_driver import PlanDriver
+from tests.worker_tiny_models import (assert_greedy_equals_reference, make_hf_model, reference_logits,
+                                      runner_args, save_model)
+from worker import fused_decode
+from worker.runner import ModelRunner
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [200, 3, 17]]
+NEW_TOKENS = 12
+
+pytestmark = pytest.mark.skipif(not cpu_decode_layer.available(),
+                                reason="no decode step kernel on this CPU")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    hf = make_hf_model("llama")
+    return hf, save_model(hf, tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture
+def fused_steps(monkeypatch):
+    """The token count of every step that went through the C step."""
+    steps = []
+    monkeypatch.setattr(cpu_decode_layer, "decode_step",
+                        lambda *a, **k: steps.append(a[3].shape[0]) or decode_step(*a, **k))
+    return steps
+
+
+def test_an_fp32_model_decodes_in_one_c_step_and_equals_transformers(llama, fused_steps):
+    hf, folder = llama
+    runner = ModelRunner(runner_args(folder))
+    fused = runner.model.model.fused_decode
+    assert fused is not None and fused.shape.kind == "f32"
+    assert fused.weights[0].qkv.data_ptr() == runner.model.model.layers[0].self_attn.qkv_proj.weight.data_ptr()
+    assert_greedy_equals_reference(runner, hf, PROMPTS, NEW_TOKENS)
+    # Every decode step (two sequences at once, then one) went through it.
+    assert len(fused_steps) >= NEW_TOKENS - 1 and set(fused_steps) <= {1, 2}
+
+
+def test_a_bf16_model_decodes_in_one_c_step_within_bf16s_rounding(llama, fused_steps):
+    hf, folder = llama
+    runner = ModelRunner(runner_args(folder, "--dtype", "bfloat16"))
+    fused = runner.model.model.fused_decode
+    assert fused is not None and fused.shape.kind == "bf16"
+    assert all(w.norm1.dtype == torch.float32 for w in fused.weights)  # fp32 copies of the norms
+    for prompt, seq in zip(PROMPTS, PlanDriver(runner).generate(PROMPTS, NEW_TOKENS)):
+        ours, ref = torch.stack(seq.logits), reference_logits(hf, prompt, seq.output)
+        # bf16 keeps 8 bits of mantissa: the bound of test_worker_runner.py's bf16 test.
+        assert (ours - ref).abs().max() < 0.1 * ref.std()
+    assert len(fused_steps) >= NEW_TOKENS - 1
+
+
+@pytest.mark.parametrize("flags", [("--cpu-matmul", "torch"), ("--quantization", "int8")], ids=str)
+def test_a_model_the_c_step_does_not_take_decodes_layer_by_layer(llama, fused_steps, flags):
+    hf, folder = llama
+    runner = ModelRunner(runner_args(folder, *flags))
+    assert runner.model.model.fused_decode is None
+    PlanDriver(runner).generate(PROMPTS, 3)
+    assert fused_steps == []
+
+
+def test_more_tokens_than_the_dense_bound_run_layer_by_layer(llama, fused_steps):
+    """A step of more decodes than MAX_DENSE_TOKENS: the fp32 kernel's blocks of rows are faster."""
+    hf, folder = llama
+    runner = ModelRunner(runner_args(folder))
+    prompts = [[i + 1, i + 2, i + 3] for i in range(fused_decode.MAX_DENSE_TOKENS + 1)]
+    PlanDriver(runner).generate(prompts, 3)
+    assert fused_steps == []
