@@ -1,6 +1,6 @@
 """One chat at a time against llama.cpp (issue 26's single-stream goal): pagoda's real stack
-(launcher: scheduler, worker, gateway, over gRPC) in fp32 and with each --quantization the
-worker offers, and llama.cpp's llama-server on the same GGUF, in one run.
+(launcher: scheduler, worker, gateway, over gRPC) in fp32, in bf16 and with each --quantization
+the worker offers, and llama.cpp's llama-server on the same GGUF, in one run.
 
 Every request is the same for every peer: a prompt of exactly --prompt-tokens (300) token ids,
 the chat template around paragraphs of docs/design.md asked to be rewritten, cut to length with
@@ -17,7 +17,7 @@ llama.cpp is never part of this repository: build llama-server yourself (docs/be
 "A single stream against llama.cpp", says how it was built) and pass its path:
 
     .venv/bin/python bench/single_stream.py --llama-server /tmp/llamacpp/build/bin/llama-server
-        [--peers fp32,int8,q8_0,q4_1,llama] [--rounds 3] [--per-round 2] [--threads 2]
+        [--peers fp32,bf16,int8,q8_0,q4_1,llama] [--rounds 3] [--per-round 2] [--threads 2]
         [--prompt-tokens 300] [--max-tokens 160] [--json out.json]
 
 or set LLAMA_SERVER. Without either, llama.cpp is skipped with a line saying so.
@@ -68,9 +68,9 @@ def prompts(count: int, length: int) -> list[list[int]]:
 
 
 class Pagoda:
-    def __init__(self, name: str, quantization: str | None) -> None:
+    def __init__(self, name: str, quantization: str | None, dtype: str = "float32") -> None:
         self.name = name
-        flags = ["--dtype", "float32", "--no-enable-prefix-caching"]
+        flags = ["--dtype", dtype, "--no-enable-prefix-caching"]
         flags += ["--quantization", quantization] if quantization else []
         self.cluster = Cluster(*flags, log_path=Path(f"/tmp/pagoda-single-stream-{name}.log"))
 
@@ -178,6 +178,7 @@ def main() -> None:
     offered = subprocess.run([sys.executable, "-m", "worker.main", "--help"], cwd=ROOT,
                              capture_output=True, text=True).stdout
     peers: list = [Pagoda("fp32", None)] if "fp32" in wanted else []
+    peers += [Pagoda("bf16", None, "bfloat16")] if "bf16" in wanted else []
     for q in QUANTIZED:
         if q in wanted and q in offered:
             peers.append(Pagoda(q, q))

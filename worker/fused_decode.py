@@ -75,7 +75,10 @@ class FusedDecode:
                 or (kind not in cpu_decode_layer.DENSE and cpu_gemm_gguf.int8_activations)
                 or not cpu_decode_layer.available() or not cpu_decode_layer.agrees_with_reference(kind)):
             return None
-        return cls(model, kind)
+        fused = cls(model, kind)
+        log.info("decode steps of up to %d tokens run as one C call (kernels/cpu_decode_layer.c, %s "
+                 "weights, %s)", fused.max_tokens, kind, cpu_decode_layer.isa())
+        return fused
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta, kv_caches) -> torch.Tensor | None:
         """The final-normed hidden states of the step, or None: run it layer by layer. x: the
