@@ -149,7 +149,6 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_int8 = cpu_gemm_int8.quantize(head)
         if not self.config.tie_word_embeddings:
             del self.lm_head
-        self.model.fused_decode = None  # int8 projections run layer by layer
         return sum(t.numel() * t.element_size() for t in (*self.state_dict().values(), *self.lm_head_int8)) + \
             sum(m.w8.numel() + 4 * m.scale.numel() for m in self.modules() if isinstance(m, Linear))
 
@@ -159,7 +158,6 @@ class LlamaForCausalLM(nn.Module):
         """--quantization kind; returns the bytes the weights take now. For q8_0 / q4_1 a GGUF
         file's tensors already stored in that format are used as they are (the loader reads
         their blocks), the others are quantized from the float weights."""
-        self.model.fused_decode = None  # it holds the float weights, which quantizing frees
         if kind == "int8":
             return self.quantize_int8()
         from worker.loader import gguf_blocks

@@ -80,7 +80,9 @@ class ModelRunner:
             use_cpu_kernel(args.cpu_matmul == "auto", (shard.intermediate_size, shard.hidden_size), self.dtype,
                            args.measure_again)
         self.model = build_model(shard, weights, self.backend, self.max_model_len, self.device,
-                                 self.dtype, self.tp, fused_decode=args.cpu_matmul == "auto")
+                                 self.dtype, self.tp,
+                                 # a quantized model builds its own (LlamaForCausalLM.quantize_gguf)
+                                 fused_decode=args.cpu_matmul == "auto" and not args.quantization)
         del weights
         if args.quantization:
             if self.device.type != "cpu" or self.dtype != torch.float32 or self.tp.size != 1:

@@ -101,12 +101,7 @@ static inline void dense_avx2(const float *x, int64_t ldx, const uint8_t *w, int
             a[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * ldx + k + 8), w1, a[m][1]);
         }
     }
-    for (int m = 0; m < rows; m++) {
-        const __m256 t = _mm256_add_ps(a[m][0], a[m][1]);
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        s[m] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-    }
+    for (int m = 0; m < rows; m++) s[m] = sum2_avx2(a[m][0], a[m][1]);
 }
 
 __attribute__((target("avx512f"), always_inline))

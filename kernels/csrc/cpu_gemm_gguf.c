@@ -97,6 +97,15 @@ static void dots_avx512(const float *x, int64_t ldx, int rows, const uint8_t *w,
     }
 }
 
+// a + b summed over their 8 lanes.
+__attribute__((target("avx2,fma"), always_inline))
+static inline float sum2_avx2(__m256 a, __m256 b) {
+    const __m256 t = _mm256_add_ps(a, b);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
 __attribute__((target("avx2,fma,f16c"), always_inline))
 static inline void body_avx2(const float *x, int64_t ldx, const uint8_t *w, int64_t K, float *s,
                              const int rows, const int type) {
@@ -128,13 +137,7 @@ static inline void body_avx2(const float *x, int64_t ldx, const uint8_t *w, int6
             a[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 24), v[3], a[m][1]);
         }
     }
-    for (int m = 0; m < rows; m++) {
-        __m256 t = _mm256_add_ps(a[m][0], a[m][1]);
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_add_ss(h, _mm_movehdup_ps(h));
-        s[m] = _mm_cvtss_f32(h);
-    }
+    for (int m = 0; m < rows; m++) s[m] = sum2_avx2(a[m][0], a[m][1]);
 }
 
 __attribute__((target("avx2,fma,f16c")))
