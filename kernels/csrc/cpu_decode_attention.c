@@ -13,8 +13,8 @@
 // The loops are plain C the compiler vectorizes; the body is compiled twice, for AVX-512F and for
 // AVX2 + FMA (pagoda_decode_attention_isa says which this CPU runs; both are tested), with an exp
 // it can vectorize (exp_poly: Cody-Waite reduction and a degree-6 polynomial, within 2 ulp of
-// expf over the softmax's range (-inf, 0]). Work is split over (row, query head) pairs, so one
-// row's 9 heads keep two threads busy where its 3 kv heads would not.
+// expf over the softmax's range (-inf, 0]). Work is split over (row, query head) pairs, or, for a bf16
+// cache with enough rows, (row, kv head) pairs whose query heads share each load (attend_task).
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -136,27 +136,128 @@ static inline void attend(const float *q, const void *k_cache, const void *v_cac
     weighted_values(s, v_cache, table, len, h, Hkv, D, bs, 1.0f / sum, out, dtype);
 }
 
+// The G (up to 4) query heads that share kv head h (GQA), together: q and out hold them D apart. Each key and
+// value vector is loaded (in bf16, widened) once for all G, and the G heads' sums are independent
+// chains the core overlaps, where attend's one head leaves the FMA units waiting on its own sums.
+// G is a constant in each copy (attend_grouped's switch), so the sums stay in registers.
+// s: G * width scores; qs: G * D.
+__attribute__((always_inline))
+static inline void attend_group(const float *q, const void *k_cache, const void *v_cache, const int32_t *table,
+                                int len, int h, int Hkv, int D, int bs, float scale, int width,
+                                float *restrict s, float *restrict qs, float *out, const int dtype, const int G) {
+    for (int i = 0; i < G * D; i++) qs[i] = q[i] * scale;
+    const int nblocks = (len + bs - 1) / bs;
+    for (int j = 0; j < nblocks; j++) {
+        const int64_t kb = ((int64_t)table[j] * Hkv + h) * D * bs;
+        for (int p = 0; p < bs; p += 16) {
+            v8 a[4][2];
+            for (int g = 0; g < G; g++) a[g][0] = a[g][1] = (v8){0};
+            for (int d = 0; d < D; d++) {
+                const int64_t at = kb + (int64_t)d * bs + p;
+                const v8 k0 = load8(k_cache, at, dtype), k1 = load8(k_cache, at + 8, dtype);
+                for (int g = 0; g < G; g++) {
+                    a[g][0] += qs[g * D + d] * k0;
+                    a[g][1] += qs[g * D + d] * k1;
+                }
+            }
+            for (int g = 0; g < G; g++) {
+                *(v8 *)(s + (int64_t)g * width + (int64_t)j * bs + p) = a[g][0];
+                *(v8 *)(s + (int64_t)g * width + (int64_t)j * bs + p + 8) = a[g][1];
+            }
+        }
+    }
+    float inv[4];
+    for (int g = 0; g < G; g++) {
+        float *sg = s + (int64_t)g * width;
+        float most = sg[0];
+        #pragma omp simd reduction(max:most)
+        for (int p = 1; p < len; p++) most = sg[p] > most ? sg[p] : most;
+        for (int p = 0; p < len; p++) sg[p] = exp_poly(sg[p] - most);
+        float sum = 0.0f;
+        #pragma omp simd reduction(+:sum)
+        for (int p = 0; p < len; p++) sum += sg[p];
+        inv[g] = 1.0f / sum;
+    }
+    for (int c0 = 0; c0 < D; c0 += 32) {  // a quarter-row of 4 vectors per head: G * 4 sums in registers
+        v8 acc[4][4];
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < 4; c++) acc[g][c] = (v8){0};
+        FOR_EACH_POSITION({
+            v8 v[4];
+            for (int c = 0; c < 4; c++) v[c] = load8(v_cache, vrow + c0 + 8 * c, dtype);
+            for (int g = 0; g < G; g++) {
+                const float w = s[(int64_t)g * width + p];
+                for (int c = 0; c < 4; c++) acc[g][c] += w * v[c];
+            }
+        })
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < 4; c++) *(v8 *)(out + g * D + c0 + 8 * c) = acc[g][c] * inv[g];
+    }
+}
+
+// Whether attend_grouped serves these shapes: whole vectors of positions and of the head, and a
+// group small enough for its sums to stay in registers (AVX2 has 16).
+static inline int groups_fit(int G, int D, int bs) { return G >= 2 && G <= 4 && D % 32 == 0 && bs % 16 == 0; }
+
+__attribute__((always_inline))
+static inline void attend_grouped(const float *q, const void *k_cache, const void *v_cache, const int32_t *table,
+                                  int len, int h, int Hkv, int D, int bs, float scale, int width,
+                                  float *s, float *qs, float *out, const int dtype, int G) {
+    switch (G) {
+    case 2: attend_group(q, k_cache, v_cache, table, len, h, Hkv, D, bs, scale, width, s, qs, out, dtype, 2); break;
+    case 3: attend_group(q, k_cache, v_cache, table, len, h, Hkv, D, bs, scale, width, s, qs, out, dtype, 3); break;
+    default: attend_group(q, k_cache, v_cache, table, len, h, Hkv, D, bs, scale, width, s, qs, out, dtype, 4); break;
+    }
+}
+
+// One task of a layer's decode attention. Tasks are (row, kv head) pairs, each its G query heads
+// together, where there are enough of them to share among the threads (grouped); else (row, query
+// head) pairs, so that one row's 9 heads keep two threads busy where its 3 kv heads would not.
+// s: scratch of G * (width + D) floats.
+__attribute__((always_inline))
+static inline void attend_task(int64_t task, int grouped, const float *q, int64_t ldq, const void *k_cache,
+                               const void *v_cache, const int32_t *rows, const int32_t *lens,
+                               const int32_t *tables, int64_t ldt, int Hq, int Hkv, int D, int bs,
+                               float scale, float *out, int64_t ldo, int width, float *s, const int dtype) {
+    const int G = Hq / Hkv, per_row = grouped ? Hkv : Hq;
+    const int r = (int)(task / per_row), head = (int)(task % per_row);
+    const int hq = grouped ? head * G : head;
+    const float *qh = q + rows[r] * ldq + (int64_t)hq * D;
+    float *oh = out + rows[r] * ldo + (int64_t)hq * D;
+    if (grouped)
+        attend_grouped(qh, k_cache, v_cache, tables + r * ldt, lens[r], head, Hkv, D, bs, scale, width,
+                       s, s + (int64_t)G * width, oh, dtype, G);
+    else
+        attend(qh, k_cache, v_cache, tables + r * ldt, lens[r], hq / G, Hkv, D, bs, scale, s, s + width,
+               oh, dtype);
+}
+
+// How a layer's attention is split: grouped for a bf16 cache, where each widened load then serves
+// the whole group, if its (row, kv head) tasks are at least 4 a thread. An fp32 cache stays head by
+// head: there a step of 64 rows reads its cache at the memory's speed either way, and grouped it
+// measured a third slower (docs/benchmarks.md, "Stop 41").
+static inline int attend_grouped_here(int num_rows, int Hq, int Hkv, int D, int bs, int dtype, int threads) {
+    return dtype == 1 && groups_fit(Hq / Hkv, D, bs) && (int64_t)num_rows * Hkv >= 4 * (int64_t)threads;
+}
+
 #define RUN(ISA, TARGET)                                                                              \
     __attribute__((target(TARGET)))                                                                   \
     static void run_##ISA(const float *q, int64_t ldq, const void *k_cache, const void *v_cache,       \
                           int dtype, const int32_t *rows, const int32_t *lens, const int32_t *tables,  \
                           int64_t ldt, int num_rows, int Hq, int Hkv, int D, int bs, float scale,      \
-                          float *out, int64_t ldo, int width, int threads) {                           \
-        const int G = Hq / Hkv;                                                                       \
+                          float *out, int64_t ldo, int width, int threads, int grouped) {              \
+        const int64_t tasks = (int64_t)num_rows * (grouped ? Hkv : Hq);                               \
         _Pragma("omp parallel num_threads(threads)")                                                  \
         {                                                                                             \
-            float *s = malloc((size_t)(width + D) * sizeof(float));                                   \
+            float *s = malloc((size_t)(Hq / Hkv) * (size_t)(width + D) * sizeof(float));               \
             _Pragma("omp for schedule(static)")                                                       \
-            for (int64_t t = 0; t < (int64_t)num_rows * Hq; t++) {                                     \
-                const int r = (int)(t / Hq), hq = (int)(t % Hq);                                      \
-                const float *qh = q + rows[r] * ldq + (int64_t)hq * D;                                \
-                float *oh = out + rows[r] * ldo + (int64_t)hq * D;                                    \
+            for (int64_t t = 0; t < tasks; t++) {                                                      \
                 if (dtype == 0)                                                                       \
-                    attend(qh, k_cache, v_cache, tables + r * ldt, lens[r], hq / G, Hkv, D, bs, scale,\
-                           s, s + width, oh, 0);                                                      \
+                    attend_task(t, grouped, q, ldq, k_cache, v_cache, rows, lens, tables, ldt, Hq, Hkv,\
+                                D, bs, scale, out, ldo, width, s, 0);                                 \
                 else                                                                                  \
-                    attend(qh, k_cache, v_cache, tables + r * ldt, lens[r], hq / G, Hkv, D, bs, scale,\
-                           s, s + width, oh, 1);                                                      \
+                    attend_task(t, grouped, q, ldq, k_cache, v_cache, rows, lens, tables, ldt, Hq, Hkv,\
+                                D, bs, scale, out, ldo, width, s, 1);                                 \
             }                                                                                         \
             free(s);                                                                                  \
         }                                                                                             \
@@ -168,12 +269,16 @@ RUN(avx2, "avx2,fma")
 // q [tokens, Hq, D] fp32 with row stride ldq (elements); out likewise (ldo); rows[i]: decode row
 // i's token in q and out; lens[i] >= 1 its visible positions; tables [num_rows, ldt] its blocks.
 // width: at least the largest ceil(len / bs) * bs (the scores' scratch). isa: 2 AVX-512F, 1 AVX2.
+// grouping: 1 query heads grouped by kv head where the shapes fit, 0 never, -1 as
+// attend_grouped_here decides (the tests run both).
 void pagoda_decode_attention(const float *q, int64_t ldq, const void *k_cache, const void *v_cache,
                              int dtype, const int32_t *rows, const int32_t *lens, const int32_t *tables,
                              int64_t ldt, int num_rows, int Hq, int Hkv, int D, int bs, float scale,
-                             float *out, int64_t ldo, int width, int threads, int isa) {
+                             float *out, int64_t ldo, int width, int threads, int isa, int grouping) {
+    const int grouped = grouping < 0 ? attend_grouped_here(num_rows, Hq, Hkv, D, bs, dtype, threads)
+                                     : grouping && groups_fit(Hq / Hkv, D, bs);
     (isa == 2 ? run_avx512 : run_avx2)(q, ldq, k_cache, v_cache, dtype, rows, lens, tables, ldt,
-                                       num_rows, Hq, Hkv, D, bs, scale, out, ldo, width, threads);
+                                       num_rows, Hq, Hkv, D, bs, scale, out, ldo, width, threads, grouped);
 }
 
 // The step's new keys and values into the cache (kernels/cpu_attention.py write_kv): token t goes

@@ -181,9 +181,11 @@ static inline float silu(float x) {
                            float *qkv, float *attn, float *gu, int width) {                            \
         const int T = p->T, H = p->H, D = p->D, I = p->I, Hq = p->Hq, Hkv = p->Hkv;                 \
         const int64_t nqkv = (int64_t)(Hq + 2 * Hkv) * D;                                             \
+        const int grouped = attend_grouped_here(p->num_rows, Hq, Hkv, D, p->bs, p->cache_dtype, p->threads);          \
+        const int64_t attention_tasks = (int64_t)p->num_rows * (grouped ? Hkv : Hq);                  \
         _Pragma("omp parallel num_threads(p->threads)")                                                \
         {                                                                                              \
-            float *s = malloc((size_t)(width + D) * sizeof(float));                                    \
+            float *s = malloc((size_t)(Hq / Hkv) * (size_t)(width + D) * sizeof(float));               \
             for (int l = 0; l < num_layers; l++) {                                                     \
                 const DecodeLayer *L = layers + l;                                                     \
                 _Pragma("omp for schedule(static)")                                                    \
@@ -213,16 +215,15 @@ static inline float silu(float x) {
                     }                                                                                  \
                 }                                                                                      \
                 _Pragma("omp for schedule(static)")                                                    \
-                for (int64_t task = 0; task < (int64_t)p->num_rows * Hq; task++) {                     \
-                    const int r = (int)(task / Hq), hq = (int)(task % Hq), t = p->rows[r];             \
-                    const float *q = qkv + t * nqkv + (int64_t)hq * D;                                 \
-                    float *o = attn + ((int64_t)t * Hq + hq) * D;                                      \
+                for (int64_t task = 0; task < attention_tasks; task++) {                               \
                     if (p->cache_dtype == 0)                                                           \
-                        attend(q, L->k_cache, L->v_cache, p->tables + r * p->ldt, p->lens[r],          \
-                               hq / (Hq / Hkv), Hkv, D, p->bs, p->scale, s, s + width, o, 0);          \
+                        attend_task(task, grouped, qkv, nqkv, L->k_cache, L->v_cache, p->rows, p->lens, \
+                                    p->tables, p->ldt, Hq, Hkv, D, p->bs, p->scale, attn, (int64_t)Hq * D, \
+                                    width, s, 0);                                                      \
                     else                                                                               \
-                        attend(q, L->k_cache, L->v_cache, p->tables + r * p->ldt, p->lens[r],          \
-                               hq / (Hq / Hkv), Hkv, D, p->bs, p->scale, s, s + width, o, 1);          \
+                        attend_task(task, grouped, qkv, nqkv, L->k_cache, L->v_cache, p->rows, p->lens, \
+                                    p->tables, p->ldt, Hq, Hkv, D, p->bs, p->scale, attn, (int64_t)Hq * D, \
+                                    width, s, 1);                                                      \
                 }                                                                                      \
                 gemv(DOTS, MOST, attn, (int64_t)Hq * D, T, L->o, L->ld_o, p->wtype, H, (int64_t)Hq * D, \
                      p->h, H, 1);                                                                      \

@@ -1,6 +1,7 @@
 """kernels/cpu_decode_attention.c against float64 (kernels/reference.py) on a poisoned cache (NaN
 in every slot no sequence owns, table entries past each sequence's last block pointing at a NaN
-block), on every instruction set this CPU has (the test names them), fp32 and bf16 caches."""
+block), on every instruction set this CPU has (the test names them), fp32 and bf16 caches, with the
+query heads of a kv head attended one by one and together (where the shapes allow)."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +16,7 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # tests/conftest.py
 CASES = {
     "gqa1_block_edges": ([0, 15, 16, 37, 150], 4, 4, 64, 16),
     "smollm2": ([37, 200, 0, 130, 15, 600], 9, 3, 64, 16),
+    "gqa4": ([5, 64, 250, 31], 8, 2, 64, 16),
     "gqa8_long": ([300, 90], 8, 1, 64, 16),
     "head_dim_40_block_8": ([20, 50, 3], 4, 2, 40, 8),
     "head_dim_128_block_32": ([40, 70, 15], 6, 2, 128, 32),
@@ -43,14 +45,16 @@ def test_the_decode_kernel_equals_float64_on_every_isa_here(case, dtype, peaked)
     rows = torch.arange(len(ctx_lens))
     isas = cpu_decode_attention.supported_isas()
     print(f"decode attention paths here: {[cpu_decode_attention.ISA_NAMES[i] for i in isas]}")
+    _, want = batch.expected()
     for isa in isas:
-        out = torch.full(batch.q.shape, float("nan"), dtype=dtype)
-        cpu_decode_attention.decode(batch.q, k_cache, batch.v_cache, rows, batch.seq_lens,
-                                    batch.block_tables, batch.scale, out, isa=isa)
-        _, want = batch.expected()
-        assert not out.isnan().any(), cpu_decode_attention.ISA_NAMES[isa]
-        err = (out.double() - want).abs().max().item()
-        assert err <= TOL[dtype], (cpu_decode_attention.ISA_NAMES[isa], err)
+        for grouping in (0, 1):
+            out = torch.full(batch.q.shape, float("nan"), dtype=dtype)
+            cpu_decode_attention.decode(batch.q, k_cache, batch.v_cache, rows, batch.seq_lens,
+                                        batch.block_tables, batch.scale, out, isa=isa, grouping=grouping)
+            said = (cpu_decode_attention.ISA_NAMES[isa], f"grouping {grouping}")
+            assert not out.isnan().any(), said
+            err = (out.double() - want).abs().max().item()
+            assert err <= TOL[dtype], (*said, err)
 
 
 def test_rows_it_is_not_given_are_left_alone_and_rows_map_to_their_tokens():

@@ -14,7 +14,8 @@ from worker.layers import RotaryEmbedding
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # tests/conftest.py
 
-SHAPE = dict(hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate=96, eps=1e-5)
+# A head dim of 32: the smallest a bf16 cache attends in groups (kernels/csrc/cpu_decode_attention.c).
+SHAPE = dict(hidden=64, num_heads=4, num_kv_heads=2, head_dim=32, intermediate=96, eps=1e-5)
 LAYERS, NUM_BLOCKS = 3, 16
 # Steps: (context before the step's tokens, new tokens) per sequence, and the block size.
 STEPS = {
