@@ -54,7 +54,11 @@ class Stack:
         self.project = f"pagoda-check-{os.getpid()}-{cli[-1].replace('-', '')}"
         self.ports = {name: free_port() for name in
                       ("GRPC", "HTTP", "GATEWAY_METRICS", "SCHEDULER_METRICS")}
-        self.env = {**os.environ, **{f"PAGODA_{k}_PORT": str(v) for k, v in self.ports.items()}}
+        self.env = {**os.environ, **{f"PAGODA_{k}_PORT": str(v) for k, v in self.ports.items()},
+                    # fp32 whatever the CPU: a killed worker's streams, recomputed on the other, are held
+                    # to the undisturbed tokens, which fp32 keeps; bf16 rounds a recomputed prefill
+                    # differently from the decode steps it replaces (docs/faults.md).
+                    "PAGODA_DTYPE": "float32"}
         self.cli = [*cli, "-p", self.project, "-f", str(ROOT / "docker-compose.yml")]
         self.target = f"127.0.0.1:{self.ports['GRPC']}"
 

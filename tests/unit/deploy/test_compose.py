@@ -112,7 +112,7 @@ def test_commands_run_this_repository_with_flags_it_accepts_and_publish_its_port
     svcs = pagoda_services()
     assert set(svcs) == {"scheduler", "worker", "gateway"}
     for name, svc in svcs.items():
-        words = shlex.split(svc["command"])
+        words = shlex.split(expand(svc["command"]))
         assert words[:2] == ["python", "-m"] and words[2] == f"{name}.main", name
         try:
             args = PARSERS[words[2]](words[3:])
@@ -123,6 +123,9 @@ def test_commands_run_this_repository_with_flags_it_accepts_and_publish_its_port
         assert published <= ports_opened(words[2], args), name
         if name == "worker":  # scaled with --scale: a fixed host port would collide
             assert "ports" not in svc and args.scheduler_worker_address == "tcp://scheduler:5556"
+            assert args.dtype == "auto"
+            assert PARSERS[words[2]](shlex.split(expand(svc["command"], {"PAGODA_DTYPE": "float32"}))[3:]).dtype \
+                == "float32"
         if name == "gateway":
             assert args.scheduler_gateway_address == "tcp://scheduler:5555"
             assert published == {args.port, args.http_port, args.gateway_metrics_port}
