@@ -195,6 +195,72 @@ static inline void attend_group(const float *q, const void *k_cache, const void 
     }
 }
 
+// attend_group in 16-float vectors, for the AVX-512 path: a block of 16 positions is one vector
+// of scores, a 64-float head row four of values. Two sums per head over the head dimension
+// (even and odd d) and 4 G sums over the values keep the FMA units fed; 32 registers hold them.
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+__attribute__((always_inline)) static inline v16 load16(const void *base, int64_t i, const int dtype) {
+    if (dtype == 0) return *(const v16 *)((const float *)base + i);
+    u32x16 bits = __builtin_convertvector(*(const u16x16 *)((const uint16_t *)base + i), u32x16) << 16;
+    return (v16)bits;
+}
+
+__attribute__((always_inline))
+static inline void attend_group16(const float *q, const void *k_cache, const void *v_cache, const int32_t *table,
+                                  int len, int h, int Hkv, int D, int bs, float scale, int width,
+                                  float *restrict s, float *restrict qs, float *out, const int dtype, const int G) {
+    for (int i = 0; i < G * D; i++) qs[i] = q[i] * scale;
+    const int nblocks = (len + bs - 1) / bs;
+    for (int j = 0; j < nblocks; j++) {
+        const int64_t kb = ((int64_t)table[j] * Hkv + h) * D * bs;
+        for (int p = 0; p < bs; p += 16) {
+            v16 a[4][2];
+            for (int g = 0; g < G; g++) a[g][0] = a[g][1] = (v16){0};
+            for (int d = 0; d < D; d += 2) {
+                const int64_t at = kb + (int64_t)d * bs + p;
+                const v16 k0 = load16(k_cache, at, dtype), k1 = load16(k_cache, at + bs, dtype);
+                for (int g = 0; g < G; g++) {
+                    a[g][0] += qs[g * D + d] * k0;
+                    a[g][1] += qs[g * D + d + 1] * k1;
+                }
+            }
+            for (int g = 0; g < G; g++)
+                *(v16 *)(s + (int64_t)g * width + (int64_t)j * bs + p) = a[g][0] + a[g][1];
+        }
+    }
+    float inv[4];
+    for (int g = 0; g < G; g++) {
+        float *sg = s + (int64_t)g * width;
+        float most = sg[0];
+        #pragma omp simd reduction(max:most)
+        for (int p = 1; p < len; p++) most = sg[p] > most ? sg[p] : most;
+        for (int p = 0; p < len; p++) sg[p] = exp_poly(sg[p] - most);
+        float sum = 0.0f;
+        #pragma omp simd reduction(+:sum)
+        for (int p = 0; p < len; p++) sum += sg[p];
+        inv[g] = 1.0f / sum;
+    }
+    for (int c0 = 0; c0 < D; c0 += 64) {  // up to 64 floats of each head's row: G * 4 sums
+        const int n = D - c0 < 64 ? (D - c0) / 16 : 4;
+        v16 acc[4][4];
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < 4; c++) acc[g][c] = (v16){0};
+        FOR_EACH_POSITION({
+            v16 v[4];
+            for (int c = 0; c < n; c++) v[c] = load16(v_cache, vrow + c0 + 16 * c, dtype);
+            for (int g = 0; g < G; g++) {
+                const float w = s[(int64_t)g * width + p];
+                for (int c = 0; c < n; c++) acc[g][c] += w * v[c];
+            }
+        })
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < n; c++) *(v16 *)(out + g * D + c0 + 16 * c) = acc[g][c] * inv[g];
+    }
+}
+
 // Whether attend_grouped serves these shapes: whole vectors of positions and of the head, and a
 // group small enough for its sums to stay in registers (AVX2 has 16).
 static inline int groups_fit(int G, int D, int bs) { return G >= 2 && G <= 4 && D % 32 == 0 && bs % 16 == 0; }
@@ -202,7 +268,14 @@ static inline int groups_fit(int G, int D, int bs) { return G >= 2 && G <= 4 && 
 __attribute__((always_inline))
 static inline void attend_grouped(const float *q, const void *k_cache, const void *v_cache, const int32_t *table,
                                   int len, int h, int Hkv, int D, int bs, float scale, int width,
-                                  float *s, float *qs, float *out, const int dtype, int G) {
+                                  float *s, float *qs, float *out, const int dtype, int G, const int wide) {
+    if (wide) {  // the AVX-512 path
+        switch (G) {
+        case 2: attend_group16(q, k_cache, v_cache, table, len, h, Hkv, D, bs, scale, width, s, qs, out, dtype, 2); return;
+        case 3: attend_group16(q, k_cache, v_cache, table, len, h, Hkv, D, bs, scale, width, s, qs, out, dtype, 3); return;
+        default: attend_group16(q, k_cache, v_cache, table, len, h, Hkv, D, bs, scale, width, s, qs, out, dtype, 4); return;
+        }
+    }
     switch (G) {
     case 2: attend_group(q, k_cache, v_cache, table, len, h, Hkv, D, bs, scale, width, s, qs, out, dtype, 2); break;
     case 3: attend_group(q, k_cache, v_cache, table, len, h, Hkv, D, bs, scale, width, s, qs, out, dtype, 3); break;
@@ -218,7 +291,8 @@ __attribute__((always_inline))
 static inline void attend_task(int64_t task, int grouped, const float *q, int64_t ldq, const void *k_cache,
                                const void *v_cache, const int32_t *rows, const int32_t *lens,
                                const int32_t *tables, int64_t ldt, int Hq, int Hkv, int D, int bs,
-                               float scale, float *out, int64_t ldo, int width, float *s, const int dtype) {
+                               float scale, float *out, int64_t ldo, int width, float *s, const int dtype,
+                               const int wide) {
     const int G = Hq / Hkv, per_row = grouped ? Hkv : Hq;
     const int r = (int)(task / per_row), head = (int)(task % per_row);
     const int hq = grouped ? head * G : head;
@@ -226,7 +300,7 @@ static inline void attend_task(int64_t task, int grouped, const float *q, int64_
     float *oh = out + rows[r] * ldo + (int64_t)hq * D;
     if (grouped)
         attend_grouped(qh, k_cache, v_cache, tables + r * ldt, lens[r], head, Hkv, D, bs, scale, width,
-                       s, s + (int64_t)G * width, oh, dtype, G);
+                       s, s + (int64_t)G * width, oh, dtype, G, wide);
     else
         attend(qh, k_cache, v_cache, tables + r * ldt, lens[r], hq / G, Hkv, D, bs, scale, s, s + width,
                oh, dtype);
@@ -234,13 +308,13 @@ static inline void attend_task(int64_t task, int grouped, const float *q, int64_
 
 // How a layer's attention is split: grouped for a bf16 cache, where each widened load then serves
 // the whole group, if its (row, kv head) tasks are at least 4 a thread. An fp32 cache stays head by
-// head: there a step of 64 rows reads its cache at the memory's speed either way, and grouped it
-// measured a third slower (docs/benchmarks.md, "Stop 41").
+// head: grouped, in 8-float vectors a step of 64 rows measured a third slower, and in the AVX-512
+// path's 16-float ones the offline workload 5% slower (docs/benchmarks.md, "Stop 41").
 static inline int attend_grouped_here(int num_rows, int Hq, int Hkv, int D, int bs, int dtype, int threads) {
     return dtype == 1 && groups_fit(Hq / Hkv, D, bs) && (int64_t)num_rows * Hkv >= 4 * (int64_t)threads;
 }
 
-#define RUN(ISA, TARGET)                                                                              \
+#define RUN(ISA, TARGET, WIDE)                                                                              \
     __attribute__((target(TARGET)))                                                                   \
     static void run_##ISA(const float *q, int64_t ldq, const void *k_cache, const void *v_cache,       \
                           int dtype, const int32_t *rows, const int32_t *lens, const int32_t *tables,  \
@@ -254,17 +328,17 @@ static inline int attend_grouped_here(int num_rows, int Hq, int Hkv, int D, int 
             for (int64_t t = 0; t < tasks; t++) {                                                      \
                 if (dtype == 0)                                                                       \
                     attend_task(t, grouped, q, ldq, k_cache, v_cache, rows, lens, tables, ldt, Hq, Hkv,\
-                                D, bs, scale, out, ldo, width, s, 0);                                 \
+                                D, bs, scale, out, ldo, width, s, 0, WIDE);                                 \
                 else                                                                                  \
                     attend_task(t, grouped, q, ldq, k_cache, v_cache, rows, lens, tables, ldt, Hq, Hkv,\
-                                D, bs, scale, out, ldo, width, s, 1);                                 \
+                                D, bs, scale, out, ldo, width, s, 1, WIDE);                                 \
             }                                                                                         \
             free(s);                                                                                  \
         }                                                                                             \
     }
 
-RUN(avx512, "avx512f")
-RUN(avx2, "avx2,fma")
+RUN(avx512, "avx512f", 1)
+RUN(avx2, "avx2,fma", 0)
 
 // q [tokens, Hq, D] fp32 with row stride ldq (elements); out likewise (ldo); rows[i]: decode row
 // i's token in q and out; lens[i] >= 1 its visible positions; tables [num_rows, ldt] its blocks.

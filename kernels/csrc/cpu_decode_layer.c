@@ -175,7 +175,7 @@ static inline float silu(float x) {
     return x >= 0.0f ? x / (1.0f + e) : x * e / (1.0f + e);
 }
 
-#define STEP(ISA, TARGET, DOTS, MOST)                                                                  \
+#define STEP(ISA, TARGET, DOTS, MOST, WIDE)                                                                  \
     __attribute__((target(TARGET)))                                                                    \
     static void step_##ISA(const DecodeLayer *layers, int num_layers, const DecodeStep *p, float *act,  \
                            float *qkv, float *attn, float *gu, int width) {                            \
@@ -219,11 +219,11 @@ static inline float silu(float x) {
                     if (p->cache_dtype == 0)                                                           \
                         attend_task(task, grouped, qkv, nqkv, L->k_cache, L->v_cache, p->rows, p->lens, \
                                     p->tables, p->ldt, Hq, Hkv, D, p->bs, p->scale, attn, (int64_t)Hq * D, \
-                                    width, s, 0);                                                      \
+                                    width, s, 0, WIDE);                                                      \
                     else                                                                               \
                         attend_task(task, grouped, qkv, nqkv, L->k_cache, L->v_cache, p->rows, p->lens, \
                                     p->tables, p->ldt, Hq, Hkv, D, p->bs, p->scale, attn, (int64_t)Hq * D, \
-                                    width, s, 1);                                                      \
+                                    width, s, 1, WIDE);                                                      \
                 }                                                                                      \
                 gemv(DOTS, MOST, attn, (int64_t)Hq * D, T, L->o, L->ld_o, p->wtype, H, (int64_t)Hq * D, \
                      p->h, H, 1);                                                                      \
@@ -243,8 +243,8 @@ static inline float silu(float x) {
         }                                                                                              \
     }
 
-STEP(avx512, "avx512f,f16c,fma", layer_dots_avx512, 8)
-STEP(avx2, "avx2,fma,f16c", layer_dots_avx2, 4)
+STEP(avx512, "avx512f,f16c,fma", layer_dots_avx512, 8, 1)
+STEP(avx2, "avx2,fma,f16c", layer_dots_avx2, 4, 0)
 
 // Every layer of one decode step, then the final norm into p->out. Every token of the step is a
 // decode row (rows covers 0 .. T - 1); the caller bounds positions, slots and tables by the
