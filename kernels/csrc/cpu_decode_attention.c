@@ -120,12 +120,8 @@ static inline void weighted_values(const float *restrict w, const void *v_cache,
     for (int d = 0; d < D; d++) out[d] *= inv;
 }
 
-__attribute__((always_inline))
-static inline void attend(const float *q, const void *k_cache, const void *v_cache, const int32_t *table,
-                          int len, int h, int Hkv, int D, int bs, float scale, float *restrict s,
-                          float *restrict qs, float *out, const int dtype) {
-    for (int d = 0; d < D; d++) qs[d] = q[d] * scale;
-    scores(qs, k_cache, table, (len + bs - 1) / bs, h, Hkv, D, bs, s, dtype);
+// s[0, len) <- e^(s - max s), unnormalized; returns 1 / their sum (the values' scale).
+__attribute__((always_inline)) static inline float softmax(float *restrict s, int len) {
     float most = s[0];
     #pragma omp simd reduction(max:most)
     for (int p = 1; p < len; p++) most = s[p] > most ? s[p] : most;
@@ -133,11 +129,20 @@ static inline void attend(const float *q, const void *k_cache, const void *v_cac
     float sum = 0.0f;
     #pragma omp simd reduction(+:sum)
     for (int p = 0; p < len; p++) sum += s[p];
-    weighted_values(s, v_cache, table, len, h, Hkv, D, bs, 1.0f / sum, out, dtype);
+    return 1.0f / sum;
 }
 
-// The G (up to 4) query heads that share kv head h (GQA), together: q and out hold them D apart. Each key and
-// value vector is loaded (in bf16, widened) once for all G, and the G heads' sums are independent
+__attribute__((always_inline))
+static inline void attend(const float *q, const void *k_cache, const void *v_cache, const int32_t *table,
+                          int len, int h, int Hkv, int D, int bs, float scale, float *restrict s,
+                          float *restrict qs, float *out, const int dtype) {
+    for (int d = 0; d < D; d++) qs[d] = q[d] * scale;
+    scores(qs, k_cache, table, (len + bs - 1) / bs, h, Hkv, D, bs, s, dtype);
+    weighted_values(s, v_cache, table, len, h, Hkv, D, bs, softmax(s, len), out, dtype);
+}
+
+// The G (up to 4) query heads that share kv head h (GQA), together: q and out hold them D apart.
+// Each key and value vector is loaded (in bf16, widened) once for all G, and the G heads' sums are independent
 // chains the core overlaps, where attend's one head leaves the FMA units waiting on its own sums.
 // G is a constant in each copy (attend_grouped's switch), so the sums stay in registers.
 // s: G * width scores; qs: G * D.
@@ -167,17 +172,7 @@ static inline void attend_group(const float *q, const void *k_cache, const void 
         }
     }
     float inv[4];
-    for (int g = 0; g < G; g++) {
-        float *sg = s + (int64_t)g * width;
-        float most = sg[0];
-        #pragma omp simd reduction(max:most)
-        for (int p = 1; p < len; p++) most = sg[p] > most ? sg[p] : most;
-        for (int p = 0; p < len; p++) sg[p] = exp_poly(sg[p] - most);
-        float sum = 0.0f;
-        #pragma omp simd reduction(+:sum)
-        for (int p = 0; p < len; p++) sum += sg[p];
-        inv[g] = 1.0f / sum;
-    }
+    for (int g = 0; g < G; g++) inv[g] = softmax(s + (int64_t)g * width, len);
     for (int c0 = 0; c0 < D; c0 += 32) {  // a quarter-row of 4 vectors per head: G * 4 sums in registers
         v8 acc[4][4];
         for (int g = 0; g < G; g++)
@@ -232,17 +227,7 @@ static inline void attend_group16(const float *q, const void *k_cache, const voi
         }
     }
     float inv[4];
-    for (int g = 0; g < G; g++) {
-        float *sg = s + (int64_t)g * width;
-        float most = sg[0];
-        #pragma omp simd reduction(max:most)
-        for (int p = 1; p < len; p++) most = sg[p] > most ? sg[p] : most;
-        for (int p = 0; p < len; p++) sg[p] = exp_poly(sg[p] - most);
-        float sum = 0.0f;
-        #pragma omp simd reduction(+:sum)
-        for (int p = 0; p < len; p++) sum += sg[p];
-        inv[g] = 1.0f / sum;
-    }
+    for (int g = 0; g < G; g++) inv[g] = softmax(s + (int64_t)g * width, len);
     for (int c0 = 0; c0 < D; c0 += 64) {  // up to 64 floats of each head's row: G * 4 sums
         const int n = D - c0 < 64 ? (D - c0) / 16 : 4;
         v16 acc[4][4];
@@ -262,25 +247,24 @@ static inline void attend_group16(const float *q, const void *k_cache, const voi
 }
 
 // Whether attend_grouped serves these shapes: whole vectors of positions and of the head, and a
-// group small enough for its sums to stay in registers (AVX2 has 16).
+// group small enough for its sums to stay in registers.
 static inline int groups_fit(int G, int D, int bs) { return G >= 2 && G <= 4 && D % 32 == 0 && bs % 16 == 0; }
 
 __attribute__((always_inline))
 static inline void attend_grouped(const float *q, const void *k_cache, const void *v_cache, const int32_t *table,
                                   int len, int h, int Hkv, int D, int bs, float scale, int width,
                                   float *s, float *qs, float *out, const int dtype, int G, const int wide) {
+#define GROUP(FN, N) FN(q, k_cache, v_cache, table, len, h, Hkv, D, bs, scale, width, s, qs, out, dtype, N)
     if (wide) {  // the AVX-512 path
-        switch (G) {
-        case 2: attend_group16(q, k_cache, v_cache, table, len, h, Hkv, D, bs, scale, width, s, qs, out, dtype, 2); return;
-        case 3: attend_group16(q, k_cache, v_cache, table, len, h, Hkv, D, bs, scale, width, s, qs, out, dtype, 3); return;
-        default: attend_group16(q, k_cache, v_cache, table, len, h, Hkv, D, bs, scale, width, s, qs, out, dtype, 4); return;
-        }
+        if (G == 2) GROUP(attend_group16, 2);
+        else if (G == 3) GROUP(attend_group16, 3);
+        else GROUP(attend_group16, 4);
+    } else {
+        if (G == 2) GROUP(attend_group, 2);
+        else if (G == 3) GROUP(attend_group, 3);
+        else GROUP(attend_group, 4);
     }
-    switch (G) {
-    case 2: attend_group(q, k_cache, v_cache, table, len, h, Hkv, D, bs, scale, width, s, qs, out, dtype, 2); break;
-    case 3: attend_group(q, k_cache, v_cache, table, len, h, Hkv, D, bs, scale, width, s, qs, out, dtype, 3); break;
-    default: attend_group(q, k_cache, v_cache, table, len, h, Hkv, D, bs, scale, width, s, qs, out, dtype, 4); break;
-    }
+#undef GROUP
 }
 
 // One task of a layer's decode attention. Tasks are (row, kv head) pairs, each its G query heads
@@ -314,24 +298,24 @@ static inline int attend_grouped_here(int num_rows, int Hq, int Hkv, int D, int 
     return dtype == 1 && groups_fit(Hq / Hkv, D, bs) && (int64_t)num_rows * Hkv >= 4 * (int64_t)threads;
 }
 
-#define RUN(ISA, TARGET, WIDE)                                                                              \
+#define RUN(ISA, TARGET, WIDE)                                                                        \
     __attribute__((target(TARGET)))                                                                   \
-    static void run_##ISA(const float *q, int64_t ldq, const void *k_cache, const void *v_cache,       \
-                          int dtype, const int32_t *rows, const int32_t *lens, const int32_t *tables,  \
-                          int64_t ldt, int num_rows, int Hq, int Hkv, int D, int bs, float scale,      \
-                          float *out, int64_t ldo, int width, int threads, int grouped) {              \
+    static void run_##ISA(const float *q, int64_t ldq, const void *k_cache, const void *v_cache,      \
+                          int dtype, const int32_t *rows, const int32_t *lens, const int32_t *tables, \
+                          int64_t ldt, int num_rows, int Hq, int Hkv, int D, int bs, float scale,     \
+                          float *out, int64_t ldo, int width, int threads, int grouped) {             \
         const int64_t tasks = (int64_t)num_rows * (grouped ? Hkv : Hq);                               \
         _Pragma("omp parallel num_threads(threads)")                                                  \
         {                                                                                             \
-            float *s = malloc((size_t)(Hq / Hkv) * (size_t)(width + D) * sizeof(float));               \
+            float *s = malloc((size_t)(Hq / Hkv) * (size_t)(width + D) * sizeof(float));              \
             _Pragma("omp for schedule(static)")                                                       \
-            for (int64_t t = 0; t < tasks; t++) {                                                      \
+            for (int64_t t = 0; t < tasks; t++) {                                                     \
                 if (dtype == 0)                                                                       \
-                    attend_task(t, grouped, q, ldq, k_cache, v_cache, rows, lens, tables, ldt, Hq, Hkv,\
-                                D, bs, scale, out, ldo, width, s, 0, WIDE);                                 \
+                    attend_task(t, grouped, q, ldq, k_cache, v_cache, rows, lens, tables, ldt, Hq, Hkv, \
+                                D, bs, scale, out, ldo, width, s, 0, WIDE);                           \
                 else                                                                                  \
-                    attend_task(t, grouped, q, ldq, k_cache, v_cache, rows, lens, tables, ldt, Hq, Hkv,\
-                                D, bs, scale, out, ldo, width, s, 1, WIDE);                                 \
+                    attend_task(t, grouped, q, ldq, k_cache, v_cache, rows, lens, tables, ldt, Hq, Hkv, \
+                                D, bs, scale, out, ldo, width, s, 1, WIDE);                           \
             }                                                                                         \
             free(s);                                                                                  \
         }                                                                                             \

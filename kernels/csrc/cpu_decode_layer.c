@@ -175,14 +175,15 @@ static inline float silu(float x) {
     return x >= 0.0f ? x / (1.0f + e) : x * e / (1.0f + e);
 }
 
-#define STEP(ISA, TARGET, DOTS, MOST, WIDE)                                                                  \
+#define STEP(ISA, TARGET, DOTS, MOST, WIDE)                                                            \
     __attribute__((target(TARGET)))                                                                    \
-    static void step_##ISA(const DecodeLayer *layers, int num_layers, const DecodeStep *p, float *act,  \
+    static void step_##ISA(const DecodeLayer *layers, int num_layers, const DecodeStep *p, float *act, \
                            float *qkv, float *attn, float *gu, int width) {                            \
-        const int T = p->T, H = p->H, D = p->D, I = p->I, Hq = p->Hq, Hkv = p->Hkv;                 \
-        const int64_t nqkv = (int64_t)(Hq + 2 * Hkv) * D;                                             \
-        const int grouped = attend_grouped_here(p->num_rows, Hq, Hkv, D, p->bs, p->cache_dtype, p->threads);          \
-        const int64_t attention_tasks = (int64_t)p->num_rows * (grouped ? Hkv : Hq);                  \
+        const int T = p->T, H = p->H, D = p->D, I = p->I, Hq = p->Hq, Hkv = p->Hkv;                    \
+        const int64_t nqkv = (int64_t)(Hq + 2 * Hkv) * D;                                              \
+        const int grouped = attend_grouped_here(p->num_rows, Hq, Hkv, D, p->bs, p->cache_dtype,        \
+                                                p->threads);                                           \
+        const int64_t attention_tasks = (int64_t)p->num_rows * (grouped ? Hkv : Hq);                   \
         _Pragma("omp parallel num_threads(p->threads)")                                                \
         {                                                                                              \
             float *s = malloc((size_t)(Hq / Hkv) * (size_t)(width + D) * sizeof(float));               \
@@ -191,11 +192,11 @@ static inline float silu(float x) {
                 _Pragma("omp for schedule(static)")                                                    \
                 for (int t = 0; t < T; t++)                                                            \
                     rms_norm_row(p->h + (int64_t)t * H, L->norm1, p->eps, H, act + (int64_t)t * H);    \
-                gemv(DOTS, MOST, act, H, T, L->qkv, L->ld_qkv, p->wtype, nqkv, H, qkv, nqkv, 0);        \
+                gemv(DOTS, MOST, act, H, T, L->qkv, L->ld_qkv, p->wtype, nqkv, H, qkv, nqkv, 0);       \
                 /* q and k heads turned; k and v heads written to the cache */                         \
                 _Pragma("omp for schedule(static)")                                                    \
                 for (int64_t task = 0; task < (int64_t)T * (Hq + Hkv); task++) {                       \
-                    const int t = (int)(task / (Hq + Hkv)), j = (int)(task % (Hq + Hkv));             \
+                    const int t = (int)(task / (Hq + Hkv)), j = (int)(task % (Hq + Hkv));              \
                     float *x = qkv + t * nqkv + (int64_t)j * D;                                        \
                     const float *c = p->cis + p->positions[t] * D;                                     \
                     for (int i = 0; i < D / 2; i++) {                                                  \
@@ -219,11 +220,11 @@ static inline float silu(float x) {
                     if (p->cache_dtype == 0)                                                           \
                         attend_task(task, grouped, qkv, nqkv, L->k_cache, L->v_cache, p->rows, p->lens, \
                                     p->tables, p->ldt, Hq, Hkv, D, p->bs, p->scale, attn, (int64_t)Hq * D, \
-                                    width, s, 0, WIDE);                                                      \
+                                    width, s, 0, WIDE);                                                \
                     else                                                                               \
                         attend_task(task, grouped, qkv, nqkv, L->k_cache, L->v_cache, p->rows, p->lens, \
                                     p->tables, p->ldt, Hq, Hkv, D, p->bs, p->scale, attn, (int64_t)Hq * D, \
-                                    width, s, 1, WIDE);                                                      \
+                                    width, s, 1, WIDE);                                                \
                 }                                                                                      \
                 gemv(DOTS, MOST, attn, (int64_t)Hq * D, T, L->o, L->ld_o, p->wtype, H, (int64_t)Hq * D, \
                      p->h, H, 1);                                                                      \
