@@ -29,10 +29,11 @@ from kernels.cpu_decode_layer import LayerWeights, Shape
 from worker.layers import GGUF_KERNEL_MAX_ROWS, Linear
 
 # Tokens up to which a step goes through the C step. GGUF: the GGUF kernel's own bound, above
-# which a projection is faster dequantized into torch's GEMM. Dense: on an AVX2 EPYC the C step
-# won at 8 decodes (fp32 58 against 60 ms, bf16 53 against 65) and lost at 32 in fp32 (174
-# against 143), where the fp32 kernel's blocks of x rows reuse each weight load better
-# (bench/profile_cpu.py --fused-ab, docs/benchmarks.md).
+# which a projection is faster dequantized into torch's GEMM. Dense: the machine's, measured at
+# start-up (worker/startup_measurements.py measure_decode_step_bound); MAX_DENSE_TOKENS until
+# then, or where the pool is too small to time in. On an AVX2 EPYC the C step won at 8 decodes
+# (fp32 58 against 60 ms, bf16 53 against 65) and lost at 32 in fp32 (174 against 143); on a
+# Zen 5 it lost from 4 in fp32 and 6 in bf16 (bench/profile_cpu.py --fused-ab, docs/benchmarks.md).
 MAX_TOKENS = GGUF_KERNEL_MAX_ROWS
 MAX_DENSE_TOKENS = 8
 enabled = True  # bench/profile_cpu.py --fused-ab turns it off to time the torch layers
@@ -61,6 +62,8 @@ class FusedDecode:
         self.cis = inner.rotary.cis
         self.backend = inner.layers[0].self_attn.attn.backend
         self.dtype = inner.norm.weight.dtype  # the model's activations, which the step takes and gives
+        self.dense = dense
+        # A dense model's bound is set again at start-up (worker/startup_measurements.py).
         self.max_tokens = MAX_DENSE_TOKENS if dense else MAX_TOKENS
         self._layers, self._caches = None, None
 
@@ -77,7 +80,8 @@ class FusedDecode:
             return None
         fused = cls(model, kind)
         log.info("decode steps of up to %d tokens run as one C call (kernels/cpu_decode_layer.c, %s "
-                 "weights, %s)", fused.max_tokens, kind, cpu_decode_layer.isa())
+                 "weights, %s)%s", fused.max_tokens, kind, cpu_decode_layer.isa(),
+                 ", until start-up measures this machine's bound" if fused.dense else "")
         return fused
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta, kv_caches) -> torch.Tensor | None:

@@ -1,16 +1,20 @@
 """What a worker measures of itself at start-up, through its real step path: a CUDA worker's
-peak memory for the largest batch (the KV cache gets the rest), and the prefill rate the
-scheduler's deadlines use (kept per machine and configuration, worker/kept.py). Each reads the
+peak memory for the largest batch (the KV cache gets the rest), the prefill rate the
+scheduler's deadlines use, and how many decodes a step may have for the one-C-call step to pay
+(the last two kept per machine and configuration, worker/kept.py). Each reads the
 runner's model, cache and flags and runs dummy forwards; none changes what the runner holds."""
 from __future__ import annotations
 
+import statistics
 import time
 
 import numpy as np
 import torch
 
+from kernels import cbuild, cpu_decode_layer
 from proto import internal_pb2
-from worker import layers
+from worker import fused_decode, layers
+from worker.cpu_matmul import bound
 from worker.cache import CacheEngine
 from worker.input_batch import InputBatch
 from worker.kept import kept, machine_key
@@ -83,3 +87,63 @@ def measure_prefill(runner) -> float:
                       runner.backend.name, tokens, layers.CPU)
     return kept("prefill", key, timed, {"tokens_per_s"}, runner.args.measure_again)[0]["tokens_per_s"]
 
+
+
+DECODE_CONTEXT = 128  # tokens each timed sequence has in the cache (zeros)
+DECODE_PAIRS = 7  # timed pairs of steps (one C call, layer by layer) per sequence count
+
+
+@torch.inference_mode()
+def measure_decode_step_bound(runner) -> None:
+    """Sets how many decodes a step may have for a dense model's one-C-call step
+    (worker/fused_decode.py): --cpu-decode-step-tokens, else the count of DECODE_STEP_TOKENS up to
+    which it beats the layers one by one here, each count's steps timed back to back, alternating.
+    The bound is the machine's: 8 paid on a Zen 3 EPYC in fp32 and bf16, 2 (fp32) and 4 (bf16)
+    on a Zen 5 (docs/benchmarks.md, "Stop 41"). Kept per machine and configuration."""
+    from worker.worker_flags import DECODE_STEP_TOKENS
+    step = getattr(runner.model.model, "fused_decode", None)
+    if step is None or not step.dense:
+        return
+    given = runner.args.cpu_decode_step_tokens
+    if given is not None:
+        step.max_tokens = given
+        return
+    need = -(-(DECODE_CONTEXT + 1) // runner.block_size)
+    most = max(DECODE_STEP_TOKENS)
+    if most * need > runner.cache.num_blocks:
+        return  # a pool too small to time in keeps the default
+
+    def timed() -> dict:
+        batch = InputBatch(runner.max_model_len, runner.block_size)
+        for i in range(most):
+            batch.add(i, [0] * (DECODE_CONTEXT + 1), range(i * need, (i + 1) * need), DECODE_CONTEXT,
+                      DECODE_CONTEXT + 1, internal_pb2.SamplingConfig())
+        for k_cache, v_cache in runner.cache.kv_caches:  # zeros, not whatever the memory held
+            k_cache[:most * need].zero_()
+            v_cache[:most * need].zero_()
+        previous, step.max_tokens = step.max_tokens, most
+
+        def ratio(n: int) -> float:
+            inputs = runner.prepare_inputs(np.arange(n), np.ones(n, dtype=np.int64), batch)
+            times = {True: [], False: []}
+            for i in range(DECODE_PAIRS + 1):
+                for on in (True, False):
+                    fused_decode.enabled = on
+                    start = time.perf_counter()
+                    runner.model(inputs.input_ids, inputs.positions, inputs.meta, runner.cache.kv_caches)
+                    if i:  # the first pair pays one-time costs
+                        times[on].append(time.perf_counter() - start)
+            return statistics.median(times[True]) / statistics.median(times[False])
+        try:
+            return {"max_tokens": bound(DECODE_STEP_TOKENS, ratio)}
+        finally:
+            fused_decode.enabled, step.max_tokens = True, previous
+
+    started = time.perf_counter()
+    build = cbuild.library_path(cpu_decode_layer.SOURCE, cpu_decode_layer.FLAGS).name
+    key = machine_key(runner.config, runner.dtype, step.shape.kind, DECODE_CONTEXT, layers.CPU, build)
+    found, was_kept = kept("decode-step", key, timed, {"max_tokens"}, runner.args.measure_again)
+    step.max_tokens = found["max_tokens"]
+    fused_decode.log.info("decode steps of up to %d tokens run as one C call (%s)", step.max_tokens,
+                          "as measured before on this machine" if was_kept
+                          else f"measured in {time.perf_counter() - started:.1f} s")

@@ -21,6 +21,17 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+DECODE_STEP_TOKENS = (1, 2, 4, 8)  # the counts --cpu-decode-step-tokens's measurement times
+MAX_DECODE_STEP_TOKENS = 64  # GGUF's bound (worker/fused_decode.py MAX_TOKENS)
+
+
+def decode_step_tokens(text: str) -> int:
+    n = int(text) if str(text).strip().lstrip("-").isdigit() else None
+    if n is None or not 0 <= n <= MAX_DECODE_STEP_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, {MAX_DECODE_STEP_TOKENS}], got {text!r}")
+    return n
+
+
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -64,8 +75,14 @@ def add_worker_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "cpu_gemm_bf16.c) where they build, up to the rows where they beat torch's "
                         "BLAS, measured at a machine's first start (worker/cpu_matmul.py); "
                         "torch = torch's BLAS")
+    g.add_argument("--cpu-decode-step-tokens", type=decode_step_tokens, default=None, metavar="N",
+                   help="fp32 and bf16 decode steps of up to N sequences run as one C call "
+                        "(worker/fused_decode.py, with --cpu-matmul auto); default: up to the count "
+                        f"where that beats layer by layer, of {', '.join(map(str, DECODE_STEP_TOKENS))}, "
+                        "measured at a machine's first start; 0 = never")
     g.add_argument("--measure-again", action="store_true",
-                   help="time the CPU kernels' row bounds and the prefill rate again at this start "
+                   help="time the CPU kernels' row bounds, the decode step's bound and the prefill rate "
+                        "again at this start "
                         "and keep the new figures, in place of those a machine's first start kept in "
                         "PAGODA_CACHE (a first start under load keeps skewed ones)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,

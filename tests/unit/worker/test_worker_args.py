@@ -38,7 +38,8 @@ def test_flag_names_are_the_contract():
     flags = {f for f in parser._option_string_actions if f.startswith("--")} - {"--help"}
     assert flags == {"--model", "--dtype", "--device", "--block-size", "--max-model-len",
                      "--num-gpu-blocks-override", "--kv-cache-memory", "--gpu-memory-utilization",
-                     "--swap-space", "--seed", "--attention-backend", "--cpu-matmul", "--measure-again",
+                     "--swap-space", "--seed", "--attention-backend", "--cpu-matmul", "--cpu-decode-step-tokens",
+                     "--measure-again",
                      "--max-num-batched-tokens", "--quantization",
                      "--scheduler-worker-address", "--worker-id", "--max-message-bytes", "--max-num-seqs",
                      "--log-level", "--tensor-parallel-size", "--busy-poll-us", "--zmq-hwm",
@@ -87,3 +88,17 @@ def test_auto_device_and_dtype():
         assert resolve_device("auto") == cpu
         with pytest.raises(RuntimeError):
             resolve_device("cuda")
+
+
+@pytest.mark.parametrize("value", ["-1", "65", "x", "2.5"])
+def test_a_decode_step_bound_out_of_range_is_refused_naming_the_flag(value, capsys):
+    with pytest.raises(SystemExit):
+        worker_args(["--cpu-decode-step-tokens", value])
+    err = capsys.readouterr().err
+    assert "--cpu-decode-step-tokens" in err and "[0, 64]" in err
+
+
+def test_a_decode_step_bound_in_range_is_taken():
+    assert worker_args(["--cpu-decode-step-tokens", "0"]).cpu_decode_step_tokens == 0
+    assert worker_args(["--cpu-decode-step-tokens", "64"]).cpu_decode_step_tokens == 64
+    assert worker_args([]).cpu_decode_step_tokens is None

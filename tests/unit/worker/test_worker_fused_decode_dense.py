@@ -12,7 +12,7 @@ from kernels.cpu_decode_layer import decode_step
 from tests.plan_driver import PlanDriver
 from tests.worker_tiny_models import (assert_greedy_equals_reference, make_hf_model, reference_logits,
                                       runner_args, save_model)
-from worker import fused_decode
+from worker import fused_decode, startup_measurements
 from worker.runner import ModelRunner
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [200, 3, 17]]
@@ -77,3 +77,36 @@ def test_more_tokens_than_the_dense_bound_run_layer_by_layer(llama, fused_steps)
     prompts = [[i + 1, i + 2, i + 3] for i in range(fused_decode.MAX_DENSE_TOKENS + 1)]
     PlanDriver(runner).generate(prompts, 3)
     assert fused_steps == []
+
+
+def test_the_decode_step_bound_is_measured_at_a_machines_first_start_kept_and_obeyed(
+        llama, fused_steps, monkeypatch, tmp_path):
+    """With a pool to time in, start-up times each count of DECODE_STEP_TOKENS through the C step
+    and through the layers (real steps; a stand-in `bound` then picks 2 whatever the timings, so
+    that the test does not depend on this machine's), and the bound holds: a step of 2 decodes takes
+    the C call, one of 3 the layers, the answers stay transformers'. The next start reads the kept
+    bound without timing; --cpu-decode-step-tokens sets it without timing."""
+    hf, folder = llama
+    monkeypatch.setenv("PAGODA_CACHE", str(tmp_path))
+    timed = []
+
+    def pick_two(counts, ratio_at):
+        timed.extend((n, ratio_at(n)) for n in counts)
+        return 2
+    monkeypatch.setattr(startup_measurements, "bound", pick_two)
+    runner = ModelRunner(runner_args(folder, num_blocks=128))
+    assert [n for n, _ in timed] == [1, 2, 4, 8] and all(r > 0 for _, r in timed)
+    assert runner.model.model.fused_decode.max_tokens == 2 and fused_decode.enabled
+    assert "decode-step.json" in {p.name for p in tmp_path.iterdir()}
+    fused_steps.clear()  # the measurement's own C steps
+    assert_greedy_equals_reference(runner, hf, PROMPTS, NEW_TOKENS)  # two at once: the C call
+    assert fused_steps and set(fused_steps) <= {1, 2}
+    fused_steps.clear()
+    PlanDriver(runner).generate([[4, 5, 6], [7, 8], [9, 10, 11, 12]], 3)  # three at once: the layers
+    assert fused_steps == []
+
+    timed.clear()
+    assert ModelRunner(runner_args(folder, num_blocks=128)).model.model.fused_decode.max_tokens == 2
+    assert timed == []
+    pinned = ModelRunner(runner_args(folder, "--cpu-decode-step-tokens", "1", num_blocks=128))
+    assert pinned.model.model.fused_decode.max_tokens == 1 and timed == []
