@@ -81,7 +81,7 @@ class FusedDecode:
         fused = cls(model, kind)
         log.info("decode steps of up to %d tokens run as one C call (kernels/cpu_decode_layer.c, %s "
                  "weights, %s)%s", fused.max_tokens, kind, cpu_decode_layer.isa(),
-                 ", until start-up measures this machine's bound" if fused.dense else "")
+                 ", until start-up sets this machine's bound" if fused.dense else "")
         return fused
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta, kv_caches) -> torch.Tensor | None:

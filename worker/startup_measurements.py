@@ -18,6 +18,7 @@ from worker.cpu_matmul import bound
 from worker.cache import CacheEngine
 from worker.input_batch import InputBatch
 from worker.kept import kept, machine_key
+from worker.worker_flags import DECODE_STEP_TOKENS
 
 
 def dummy_forward(runner, num_tokens: int, kv_caches, num_blocks: int) -> int:
@@ -88,7 +89,6 @@ def measure_prefill(runner) -> float:
     return kept("prefill", key, timed, {"tokens_per_s"}, runner.args.measure_again)[0]["tokens_per_s"]
 
 
-
 DECODE_CONTEXT = 128  # tokens each timed sequence has in the cache (zeros)
 DECODE_PAIRS = 7  # timed pairs of steps (one C call, layer by layer) per sequence count
 
@@ -98,20 +98,13 @@ def measure_decode_step_bound(runner) -> None:
     """Sets how many decodes a step may have for a dense model's one-C-call step
     (worker/fused_decode.py): --cpu-decode-step-tokens, else the count of DECODE_STEP_TOKENS up to
     which it beats the layers one by one here, each count's steps timed back to back, alternating.
-    The bound is the machine's: 8 paid on a Zen 3 EPYC in fp32 and bf16, 2 (fp32) and 4 (bf16)
-    on a Zen 5 (docs/benchmarks.md, "Stop 41"). Kept per machine and configuration."""
-    from worker.worker_flags import DECODE_STEP_TOKENS
+    The bound is the machine's: 8 paid on a Zen 3 EPYC in fp32 and bf16, 4 on a Zen 5
+    (docs/benchmarks.md, "Stop 41"). Kept per machine and configuration."""
     step = getattr(runner.model.model, "fused_decode", None)
     if step is None or not step.dense:
         return
-    given = runner.args.cpu_decode_step_tokens
-    if given is not None:
-        step.max_tokens = given
-        return
     need = -(-(DECODE_CONTEXT + 1) // runner.block_size)
     most = max(DECODE_STEP_TOKENS)
-    if most * need > runner.cache.num_blocks:
-        return  # a pool too small to time in keeps the default
 
     def timed() -> dict:
         batch = InputBatch(runner.max_model_len, runner.block_size)
@@ -140,10 +133,15 @@ def measure_decode_step_bound(runner) -> None:
             fused_decode.enabled, step.max_tokens = True, previous
 
     started = time.perf_counter()
-    build = cbuild.library_path(cpu_decode_layer.SOURCE, cpu_decode_layer.FLAGS).name
-    key = machine_key(runner.config, runner.dtype, step.shape.kind, DECODE_CONTEXT, layers.CPU, build)
-    found, was_kept = kept("decode-step", key, timed, {"max_tokens"}, runner.args.measure_again)
-    step.max_tokens = found["max_tokens"]
-    fused_decode.log.info("decode steps of up to %d tokens run as one C call (%s)", step.max_tokens,
-                          "as measured before on this machine" if was_kept
-                          else f"measured in {time.perf_counter() - started:.1f} s")
+    if runner.args.cpu_decode_step_tokens is not None:
+        step.max_tokens, how = runner.args.cpu_decode_step_tokens, "--cpu-decode-step-tokens"
+    elif most * need > runner.cache.num_blocks:
+        how = "the default: the KV cache is too small to time it in"
+    else:
+        build = cbuild.library_path(cpu_decode_layer.SOURCE, cpu_decode_layer.FLAGS).name
+        key = machine_key(runner.config, runner.dtype, step.shape.kind, DECODE_CONTEXT, layers.CPU, build)
+        found, was_kept = kept("decode-step", key, timed, {"max_tokens"}, runner.args.measure_again)
+        step.max_tokens = found["max_tokens"]
+        how = ("as measured before on this machine" if was_kept
+               else f"measured in {time.perf_counter() - started:.1f} s")
+    fused_decode.log.info("decode steps of up to %d tokens run as one C call (%s)", step.max_tokens, how)

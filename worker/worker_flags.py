@@ -26,8 +26,11 @@ MAX_DECODE_STEP_TOKENS = 64  # GGUF's bound (worker/fused_decode.py MAX_TOKENS)
 
 
 def decode_step_tokens(text: str) -> int:
-    n = int(text) if str(text).strip().lstrip("-").isdigit() else None
-    if n is None or not 0 <= n <= MAX_DECODE_STEP_TOKENS:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= MAX_DECODE_STEP_TOKENS:
         raise argparse.ArgumentTypeError(f"must be an integer in [0, {MAX_DECODE_STEP_TOKENS}], got {text!r}")
     return n
 

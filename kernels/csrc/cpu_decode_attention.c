@@ -267,10 +267,16 @@ static inline void attend_grouped(const float *q, const void *k_cache, const voi
 #undef GROUP
 }
 
+// The floats of scratch a thread passes attend_task: G * (width + D), for a group's scores and
+// scaled queries (one head uses the first width + D).
+static inline size_t attend_scratch(int Hq, int Hkv, int D, int width) {
+    return (size_t)(Hq / Hkv) * (size_t)(width + D);
+}
+
 // One task of a layer's decode attention. Tasks are (row, kv head) pairs, each its G query heads
 // together, where there are enough of them to share among the threads (grouped); else (row, query
 // head) pairs, so that one row's 9 heads keep two threads busy where its 3 kv heads would not.
-// s: scratch of G * (width + D) floats.
+// s: scratch of attend_scratch(...) floats.
 __attribute__((always_inline))
 static inline void attend_task(int64_t task, int grouped, const float *q, int64_t ldq, const void *k_cache,
                                const void *v_cache, const int32_t *rows, const int32_t *lens,
@@ -307,7 +313,7 @@ static inline int attend_grouped_here(int num_rows, int Hq, int Hkv, int D, int 
         const int64_t tasks = (int64_t)num_rows * (grouped ? Hkv : Hq);                               \
         _Pragma("omp parallel num_threads(threads)")                                                  \
         {                                                                                             \
-            float *s = malloc((size_t)(Hq / Hkv) * (size_t)(width + D) * sizeof(float));              \
+            float *s = malloc(attend_scratch(Hq, Hkv, D, width) * sizeof(float));                     \
             _Pragma("omp for schedule(static)")                                                       \
             for (int64_t t = 0; t < tasks; t++) {                                                     \
                 if (dtype == 0)                                                                       \

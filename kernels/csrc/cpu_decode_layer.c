@@ -186,7 +186,7 @@ static inline float silu(float x) {
         const int64_t attention_tasks = (int64_t)p->num_rows * (grouped ? Hkv : Hq);                   \
         _Pragma("omp parallel num_threads(p->threads)")                                                \
         {                                                                                              \
-            float *s = malloc((size_t)(Hq / Hkv) * (size_t)(width + D) * sizeof(float));               \
+            float *s = malloc(attend_scratch(Hq, Hkv, D, width) * sizeof(float));                      \
             for (int l = 0; l < num_layers; l++) {                                                     \
                 const DecodeLayer *L = layers + l;                                                     \
                 _Pragma("omp for schedule(static)")                                                    \

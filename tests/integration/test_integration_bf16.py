@@ -1,5 +1,5 @@
 """The real model in bf16 over the real stack (`--dtype bfloat16`, what `--dtype auto` picks on
-a CPU with AMX): its decode steps run as one C call (worker/fused_decode.py, bf16 weights), and
+a CPU with bf16 instructions): its decode steps run as one C call (worker/fused_decode.py, bf16 weights), and
 what it answers stays within bf16's rounding of transformers in fp32, teacher-forced on the same
 tokens: every greedy token is fp32's best or within a small margin of it, and its logprob is
 near fp32's."""
