@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_decode_attention
+from kernels import cpu_decode_attention, cpu_prefill_attention
 
 # The path bounds, from `bench/bench_attention.py --cpu-short-queries` on the 2-core dev machine
 # (SmolLM2's 9/3 heads, one thread, contexts 128-2048, batch 1 and 16, medians of 3 runs).
@@ -118,6 +118,16 @@ class PrefillPlan:
 
 
 @dataclass
+class KernelPrefillPlan:
+    """The sequences kernels/cpu_prefill_attention.c attends in one call: sequence i's
+    num_tokens[i] queries are rows starts[i]... of q and out, the last of its lens[i] positions."""
+    starts: torch.Tensor        # int32 [S]
+    num_tokens: torch.Tensor    # int32 [S]
+    lens: torch.Tensor          # int32 [S]
+    tables: torch.Tensor        # int32 [S, blocks]: covering each one's lens[i] positions
+
+
+@dataclass
 class ShortPlan:
     """A group of S sequences with up to MAX_SHORT_QUERY new tokens, padded to M queries each
     and W = max_blocks * block_size keys (Hkv kv heads, G = Hq / Hkv)."""
@@ -136,18 +146,21 @@ class AttentionPlan:
     prefills: list[PrefillPlan]
     shorts: list[ShortPlan] = field(default_factory=list)
     kernel: bool = False  # kernels/cpu_decode_attention.c serves this step's cache (decode, write_kv)
+    kernel_prefill: KernelPrefillPlan | None = None  # instead of prefills, where the C kernel runs
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    query_start_loc: torch.Tensor, k_cache: torch.Tensor, num_q_heads: int,
                    max_decode_rows: int | None = None,
                    max_short_query: int = MAX_SHORT_QUERY,
-                   decode_kernel: bool | None = None) -> AttentionPlan:
+                   decode_kernel: bool | None = None,
+                   prefill_kernel: bool | None = None) -> AttentionPlan:
     """Everything paged_attention needs besides q and the cache; it depends only on the step.
     A sequence with n new tokens takes the decode path if n <= max_decode_rows, else the short
     path if n <= max_short_query, else SDPA (the benchmark sets the bounds to time each path;
     None: MAX_KERNEL_DECODE_ROWS with the kernel, else MAX_DECODE_ROWS).
-    decode_kernel: whether decode rows take the C kernel (None: where it runs)."""
+    decode_kernel, prefill_kernel: whether decode rows, and sequences past the short path, take
+    the C kernels (None: where they run)."""
     qsl = query_start_loc.long()
     query_lens = qsl[1:] - qsl[:-1]
     seq_lens = seq_lens.long()
@@ -157,8 +170,17 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
     if max_decode_rows is None:
         max_decode_rows = MAX_KERNEL_DECODE_ROWS if decode_kernel else MAX_DECODE_ROWS
     max_short_query = max(max_short_query, max_decode_rows)
-    prefills = []
-    for s in (query_lens > max_short_query).nonzero().flatten().tolist():
+    if prefill_kernel is None:
+        prefill_kernel = cpu_prefill_attention.runs_on(k_cache, num_q_heads)
+    prefills, kernel_prefill = [], None
+    long = (query_lens > max_short_query).nonzero().flatten()
+    if prefill_kernel and long.numel():
+        max_blocks = -(-int(seq_lens[long].max()) // block_size)
+        kernel_prefill = KernelPrefillPlan(
+            qsl[long].to(torch.int32), query_lens[long].to(torch.int32), seq_lens[long].to(torch.int32),
+            block_tables[long, :max_blocks].to(torch.int32).contiguous())
+        long = long[:0]
+    for s in long.tolist():
         n, seq_len = int(query_lens[s]), int(seq_lens[s])
         blocks = block_tables[s, :-(-seq_len // block_size)].long()
         # Query i sits at position seq_len - n + i and sees the keys up to there.
@@ -180,7 +202,7 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
               for g in (torch.tensor(group, device=device) for group in groups)]
     decode = ((query_lens >= 1) & (query_lens <= max_decode_rows)).nonzero().flatten()
     if decode.numel() == 0:
-        return AttentionPlan(None, prefills, shorts, decode_kernel)
+        return AttentionPlan(None, prefills, shorts, decode_kernel, kernel_prefill)
     # A sequence with n new tokens is n decode rows over its block table, row i one of
     # seq_len - n + i + 1 tokens: the lengths alone make it causal.
     n = query_lens[decode]
@@ -188,7 +210,8 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
     offset = torch.arange(seq.numel(), device=device) - (n.cumsum(0) - n).repeat_interleave(n)
     lens = seq_lens[seq] - query_lens[seq] + offset + 1
     return AttentionPlan(_plan_decode(qsl[seq] + offset, lens, block_tables[seq], k_cache,
-                                      num_q_heads, decode_kernel), prefills, shorts, decode_kernel)
+                                      num_q_heads, decode_kernel), prefills, shorts, decode_kernel,
+                         kernel_prefill)
 
 
 def _plan_short(starts, query_lens, lens, tables, k_cache) -> ShortPlan:
@@ -276,6 +299,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _short(q, k_cache, v_cache, short, scale, out)
     for prefill in plan.prefills:
         _prefill(q, k_cache, v_cache, prefill, scale, out)
+    if plan.kernel_prefill is not None:
+        p = plan.kernel_prefill
+        cpu_prefill_attention.prefill(q, k_cache, v_cache, p.starts, p.num_tokens, p.lens, p.tables, scale, out)
     return out
 
 

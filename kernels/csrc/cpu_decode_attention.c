@@ -15,6 +15,8 @@
 // it can vectorize (exp_poly: Cody-Waite reduction and a degree-6 polynomial, within 2 ulp of
 // expf over the softmax's range (-inf, 0]). Work is split over (row, query head) pairs, or, for a bf16
 // cache with enough rows, (row, kv head) pairs whose query heads share each load (attend_task).
+#include "cpu_attention_math.h"
+
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,44 +25,6 @@ int pagoda_decode_attention_isa(void) {
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return 0;
     return __builtin_cpu_supports("avx512f") ? 2 : 1;
-}
-
-__attribute__((always_inline)) static inline float load_elem(const void *base, int64_t i, const int dtype) {
-    if (dtype == 0) return ((const float *)base)[i];
-    uint32_t bits = (uint32_t)((const uint16_t *)base)[i] << 16;  // bf16: the top half of an fp32
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-// e^x for x <= 0 (a softmax's shifted scores); below -87 it is 0, as e^x is in fp32.
-__attribute__((always_inline)) static inline float exp_poly(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = __builtin_rintf(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // x - n ln 2, in two steps
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;  // 2^n: n >= -126 here
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
-}
-
-// 8 floats: an AVX2 register, the width both paths use (AVX-512 gains nothing measurable here:
-// bench/bench_attention.py).
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-
-__attribute__((always_inline)) static inline v8 load8(const void *base, int64_t i, const int dtype) {
-    if (dtype == 0) return *(const v8 *)((const float *)base + i);
-    u32x8 bits = __builtin_convertvector(*(const u16x8 *)((const uint16_t *)base + i), u32x8) << 16;
-    return (v8)bits;
 }
 
 // The scores s[0, nblocks * bs) of one query head (q pre-scaled) over its kv head's K blocks.
@@ -193,16 +157,6 @@ static inline void attend_group(const float *q, const void *k_cache, const void 
 // attend_group in 16-float vectors, for the AVX-512 path: a block of 16 positions is one vector
 // of scores, a 64-float head row four of values. Two sums per head over the head dimension
 // (even and odd d) and 4 G sums over the values keep the FMA units fed; 32 registers hold them.
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
-__attribute__((always_inline)) static inline v16 load16(const void *base, int64_t i, const int dtype) {
-    if (dtype == 0) return *(const v16 *)((const float *)base + i);
-    u32x16 bits = __builtin_convertvector(*(const u16x16 *)((const uint16_t *)base + i), u32x16) << 16;
-    return (v16)bits;
-}
-
 __attribute__((always_inline))
 static inline void attend_group16(const float *q, const void *k_cache, const void *v_cache, const int32_t *table,
                                   int len, int h, int Hkv, int D, int bs, float scale, int width,

@@ -104,15 +104,15 @@ class Batch:
         assert res is out
         return out
 
-    def run_cpu(self, decode_kernel=None):
+    def run_cpu(self, kernels=None):
         """The CPU backend on the same poisoned cache, its K blocks rearranged into its layout;
-        decode rows through kernels/cpu_decode_attention.c where it runs, or (decode_kernel
-        False) through torch ops."""
+        decode rows and prefill chunks through kernels/cpu_decode_attention.c and
+        cpu_prefill_attention.c where they run, or (kernels False) through torch ops."""
         k_cache = torch.empty(self.k_cache.shape, dtype=self.dtype)
         cpu.key_blocks(k_cache).copy_(self.k_cache.cpu().permute(0, 2, 3, 1))
         plan = cpu.plan_attention(self.block_tables.cpu(), self.seq_lens.cpu(),
                                   self.query_start_loc.cpu(), k_cache, self.q.shape[1],
-                                  decode_kernel=decode_kernel)
+                                  decode_kernel=kernels, prefill_kernel=kernels)
         out = torch.full(self.q.shape, float("nan"), dtype=self.dtype)
         res = cpu.paged_attention(self.q.cpu(), k_cache, self.v_cache.cpu(), plan, self.scale, out=out)
         assert res is out
@@ -172,7 +172,7 @@ def test_paged_attention(case, dtype, backend):
     if backend == "triton":
         batch.check(batch.run(**kwargs))
     else:
-        batch.check(batch.run_cpu(decode_kernel=False if backend == "cpu-torch" else None))
+        batch.check(batch.run_cpu(kernels=False if backend == "cpu-torch" else None))
 
 
 def test_split_auto_really_splits():

@@ -48,13 +48,14 @@ def test_cpu_write_kv_keeps_keys_transposed_within_blocks(dtype, path):
 
 @pytest.mark.parametrize("ctx", [0, 24], ids=["causal", "with-cache"])
 def test_cpu_prefill_runs_torch_flash_kernel(ctx):
-    """A prefill chunk's SDPA takes torch's CPU flash kernel, not the unfused math path (3-4x
-    slower at a few hundred tokens): torch picks it only for 4-D inputs."""
+    """Where kernels/cpu_prefill_attention.c does not run, a prefill chunk's SDPA takes torch's
+    CPU flash kernel, not the unfused math path (3-4x slower at a few hundred tokens): torch
+    picks it only for 4-D inputs."""
     batch = Batch([ctx], [40], 6, 2, 64, 16, torch.float32, seed=7)
     k_cache, v_cache = torch.empty_like(batch.clean_k.cpu()), batch.clean_v.cpu()
     cpu.key_blocks(k_cache).copy_(batch.clean_k.cpu().permute(0, 2, 3, 1))
     plan = cpu.plan_attention(batch.block_tables.cpu(), batch.seq_lens.cpu(),
-                              batch.query_start_loc.cpu(), k_cache, 6)
+                              batch.query_start_loc.cpu(), k_cache, 6, prefill_kernel=False)
     with torch.profiler.profile() as prof:
         cpu.paged_attention(batch.q.cpu(), k_cache, v_cache, plan, batch.scale)
     names = {e.name for e in prof.events()}

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernels import cpu_attention as cpu
+from kernels import cpu_prefill_attention
 from kernels import reference as ref
 
 # As TOL_F64 in tests/unit/kernels/test_kernels.py (not imported: that module needs Triton).
@@ -82,10 +83,13 @@ def rows_of(batch, keep):
 
 
 def paths(plan):
-    """The q rows each path writes."""
+    """The q rows each path writes (prefill chunks: SDPA's or the C kernel's)."""
+    chunks = [(p.start, p.num_tokens) for p in plan.prefills]
+    if plan.kernel_prefill is not None:
+        chunks += zip(plan.kernel_prefill.starts.tolist(), plan.kernel_prefill.num_tokens.tolist())
     return (sorted(plan.decode.rows.tolist()) if plan.decode is not None else [],
             sorted(r for short in plan.shorts for r in short.out_rows.tolist()),
-            sorted(r for p in plan.prefills for r in range(p.start, p.start + p.num_tokens)))
+            sorted(r for start, n in chunks for r in range(start, start + n)))
 
 
 def check(out, want):
@@ -116,16 +120,19 @@ def test_mixed_batch_takes_each_path_by_length_and_matches_float64(dtype):
     check(batch.run(plan), batch.want())
 
 
+@pytest.mark.parametrize("prefill_kernel", [None, False], ids=["chunks-by-kernel-here", "chunks-by-sdpa"])
 @pytest.mark.parametrize("bounds", [(0, 0), (64, 64), (0, 64), (2, 17)],
-                         ids=["all-sdpa", "all-decode-rows", "all-short", "rows-then-short"])
+                         ids=["all-chunks", "all-decode-rows", "all-short", "rows-then-short"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_every_path_serves_every_query_length(dtype, bounds):
+def test_every_path_serves_every_query_length(dtype, bounds, prefill_kernel):
     """Each path alone on every length, so that a bound moved after a new measurement moves
     sequences between correct paths; none reads a block table entry past a sequence's blocks."""
     batch = Batch(SEQS, dtype, seed=2)
     batch.tables[batch.tables == batch.tables.max()] = 10**6         # padding past the cache
     rows, short = bounds
-    plan = batch.plan(max_decode_rows=rows, max_short_query=short)
+    plan = batch.plan(max_decode_rows=rows, max_short_query=short, prefill_kernel=prefill_kernel)
+    assert (plan.kernel_prefill is not None) == (prefill_kernel is None and cpu_prefill_attention.available()
+                                                 and rows < 64 and short < 64)
     decode, shorts, prefills = paths(plan)
     assert decode == rows_of(batch, lambda n: 1 <= n <= rows)
     assert shorts == rows_of(batch, lambda n: rows < n <= max(rows, short))

@@ -1,0 +1,93 @@
+"""Paged causal attention in C for prefill chunks (kernels/csrc/cpu_prefill_attention.c): every
+sequence with many new tokens in one call a layer, reading the cache where it lies (K blocks in
+kernels/cpu_attention.py's transposed layout), fp32 or bf16, q and out in the model's dtype.
+kernels/cpu_attention.py takes it for those sequences where it runs; torch's SDPA over a
+gathered copy stays for the other dtypes, shapes and CPUs.
+
+The instruction set is chosen at run time: AVX-512F, else AVX2 + FMA, else none (available() is
+False). One library holds both paths.
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from kernels import cbuild
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_prefill_attention.c"
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+ISA_NAMES = {2: "AVX-512F", 1: "AVX2+FMA"}
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+_c = ctypes
+_kernel = cbuild.IsaKernel(
+    SOURCE, FLAGS, "pagoda_prefill_attention_isa", "pagoda_prefill_attention",
+    [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_int, _c.c_int, _c.c_void_p, _c.c_void_p,
+     _c.c_void_p, _c.c_void_p, _c.c_int64, _c.c_int, _c.c_int, _c.c_int, _c.c_int, _c.c_int, _c.c_float,
+     _c.c_int, _c.c_int],
+    ISA_NAMES, "prefill attention by torch's SDPA")
+available, isa, supported_isas = _kernel.available, _kernel.isa, _kernel.supported_isas
+
+
+def runs_on(k_cache: torch.Tensor, num_q_heads: int) -> bool:
+    """Whether the kernel serves this cache and head count here."""
+    if not (k_cache.device.type == "cpu" and k_cache.dtype in DTYPES and k_cache.is_contiguous()
+            and available()):
+        return False
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    fits = _kernel.function("pagoda_prefill_attention_fits", [_c.c_int] * 4)
+    fits.restype = _c.c_int
+    return bool(fits(num_q_heads, num_kv_heads, head_dim, block_size))
+
+
+def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, starts: torch.Tensor,
+            num_tokens: torch.Tensor, lens: torch.Tensor, tables: torch.Tensor, scale: float,
+            out: torch.Tensor, isa: int | None = None) -> None:
+    """For each sequence i: out rows starts[i] .. starts[i] + num_tokens[i] = causal attention of
+    q's same rows, query t at position lens[i] - num_tokens[i] + t, over block table tables[i]
+    (int32 [seqs, blocks], covering lens[i] positions); other rows of out are left alone. q and
+    out [tokens, Hq, D] (fp32 or bf16: another dtype goes through an fp32 copy); the caches
+    [num_blocks, bs, Hkv, D] as allocated (K in key_blocks' layout). Call only where
+    runs_on(k_cache, Hq)."""
+    num_seqs = starts.numel()
+    if num_seqs == 0:
+        return
+    q = q.contiguous()  # a view of the fused qkv projection, as a worker passes it
+    if q.dtype not in DTYPES or out.dtype != q.dtype or not out.is_contiguous():
+        target = torch.empty(q.shape, dtype=torch.float32)
+        prefill(q.float(), k_cache, v_cache, starts, num_tokens, lens, tables, scale, target, isa)
+        rows = torch.cat([torch.arange(int(s), int(s) + int(n)) for s, n in zip(starts, num_tokens)])
+        out.index_copy_(0, rows, target.index_select(0, rows).to(out.dtype))
+        return
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    starts, num_tokens, lens = (t.to(torch.int32).contiguous() for t in (starts, num_tokens, lens))
+    tables = tables.to(torch.int32).contiguous()
+    _kernel.fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), DTYPES[k_cache.dtype],
+               DTYPES[q.dtype], starts.data_ptr(), num_tokens.data_ptr(), lens.data_ptr(), tables.data_ptr(),
+               tables.shape[1], num_seqs, q.shape[1], num_kv_heads, head_dim, block_size, scale,
+               torch.get_num_threads(), isa or _kernel.best)
+
+
+def agrees_with_reference() -> bool:
+    """The best path against kernels/reference.py's float64 attention on a small random step
+    (two sequences, one with cached context, GQA, a partial last block; the start-up check)."""
+    from kernels import cpu_attention, reference
+    g = torch.Generator().manual_seed(0)
+    hq, hkv, d, bs = 4, 2, 16, 16
+    lens, new = torch.tensor([21, 40]), torch.tensor([21, 19])
+    keys, v_cache = (torch.randn(8, bs, hkv, d, generator=g) for _ in range(2))
+    k_cache = torch.empty_like(keys)
+    cpu_attention.key_blocks(k_cache).copy_(keys.permute(0, 2, 3, 1))
+    tables = torch.tensor([[5, 1, 0], [2, 7, 3]], dtype=torch.int32)
+    q = torch.randn(int(new.sum()), hq, d, generator=g)
+    out = torch.empty_like(q)
+    starts = torch.cumsum(new, 0) - new
+    prefill(q, k_cache, v_cache, starts, new, lens, tables, d ** -0.5, out)
+    want = reference.paged_attention_float64(q, keys, v_cache, tables, lens,
+                                             torch.cat([starts, new.sum()[None]]), d ** -0.5)
+    return bool(((out.double() - want).abs() <= 1e-5).all())
+
+
+_kernel.check = agrees_with_reference
