@@ -27,11 +27,35 @@ int pagoda_decode_attention_isa(void) {
     return __builtin_cpu_supports("avx512f") ? 2 : 1;
 }
 
+// Blocks lie anywhere in the cache, so the hardware prefetchers lose the stream at each block's
+// end: the next blocks' keys (or values) are requested PREFETCH_BLOCKS ahead.
+#define PREFETCH_BLOCKS 2
+
+__attribute__((always_inline))
+static inline void prefetch_keys(const void *k_cache, const int32_t *table, int j, int nblocks, int h, int Hkv,
+                                 int D, int bs, const int dtype) {
+    if (j + PREFETCH_BLOCKS >= nblocks) return;
+    const int64_t elem = dtype == 0 ? 4 : 2, bytes = (int64_t)D * bs * elem;
+    const char *at = (const char *)k_cache + ((int64_t)table[j + PREFETCH_BLOCKS] * Hkv + h) * bytes;
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(at + b, 0, 3);
+}
+
+__attribute__((always_inline))
+static inline void prefetch_values(const void *v_cache, const int32_t *table, int j, int nblocks, int h, int Hkv,
+                                   int D, int bs, const int dtype) {
+    if (j + PREFETCH_BLOCKS >= nblocks) return;
+    const int64_t elem = dtype == 0 ? 4 : 2, row = (int64_t)D * elem;
+    const char *at = (const char *)v_cache + ((int64_t)table[j + PREFETCH_BLOCKS] * bs * Hkv + h) * row;
+    for (int o = 0; o < bs; o++)
+        for (int64_t b = 0; b < row; b += 64) __builtin_prefetch(at + o * Hkv * row + b, 0, 3);
+}
+
 // The scores s[0, nblocks * bs) of one query head (q pre-scaled) over its kv head's K blocks.
 __attribute__((always_inline))
 static inline void scores(const float *restrict q, const void *k_cache, const int32_t *table, int nblocks,
                           int h, int Hkv, int D, int bs, float *restrict s, const int dtype) {
     for (int j = 0; j < nblocks; j++) {
+        prefetch_keys(k_cache, table, j, nblocks, h, Hkv, D, bs, dtype);
         const int64_t kb = ((int64_t)table[j] * Hkv + h) * D * bs;  // this head's [D, bs] in block j
         float *restrict sj = s + (int64_t)j * bs;
         if (bs % 16 == 0) {  // whole vectors of positions: accumulate in registers over d
@@ -57,6 +81,7 @@ static inline void scores(const float *restrict q, const void *k_cache, const in
 // Positions go block by block (no division per position: it cost more than the FMAs).
 #define FOR_EACH_POSITION(body)                                                              \
     for (int j = 0, p = 0; p < len; j++) {                                                   \
+        prefetch_values(v_cache, table, j, (len + bs - 1) / bs, h, Hkv, D, bs, dtype);       \
         const int64_t first = (int64_t)table[j] * bs;                                        \
         for (int o = 0; o < bs && p < len; o++, p++) {                                       \
             const int64_t vrow = ((first + o) * Hkv + h) * D;                                \
@@ -117,6 +142,7 @@ static inline void attend_group(const float *q, const void *k_cache, const void 
     for (int i = 0; i < G * D; i++) qs[i] = q[i] * scale;
     const int nblocks = (len + bs - 1) / bs;
     for (int j = 0; j < nblocks; j++) {
+        prefetch_keys(k_cache, table, j, nblocks, h, Hkv, D, bs, dtype);
         const int64_t kb = ((int64_t)table[j] * Hkv + h) * D * bs;
         for (int p = 0; p < bs; p += 16) {
             v8 a[4][2];
@@ -164,6 +190,7 @@ static inline void attend_group16(const float *q, const void *k_cache, const voi
     for (int i = 0; i < G * D; i++) qs[i] = q[i] * scale;
     const int nblocks = (len + bs - 1) / bs;
     for (int j = 0; j < nblocks; j++) {
+        prefetch_keys(k_cache, table, j, nblocks, h, Hkv, D, bs, dtype);
         const int64_t kb = ((int64_t)table[j] * Hkv + h) * D * bs;
         for (int p = 0; p < bs; p += 16) {
             v16 a[4][2];
