@@ -5,7 +5,9 @@
 // One library, two instruction sets chosen at run time (pagoda_bf16_isa): AVX512-BF16 dot
 // products (vdpbf16ps, 32 products an instruction) and an AVX2 + FMA path that widens bf16 to
 // fp32 with a shift or a mask. Each weight row is read once for all M rows of x, which stay in
-// L1, so with few rows the kernel runs at the speed weights stream from memory.
+// L1 or L2, so with few rows the kernel runs at the speed weights stream from memory; with more
+// (AVX512-BF16: tiles of 4 x 4, one reduction for four sums) it runs past torch's bf16 linear
+// up to the rows worker/cpu_matmul.py measures at start-up.
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -34,6 +36,9 @@ static inline float from_bf16(uint16_t h) {
 }
 
 // Up to 4 rows of x against one weight row: each weight vector is loaded once for all of them.
+// With 1-4 rows of x, one weight row at a time (a single stream a thread) reads the weights
+// faster than tiles of four rows (bench/bench_gemm.py --dtype bfloat16: 6.5 against 7.6 ms with
+// one row); from 8 rows the tiles' fewer reductions win.
 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 static void dots_avx512bf16(const uint16_t *x, int64_t ldx, int rows, const uint16_t *w,
                             int64_t K, float *s) {
@@ -48,6 +53,79 @@ static void dots_avx512bf16(const uint16_t *x, int64_t ldx, int rows, const uint
         float t = _mm512_reduce_add_ps(a[m]);
         for (int64_t j = k; j < K; j++) t += from_bf16(x[m * ldx + j]) * from_bf16(w[j]);
         s[m] = t;
+    }
+}
+
+#define ROW_AT_A_TIME 4  // rows of x up to which dots_avx512bf16 serves
+
+// The sums of four vectors, as the four floats of one: the reduction of a 4 x 4 tile's row.
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+static inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    const __m512d d01 = _mm512_castps_pd(s01), d23 = _mm512_castps_pd(s23);
+    const __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d01, d23)),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(d01, d23)));  // a0..a3 a lane
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// MR (1-4) rows of x against 4 weight rows (w[j] for j < 4): 16 sums in registers, each weight
+// vector loaded once for the MR rows, each x vector once for the 4 weight rows; s[i * 4 + j].
+__attribute__((always_inline, target("avx512f,avx512bw,avx512bf16")))
+static inline void tile_avx512bf16(const uint16_t *x, int64_t ldx, const uint16_t *const w[4], int64_t ldw,
+                                   int64_t K, float *s, const int MR, int prefetch) {
+    __m512 a[4][4];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < 4; j++) a[i][j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m512bh wv[4];
+        for (int j = 0; j < 4; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + k);
+        if (prefetch)  // the next group's rows: four short streams lose the hardware prefetcher
+            for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(w[j] + 4 * ldw + k), _MM_HINT_T0);
+        for (int i = 0; i < MR; i++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * ldx + k);
+            for (int j = 0; j < 4; j++) a[i][j] = _mm512_dpbf16_ps(a[i][j], xv, wv[j]);
+        }
+    }
+    if (k < K) {  // the last K % 32 values, the rest of the vectors zero
+        const __mmask32 left = (__mmask32)((1ull << (K - k)) - 1);
+        __m512bh wv[4];
+        for (int j = 0; j < 4; j++) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(left, w[j] + k);
+        for (int i = 0; i < MR; i++) {
+            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(left, x + i * ldx + k);
+            for (int j = 0; j < 4; j++) a[i][j] = _mm512_dpbf16_ps(a[i][j], xv, wv[j]);
+        }
+    }
+    for (int i = 0; i < MR; i++) _mm_storeu_ps(s + 4 * i, sum4(a[i][0], a[i][1], a[i][2], a[i][3]));
+}
+
+// Weight rows four at a time, split over the threads; for each four, every 4 rows of x (the rows
+// of x stay in L1 or L2 and the weights stream from memory once). A group past N's end repeats
+// its last row and drops its sums.
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+static void xwt_avx512bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, uint16_t *out,
+                           int64_t ldo, int M, int64_t N, int64_t K, int threads) {
+    const int64_t groups = (N + 3) / 4;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t n = g * 4;
+        const int nr = N - n < 4 ? (int)(N - n) : 4;
+        const uint16_t *rows[4];
+        for (int j = 0; j < 4; j++) rows[j] = w + (n + (j < nr ? j : nr - 1)) * ldw;
+        float s[16];
+        for (int m = 0; m < M; m += 4) {
+            const int mr = M - m < 4 ? M - m : 4, ahead = m == 0 && g + 1 < groups;
+            const uint16_t *xm = x + m * ldx;
+            if (mr == 4) tile_avx512bf16(xm, ldx, rows, ldw, K, s, 4, ahead);
+            else if (mr == 3) tile_avx512bf16(xm, ldx, rows, ldw, K, s, 3, ahead);
+            else if (mr == 2) tile_avx512bf16(xm, ldx, rows, ldw, K, s, 2, ahead);
+            else tile_avx512bf16(xm, ldx, rows, ldw, K, s, 1, ahead);
+            for (int i = 0; i < mr; i++)
+                for (int j = 0; j < nr; j++) out[(m + i) * ldo + n + j] = to_bf16(s[i * 4 + j]);
+        }
     }
 }
 
@@ -135,14 +213,14 @@ void pagoda_bf16_xwt(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t 
         xwt_avx2(x, ldx, w, ldw, out, ldo, M, N, K, threads);
         return;
     }
+    if (M > ROW_AT_A_TIME) {
+        xwt_avx512bf16(x, ldx, w, ldw, out, ldo, M, N, K, threads);
+        return;
+    }
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        const uint16_t *wn = w + n * ldw;
         float s[4];
-        for (int m = 0; m < M; m += 4) {
-            int rows = M - m < 4 ? M - m : 4;
-            dots_avx512bf16(x + m * ldx, ldx, rows, wn, K, s);
-            for (int r = 0; r < rows; r++) out[(m + r) * ldo + n] = to_bf16(s[r]);
-        }
+        dots_avx512bf16(x, ldx, M, w + n * ldw, K, s);
+        for (int r = 0; r < M; r++) out[r * ldo + n] = to_bf16(s[r]);
     }
 }
