@@ -149,3 +149,28 @@ def xwt_agrees(xwt, dtype: torch.dtype, rtol: float) -> bool:
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 200, generator=g).to(dtype), torch.randn(37, 200, generator=g).to(dtype)
     return matmul_within(xwt(x, w), x, w, rtol)
+
+
+def rms_norm_float64(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) * weight in float64 (the pointwise kernels' reference)."""
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+def rotary_float64(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] with each pair (2i, 2i + 1) turned by cis [T, 1, D/2] (cos + i sin), in float64."""
+    pairs = torch.view_as_complex(x.double().unflatten(-1, (-1, 2)).contiguous())
+    return torch.view_as_real(pairs * cis.to(torch.complex128)).flatten(-2)
+
+
+def silu_mul_float64(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    return gate * torch.sigmoid(gate) * up
+
+
+def within_bf16(got: torch.Tensor, want: torch.Tensor, roundings: int = 3) -> bool:
+    """Whether got (bf16) equals the float64 want within `roundings` bf16 roundings (2^-9 of
+    the value each) and 2^-9 of the largest value (the sums that cancel to near zero)."""
+    want = want.double()
+    tol = roundings * 2.0 ** -9 * want.abs() + 2.0 ** -9 * want.abs().max()
+    return bool(((got.double() - want).abs() <= tol).all())

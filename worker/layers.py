@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8
+from kernels import cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8, cpu_pointwise
 from worker import cpu_matmul
 from worker.cpu_matmul import CpuMatmul
 
@@ -143,6 +143,10 @@ class RMSNorm(nn.Module):
         """With residual: adds it into x in place and also returns the sum, the next layer's
         residual (vLLM's fused add + norm). x must be a fresh activation that nothing else holds,
         as the output of a projection is."""
+        if cpu_pointwise.runs_on(x) and (residual is None or x.is_contiguous()):
+            # One C call, rounding where the ops below round (its sums in another order).
+            out = cpu_pointwise.rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, x)
         if residual is not None:
             x = x.add_(residual)
         # HF's arithmetic (statistics in fp32, rounded to the dtype before the weight), with the
@@ -179,7 +183,10 @@ def apply_rotary(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
     rotate_half convention side by side, at (2i, 2i + 1), which is how LlamaForCausalLM loads
     q_proj and k_proj. Each pair is then a complex number and the rotation one product for all
     heads: the same multiplications and sums as HF's x * cos + rotate_half(x) * sin, so in fp32
-    the same bits. Lower precisions rotate in fp32 and round once."""
+    the same bits. Lower precisions rotate in fp32 and round once; bf16 on a CPU in one C call
+    that turns x in place (x must be a fresh activation, as the qkv projection's output is)."""
+    if cpu_pointwise.runs_on(x) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return cpu_pointwise.rotary_(x, cis)
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * cis).flatten(-2).to(x.dtype)
 
@@ -206,5 +213,7 @@ class SiluAndMul(nn.Module):
     """The gated MLP activation over a fused [gate | up] projection."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_pointwise.runs_on(x):
+            return cpu_pointwise.silu_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)

@@ -18,7 +18,7 @@ __attribute__((always_inline)) static inline float load_elem(const void *base, i
 // e^x for x <= 0 (a softmax's shifted scores); below -87 it is 0, as e^x is in fp32.
 __attribute__((always_inline)) static inline float exp_poly(float x) {
     x = x < -87.0f ? -87.0f : x;
-    const float n = __builtin_rintf(x * 1.44269504088896341f);
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // rounded to nearest: 1.5 * 2^23
     const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // x - n ln 2, in two steps
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;

@@ -1,6 +1,6 @@
 """Each C kernel checks itself against its float64 (or torch) reference once a process, on the
 first available(), and is off with one log line when it disagrees: the fp32, bf16, int8 and
-GGUF matmuls, the decode and prefill attention and the grammar mask here, the fused decode step in
+GGUF matmuls, the decode and prefill attention, the bf16 pointwise kernels and the grammar mask here, the fused decode step in
 tests/unit/kernels/test_kernels_cpu_decode_layer.py. Each check passes with the real
 kernel on this CPU and fails with a kernel that computes nothing."""
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from kernels import (cbuild, cpu_decode_attention, cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8,
-                     cpu_prefill_attention, grammar_mask)
+                     cpu_pointwise, cpu_prefill_attention, grammar_mask)
 
 MODULES = {"fp32": cpu_gemm, "bf16": cpu_gemm_bf16, "int8": cpu_gemm_int8, "gguf": cpu_gemm_gguf, "decode_attention": cpu_decode_attention,
-           "prefill_attention": cpu_prefill_attention}
+           "prefill_attention": cpu_prefill_attention, "pointwise": cpu_pointwise}
 
 
 @pytest.mark.parametrize("name", list(MODULES))

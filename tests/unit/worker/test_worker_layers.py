@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 import worker.runner
-from kernels import cpu_gemm
+from kernels import cpu_gemm, cpu_pointwise
 from worker.attention_backends import TorchBackend
 from worker.cpu_matmul import CpuMatmul
 from tests.plan_driver import PlanDriver
@@ -21,7 +21,10 @@ GEN = torch.Generator().manual_seed(0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_rms_norm_with_residual_is_hf_bit_for_bit(dtype):
+def test_rms_norm_with_residual_is_hf_bit_for_bit(dtype, monkeypatch):
+    """torch's ops (bf16 too where kernels/cpu_pointwise.c is off; its own tests compare it with
+    these ops and float64)."""
+    monkeypatch.setattr(cpu_pointwise, "runs_on", lambda x: False)
     hidden = 96
     ours, hf = RMSNorm(hidden, 1e-5), LlamaRMSNorm(hidden, eps=1e-5)
     with torch.no_grad():
@@ -67,6 +70,27 @@ def test_rotary_keeps_the_dtype_and_a_strided_input():
     exact = apply_rotary(qk, rotary(torch.arange(4)))
     half = apply_rotary(qk.bfloat16(), rotary(torch.arange(4)))
     assert half.dtype == torch.bfloat16 and (half.float() - exact).abs().max() < 0.05
+
+
+def test_bf16_norms_rotary_and_silu_take_the_pointwise_kernels_where_they_run(monkeypatch):
+    """On a CPU with the kernels, a bf16 layer's pointwise parts are one C call each (the rotary
+    turning q and k in place in the fused projection's rows); fp32 stays on torch's ops."""
+    if not cpu_pointwise.available():
+        pytest.skip("no pointwise kernels on this CPU")
+    calls = []
+    for name in ("rms_norm", "rotary_", "silu_mul"):
+        real = getattr(cpu_pointwise, name)
+        monkeypatch.setattr(cpu_pointwise, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+    norm, rotary = RMSNorm(64, 1e-5).to(torch.bfloat16), RotaryEmbedding(32, 64, 10000.0)
+    qkv = torch.randn(3, 5 * 32, generator=GEN).bfloat16()
+    qk = qkv[:, :4 * 32].view(3, 4, 32)
+    assert apply_rotary(qk, rotary(torch.arange(3))) is qk
+    norm(torch.randn(3, 64, generator=GEN).bfloat16(), torch.randn(3, 64, generator=GEN).bfloat16())
+    SiluAndMul()(torch.randn(3, 64, generator=GEN).bfloat16())
+    assert calls == ["rotary_", "rms_norm", "silu_mul"]
+    norm.float()(torch.randn(3, 64, generator=GEN))
+    SiluAndMul()(torch.randn(3, 64, generator=GEN))
+    assert calls == ["rotary_", "rms_norm", "silu_mul"]
 
 
 def test_silu_and_mul_is_hf_bit_for_bit():
