@@ -342,29 +342,36 @@ def sweeps(report: Report, deadline: float) -> None:
 
 
 def cpu_short_queries(runs: int) -> None:
-    """Median ms of one layer's attention per path, runs alternating; the once-a-step plan apart."""
+    """Median ms of one layer's attention per path, runs alternating; the once-a-step plan apart.
+    The C prefill kernel (kernels/cpu_prefill_attention.c) is a fourth column where it runs."""
     import timeit
     from kernels import cpu_attention as cpu
+    from kernels import cpu_prefill_attention
     hq, hkv, d, bs = 9, 3, 64, 16
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {hq}/{hkv} heads, D={d}, "
-          f"block {bs}\n\n| dtype | B | context | m | decode rows ms | short ms | SDPA ms "
-          "| plan ms: rows / short / SDPA |\n|---|---|---|---|---|---|---|---|")
+          f"block {bs}, C prefill kernel: {cpu_prefill_attention.isa()}\n\n| dtype | B | context | m | "
+          "decode rows ms | short ms | SDPA ms | C prefill ms | plan ms: rows / short / SDPA / C |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for dtype, batch, ctx in ((t, b, c) for t in (torch.float32, torch.bfloat16) for b in (1, 16)
                               for c in (128, 512, 2048)):
         nb = batch * ctx // bs
         k, v = (torch.randn(nb, bs, hkv, d).to(dtype) for _ in range(2))
         tables, lens = torch.randperm(nb).view(batch, -1).int(), torch.full((batch,), ctx).int()
+        kernel = cpu_prefill_attention.runs_on(k, hq)
         for m in (1, 2, 4, 8, 16, 32):
             qsl, q = (torch.arange(batch + 1) * m).int(), torch.randn(batch * m, hq, d).to(dtype)
-            plans = [lambda r=r, s=s: cpu.plan_attention(tables, lens, qsl, k, hq,
-                                                         max_decode_rows=r, max_short_query=s)
-                     for r, s in ((m, m), (0, m), (0, 0))]   # each path takes every sequence
+            bounds = [(m, m, False), (0, m, False), (0, 0, False)] + ([(0, 0, True)] if kernel else [])
+            plans = [lambda r=r, s=s, c=c: cpu.plan_attention(tables, lens, qsl, k, hq, max_decode_rows=r,
+                                                              max_short_query=s, prefill_kernel=c)
+                     for r, s, c in bounds]   # each path takes every sequence
             built = [p() for p in plans]
             calls = [lambda p=p: cpu.paged_attention(q, k, v, p, d ** -0.5) for p in built] + plans
             rounds = [[timeit.timeit(f, number=1) * 1e3 for f in calls] for _ in range(runs + 1)]
             t = [sorted(col)[runs // 2] for col in zip(*rounds[1:])]   # round 0 warms up
-            print(f"| {str(dtype)[6:]} | {batch} | {ctx} | {m} | {t[0]:.2f} | {t[1]:.2f} | "
-                  f"{t[2]:.2f} | {t[3]:.2f} / {t[4]:.2f} / {t[5]:.2f} |", flush=True)
+            n = len(built)
+            c_ms = f"{t[3]:.2f}" if kernel else "-"
+            print(f"| {str(dtype)[6:]} | {batch} | {ctx} | {m} | {t[0]:.2f} | {t[1]:.2f} | {t[2]:.2f} | {c_ms} | "
+                  + " / ".join(f"{x:.2f}" for x in t[n:]) + " |", flush=True)
 
 
 def main() -> int:

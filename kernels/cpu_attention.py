@@ -32,6 +32,8 @@ A sequence with n > 1 new tokens (a speculative verification, a prefill chunk) t
   per sequence, and the copy costs little next to the n x context products.
 - SDPA, one call per sequence over its gathered context: torch's flash kernel, which never
   holds the n x context scores, is best for long chunks.
+Where kernels/cpu_prefill_attention.c runs (an fp32 or bf16 cache, AVX2 or AVX-512), every
+sequence past the decode rows takes it instead of the last two: one C call a layer, no copy.
 
 Shapes as in kernels/reference.py, except the layout of the K blocks.
 """
@@ -156,9 +158,10 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    decode_kernel: bool | None = None,
                    prefill_kernel: bool | None = None) -> AttentionPlan:
     """Everything paged_attention needs besides q and the cache; it depends only on the step.
-    A sequence with n new tokens takes the decode path if n <= max_decode_rows, else the short
-    path if n <= max_short_query, else SDPA (the benchmark sets the bounds to time each path;
-    None: MAX_KERNEL_DECODE_ROWS with the kernel, else MAX_DECODE_ROWS).
+    A sequence with n new tokens takes the decode path if n <= max_decode_rows, else the C
+    prefill kernel where it runs, else the short path if n <= max_short_query, else SDPA (the
+    benchmark sets the bounds to time each path; None: MAX_KERNEL_DECODE_ROWS with the decode
+    kernel, else MAX_DECODE_ROWS).
     decode_kernel, prefill_kernel: whether decode rows, and sequences past the short path, take
     the C kernels (None: where they run)."""
     qsl = query_start_loc.long()
@@ -169,9 +172,11 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
         decode_kernel = cpu_decode_attention.runs_on(k_cache)
     if max_decode_rows is None:
         max_decode_rows = MAX_KERNEL_DECODE_ROWS if decode_kernel else MAX_DECODE_ROWS
-    max_short_query = max(max_short_query, max_decode_rows)
     if prefill_kernel is None:
         prefill_kernel = cpu_prefill_attention.runs_on(k_cache, num_q_heads)
+    # The C prefill kernel beats the short path at every length past the decode rows (stop 42
+    # in docs/benchmarks.md: 2-5x in fp32, 1.0-2.5x in bf16), so with it there is no short path.
+    max_short_query = max_decode_rows if prefill_kernel else max(max_short_query, max_decode_rows)
     prefills, kernel_prefill = [], None
     long = (query_lens > max_short_query).nonzero().flatten()
     if prefill_kernel and long.numel():

@@ -98,20 +98,25 @@ def check(out, want):
     assert err <= TOL_F64[out.dtype], f"max error {err:.2e} against float64"
 
 
+@pytest.mark.parametrize("prefill_kernel", [None, False], ids=["chunks-by-kernel-here", "chunks-by-sdpa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_mixed_batch_takes_each_path_by_length_and_matches_float64(dtype):
+def test_mixed_batch_takes_each_path_by_length_and_matches_float64(dtype, prefill_kernel):
     batch = Batch(SEQS, dtype, seed=1)
-    plan = batch.plan()
+    plan = batch.plan(prefill_kernel=prefill_kernel)
     from kernels import cpu_decode_attention
     # With the C decode kernel (fp32 and bf16 caches, where it runs) decode rows reach further.
     assert plan.kernel == (dtype != torch.float16 and cpu_decode_attention.available())
     rows = cpu.MAX_KERNEL_DECODE_ROWS if plan.kernel else cpu.MAX_DECODE_ROWS
-    assert 1 < cpu.MAX_SHORT_QUERY < 40                              # the chunks stay on SDPA
+    # With the C prefill kernel every sequence past the decode rows takes it: no short path.
+    kernel = prefill_kernel is None and dtype != torch.float16 and cpu_prefill_attention.available()
+    short = rows if kernel else cpu.MAX_SHORT_QUERY
+    assert 1 < cpu.MAX_SHORT_QUERY < 40                              # SDPA's chunks exist too
     assert paths(plan) == (
         rows_of(batch, lambda n: 1 <= n <= rows),
-        rows_of(batch, lambda n: rows < n <= cpu.MAX_SHORT_QUERY),
-        rows_of(batch, lambda n: n > cpu.MAX_SHORT_QUERY))
-    assert plan.shorts and plan.decode is not None
+        rows_of(batch, lambda n: rows < n <= short),
+        rows_of(batch, lambda n: n > short))
+    assert (plan.kernel_prefill is not None) == kernel and bool(plan.shorts) == (not kernel)
+    assert plan.decode is not None
     want = batch.want()
     check(batch.run(plan), want)
     # The plan is built once per step: it serves every layer's cache.
@@ -126,13 +131,16 @@ def test_mixed_batch_takes_each_path_by_length_and_matches_float64(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_every_path_serves_every_query_length(dtype, bounds, prefill_kernel):
     """Each path alone on every length, so that a bound moved after a new measurement moves
-    sequences between correct paths; none reads a block table entry past a sequence's blocks."""
+    sequences between correct paths; none reads a block table entry past a sequence's blocks.
+    With the C prefill kernel the short path's bound is moot: past the decode rows is the kernel."""
     batch = Batch(SEQS, dtype, seed=2)
     batch.tables[batch.tables == batch.tables.max()] = 10**6         # padding past the cache
     rows, short = bounds
     plan = batch.plan(max_decode_rows=rows, max_short_query=short, prefill_kernel=prefill_kernel)
-    assert (plan.kernel_prefill is not None) == (prefill_kernel is None and cpu_prefill_attention.available()
-                                                 and rows < 64 and short < 64)
+    kernel = prefill_kernel is None and cpu_prefill_attention.available()
+    if kernel:
+        short = rows
+    assert (plan.kernel_prefill is not None) == (kernel and rows < 64)
     decode, shorts, prefills = paths(plan)
     assert decode == rows_of(batch, lambda n: 1 <= n <= rows)
     assert shorts == rows_of(batch, lambda n: rows < n <= max(rows, short))
@@ -145,7 +153,7 @@ def test_short_groups_are_sorted_by_length_and_bounded(monkeypatch):
     at most the budget of K and V unless a single sequence needs more."""
     monkeypatch.setattr(cpu, "SHORT_GROUP_ELEMENTS", 2 * HKV * D * 64)
     batch = Batch(SEQS, torch.float32, seed=3)
-    plan = batch.plan()
+    plan = batch.plan(prefill_kernel=False)
     assert len(plan.shorts) > 3
     widths = [short.v_rows.shape[-1] for short in plan.shorts]
     assert widths == sorted(widths)
