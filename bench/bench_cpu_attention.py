@@ -1,13 +1,19 @@
 #!/usr/bin/env python3
-"""Prefill attention on the CPU: kernels/cpu_prefill_attention.c against the path it replaces
-(kernels/cpu_attention.py's gather of each sequence's context and torch's flash SDPA), one layer
-of SmolLM2's heads (9 query, 3 kv, 64 dims, blocks of 16) over shuffled blocks, in fp32 and bf16,
-alternating, medians of --repeats.
+"""The CPU attention kernels at SmolLM2's heads (9 query, 3 kv, 64 dims, blocks of 16), fp32 and bf16.
 
-    .venv/bin/python bench/bench_prefill_cpu.py [--shapes 8x256,1x2048,4x512+256] [--repeats 15]
+    .venv/bin/python bench/bench_cpu_attention.py [--shapes 8x256,1x2048,4x512+256] [--repeats 15]
+    .venv/bin/python bench/bench_cpu_attention.py --decode [--rows 64]
 
-A shape NxT[+C] is N sequences of T new tokens after C cached ones. Prints a markdown table with
-each path's milliseconds and GFLOP/s (causal: 2 * 2 * Hq * D * T * (C + (T + 1) / 2) per sequence).
+Prefill (default): kernels/cpu_prefill_attention.c against the path it replaces (kernels/
+cpu_attention.py's gather of each sequence's context and torch's flash SDPA), one layer over
+shuffled blocks, alternating, medians of --repeats. A shape NxT[+C] is N sequences of T new
+tokens after C cached ones; the table gives each path's milliseconds and GFLOP/s (causal: 2 * 2 *
+Hq * D * T * (C + (T + 1) / 2) per sequence).
+
+--decode: kernels/cpu_decode_attention.c for --rows decode rows with contexts of 200-600, over 30
+layers' caches (as a step reads them: 600 MB in bf16 at 64 rows, far past any cache), block
+tables scattered (shuffled blocks) and contiguous; milliseconds a step (30 layers) and the GB/s
+of keys and values read. Run it in two trees to compare kernels.
 """
 from __future__ import annotations
 
@@ -49,11 +55,45 @@ def _median_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def decode(rows: int, repeats: int) -> None:
+    from kernels import cpu_decode_attention
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(200, 600, (rows,), generator=g, dtype=torch.int32)
+    blocks = [-(-int(n) // BS) for n in lens]
+    total = sum(blocks)
+    print(f"threads {torch.get_num_threads()}, kernel {cpu_decode_attention.isa()}, {rows} rows\n")
+    print("| tables | dtype | ms a step (30 layers) | GB/s of K and V |\n|---|---|---|---|")
+    for layout in ("scattered", "contiguous"):
+        order = torch.randperm(total, generator=g) if layout == "scattered" else torch.arange(total)
+        tables = torch.zeros(rows, max(blocks), dtype=torch.int32)
+        used = 0
+        for i, n in enumerate(blocks):
+            tables[i, :n] = order[used:used + n].int()
+            used += n
+        for dtype in (torch.float32, torch.bfloat16):
+            caches = [(torch.randn(total, BS, HKV, D, generator=g).to(dtype),
+                       torch.randn(total, BS, HKV, D, generator=g).to(dtype)) for _ in range(30)]
+            q = torch.randn(rows, HQ, D, generator=g)
+            out, which = torch.empty_like(q), torch.arange(rows)
+
+            def step():
+                for k, v in caches:
+                    cpu_decode_attention.decode(q, k, v, which, lens, tables, D ** -0.5, out)
+            ms = _median_ms(step, repeats)
+            read = 30 * 2 * int(lens.sum()) * HKV * D * caches[0][0].element_size()
+            print(f"| {layout} | {str(dtype)[6:]} | {ms:.1f} | {read / ms / 1e6:.1f} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="8x256,1x2048,4x512+256,16x128")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--decode", action="store_true")
+    ap.add_argument("--rows", type=int, default=64)
     args = ap.parse_args()
+    if args.decode:
+        decode(args.rows, args.repeats)
+        return 0
     print(f"threads {torch.get_num_threads()}, kernel {cpu_prefill_attention.isa()}\n")
     print("| shape | dtype | SDPA ms | kernel ms | SDPA GFLOP/s | kernel GFLOP/s | speed-up |\n|---|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
