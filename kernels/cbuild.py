@@ -118,12 +118,12 @@ class IsaKernel:
                         self.source.stem, self.names.get(self.best), self.off)
         return ok
 
-    def function(self, name: str, argtypes: list):
+    def function(self, name: str, argtypes: list, restype=None):
         """Another entry point of the library, typed once (call only after available())."""
         fn = self._functions.get(name)
         if fn is None:
             fn = getattr(self.lib, name)
-            fn.argtypes, fn.restype = argtypes, None
+            fn.argtypes, fn.restype = argtypes, restype
             self._functions[name] = fn
         return fn
 

@@ -4,8 +4,8 @@ kernels/cpu_attention.py's transposed layout), fp32 or bf16, q and out in the mo
 kernels/cpu_attention.py takes it for those sequences where it runs; torch's SDPA over a
 gathered copy stays for the other dtypes, shapes and CPUs.
 
-The instruction set is chosen at run time: AVX-512F, else AVX2 + FMA, else none (available() is
-False). One library holds both paths.
+The instruction set is chosen at run time, as the decode kernel's (whose flags, path names and
+dtype codes it shares): AVX-512F, else AVX2 + FMA, else none (available() is False).
 """
 from __future__ import annotations
 
@@ -15,11 +15,9 @@ from pathlib import Path
 import torch
 
 from kernels import cbuild
+from kernels.cpu_decode_attention import DTYPES, FLAGS, ISA_NAMES
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_prefill_attention.c"
-FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
-ISA_NAMES = {2: "AVX-512F", 1: "AVX2+FMA"}
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 _c = ctypes
 _kernel = cbuild.IsaKernel(
@@ -37,8 +35,7 @@ def runs_on(k_cache: torch.Tensor, num_q_heads: int) -> bool:
             and available()):
         return False
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    fits = _kernel.function("pagoda_prefill_attention_fits", [_c.c_int] * 4)
-    fits.restype = _c.c_int
+    fits = _kernel.function("pagoda_prefill_attention_fits", [_c.c_int] * 4, _c.c_int)
     return bool(fits(num_q_heads, num_kv_heads, head_dim, block_size))
 
 

@@ -102,29 +102,35 @@ static inline void tile_avx512bf16(const uint16_t *x, int64_t ldx, const uint16_
     for (int i = 0; i < MR; i++) _mm_storeu_ps(s + 4 * i, sum4(a[i][0], a[i][1], a[i][2], a[i][3]));
 }
 
-// Weight rows four at a time, split over the threads; for each four, every 4 rows of x (the rows
-// of x stay in L1 or L2 and the weights stream from memory once). A group past N's end repeats
-// its last row and drops its sums.
+// Weight rows in blocks of up to four groups of four (as many as fit 24 KB, so that they stay in
+// L1 beside a tile of x), the blocks split over the threads; for each block, every 4 rows of x
+// against each group: a tile of x is read from L2 once per block, not once per group, and the
+// weights stream from memory once. A group past N's end repeats its last row and drops its sums.
 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 static void xwt_avx512bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, uint16_t *out,
                            int64_t ldo, int M, int64_t N, int64_t K, int threads) {
     const int64_t groups = (N + 3) / 4;
+    const int64_t fit = 24576 / (4 * 2 * K), per_block = fit < 1 ? 1 : fit > 4 ? 4 : fit;
+    const int64_t blocks = (groups + per_block - 1) / per_block;
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t n = g * 4;
-        const int nr = N - n < 4 ? (int)(N - n) : 4;
-        const uint16_t *rows[4];
-        for (int j = 0; j < 4; j++) rows[j] = w + (n + (j < nr ? j : nr - 1)) * ldw;
-        float s[16];
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t g1 = (b + 1) * per_block < groups ? (b + 1) * per_block : groups;
         for (int m = 0; m < M; m += 4) {
-            const int mr = M - m < 4 ? M - m : 4, ahead = m == 0 && g + 1 < groups;
+            const int mr = M - m < 4 ? M - m : 4;
             const uint16_t *xm = x + m * ldx;
-            if (mr == 4) tile_avx512bf16(xm, ldx, rows, ldw, K, s, 4, ahead);
-            else if (mr == 3) tile_avx512bf16(xm, ldx, rows, ldw, K, s, 3, ahead);
-            else if (mr == 2) tile_avx512bf16(xm, ldx, rows, ldw, K, s, 2, ahead);
-            else tile_avx512bf16(xm, ldx, rows, ldw, K, s, 1, ahead);
-            for (int i = 0; i < mr; i++)
-                for (int j = 0; j < nr; j++) out[(m + i) * ldo + n + j] = to_bf16(s[i * 4 + j]);
+            for (int64_t g = b * per_block; g < g1; g++) {
+                const int64_t n = g * 4;
+                const int nr = N - n < 4 ? (int)(N - n) : 4, ahead = m == 0 && g + 1 < groups;
+                const uint16_t *rows[4];
+                for (int j = 0; j < 4; j++) rows[j] = w + (n + (j < nr ? j : nr - 1)) * ldw;
+                float s[16];
+                if (mr == 4) tile_avx512bf16(xm, ldx, rows, ldw, K, s, 4, ahead);
+                else if (mr == 3) tile_avx512bf16(xm, ldx, rows, ldw, K, s, 3, ahead);
+                else if (mr == 2) tile_avx512bf16(xm, ldx, rows, ldw, K, s, 2, ahead);
+                else tile_avx512bf16(xm, ldx, rows, ldw, K, s, 1, ahead);
+                for (int i = 0; i < mr; i++)
+                    for (int j = 0; j < nr; j++) out[(m + i) * ldo + n + j] = to_bf16(s[i * 4 + j]);
+            }
         }
     }
 }
