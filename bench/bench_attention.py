@@ -10,9 +10,8 @@
         Triton JIT's own argument specialisation, and reports registers, spills and shared
         memory. Exit 0: all fine; 1: a 16-bit variant spills or fails to compile; 3: cannot check
         here (no ptxas, or a Triton whose private compile API differs).
-    python3 bench/bench_attention.py --cpu-short-queries [RUNS]
-        No GPU needed: the CPU backend's three paths (decode rows, short, SDPA) for sequences of m
-        new tokens (SmolLM2's heads), the crossovers behind cpu_attention's path bounds.
+
+The CPU backend's benchmarks are bench/bench_cpu_attention.py's.
 
 Run from anywhere; the repository root is put on sys.path. Needs only torch and triton.
 PAGODA_BENCH_DRY=1 runs every GPU section on the CPU under the Triton interpreter at toy sizes
@@ -341,51 +340,15 @@ def sweeps(report: Report, deadline: float) -> None:
         torch.cuda.empty_cache()
 
 
-def cpu_short_queries(runs: int) -> None:
-    """Median ms of one layer's attention per path, runs alternating; the once-a-step plan apart.
-    The C prefill kernel (kernels/cpu_prefill_attention.c) is a fourth column where it runs."""
-    import timeit
-    from kernels import cpu_attention as cpu
-    from kernels import cpu_prefill_attention
-    hq, hkv, d, bs = 9, 3, 64, 16
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {hq}/{hkv} heads, D={d}, "
-          f"block {bs}, C prefill kernel: {cpu_prefill_attention.isa()}\n\n| dtype | B | context | m | "
-          "decode rows ms | short ms | SDPA ms | C prefill ms | plan ms: rows / short / SDPA / C |\n"
-          "|---|---|---|---|---|---|---|---|---|")
-    for dtype, batch, ctx in ((t, b, c) for t in (torch.float32, torch.bfloat16) for b in (1, 16)
-                              for c in (128, 512, 2048)):
-        nb = batch * ctx // bs
-        k, v = (torch.randn(nb, bs, hkv, d).to(dtype) for _ in range(2))
-        tables, lens = torch.randperm(nb).view(batch, -1).int(), torch.full((batch,), ctx).int()
-        kernel = cpu_prefill_attention.runs_on(k, hq)
-        for m in (1, 2, 4, 8, 16, 32):
-            qsl, q = (torch.arange(batch + 1) * m).int(), torch.randn(batch * m, hq, d).to(dtype)
-            bounds = [(m, m, False), (0, m, False), (0, 0, False)] + ([(0, 0, True)] if kernel else [])
-            plans = [lambda r=r, s=s, c=c: cpu.plan_attention(tables, lens, qsl, k, hq, max_decode_rows=r,
-                                                              max_short_query=s, prefill_kernel=c)
-                     for r, s, c in bounds]   # each path takes every sequence
-            built = [p() for p in plans]
-            calls = [lambda p=p: cpu.paged_attention(q, k, v, p, d ** -0.5) for p in built] + plans
-            rounds = [[timeit.timeit(f, number=1) * 1e3 for f in calls] for _ in range(runs + 1)]
-            t = [sorted(col)[runs // 2] for col in zip(*rounds[1:])]   # round 0 warms up
-            n = len(built)
-            c_ms = f"{t[3]:.2f}" if kernel else "-"
-            print(f"| {str(dtype)[6:]} | {batch} | {ctx} | {m} | {t[0]:.2f} | {t[1]:.2f} | {t[2]:.2f} | {c_ms} | "
-                  + " / ".join(f"{x:.2f}" for x in t[n:]) + " |", flush=True)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compile-check", nargs="?", const="all", choices=["all", "quick"])
     parser.add_argument("--out", default=os.environ.get("OUT"))
-    parser.add_argument("--cpu-short-queries", nargs="?", const=9, type=int, metavar="RUNS")
     parser.add_argument("--budget", type=float, default=240.0,
                         help="seconds after which the config sweeps stop")
     args = parser.parse_args()
     if args.compile_check:
         return compile_check(quick=args.compile_check == "quick")
-    if args.cpu_short_queries:
-        return cpu_short_queries(args.cpu_short_queries) or 0
     if not DRY and not torch.cuda.is_available():
         print("bench_attention: no CUDA device; nothing to measure (try --compile-check)")
         return 3

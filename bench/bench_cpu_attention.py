@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/bench_cpu_attention.py [--shapes 8x256,1x2048,4x512+256] [--repeats 15]
     .venv/bin/python bench/bench_cpu_attention.py --decode [--rows 64]
+    .venv/bin/python bench/bench_cpu_attention.py --paths [RUNS]
 
 Prefill (default): kernels/cpu_prefill_attention.c against the path it replaces (kernels/
 cpu_attention.py's gather of each sequence's context and torch's flash SDPA), one layer over
@@ -14,6 +15,10 @@ Hq * D * T * (C + (T + 1) / 2) per sequence).
 layers' caches (as a step reads them: 600 MB in bf16 at 64 rows, far past any cache), block
 tables scattered (shuffled blocks) and contiguous; milliseconds a step (30 layers) and the GB/s
 of keys and values read. Run it in two trees to compare kernels.
+
+--paths: kernels/cpu_attention.py's paths for sequences of m new tokens (decode rows, the short
+path, SDPA, and the C prefill kernel where it runs), batches of 1 and 16, contexts of 128-2048:
+the crossovers behind its path bounds; each path's once-a-step plan timed apart.
 """
 from __future__ import annotations
 
@@ -55,6 +60,38 @@ def _median_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def paths(runs: int) -> None:
+    """Median ms of one layer's attention per path, runs alternating; the once-a-step plan apart.
+    The C prefill kernel (kernels/cpu_prefill_attention.c) is a fourth column where it runs."""
+    import timeit
+    cpu = cpu_attention
+    hq, hkv, d, bs = HQ, HKV, D, BS
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {hq}/{hkv} heads, D={d}, "
+          f"block {bs}, C prefill kernel: {cpu_prefill_attention.isa()}\n\n| dtype | B | context | m | "
+          "decode rows ms | short ms | SDPA ms | C prefill ms | plan ms: rows / short / SDPA / C |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+    for dtype, batch, ctx in ((t, b, c) for t in (torch.float32, torch.bfloat16) for b in (1, 16)
+                              for c in (128, 512, 2048)):
+        nb = batch * ctx // bs
+        k, v = (torch.randn(nb, bs, hkv, d).to(dtype) for _ in range(2))
+        tables, lens = torch.randperm(nb).view(batch, -1).int(), torch.full((batch,), ctx).int()
+        kernel = cpu_prefill_attention.runs_on(k, hq)
+        for m in (1, 2, 4, 8, 16, 32):
+            qsl, q = (torch.arange(batch + 1) * m).int(), torch.randn(batch * m, hq, d).to(dtype)
+            bounds = [(m, m, False), (0, m, False), (0, 0, False)] + ([(0, 0, True)] if kernel else [])
+            plans = [lambda r=r, s=s, c=c: cpu.plan_attention(tables, lens, qsl, k, hq, max_decode_rows=r,
+                                                              max_short_query=s, prefill_kernel=c)
+                     for r, s, c in bounds]   # each path takes every sequence
+            built = [p() for p in plans]
+            calls = [lambda p=p: cpu.paged_attention(q, k, v, p, d ** -0.5) for p in built] + plans
+            rounds = [[timeit.timeit(f, number=1) * 1e3 for f in calls] for _ in range(runs + 1)]
+            t = [sorted(col)[runs // 2] for col in zip(*rounds[1:])]   # round 0 warms up
+            n = len(built)
+            c_ms = f"{t[3]:.2f}" if kernel else "-"
+            print(f"| {str(dtype)[6:]} | {batch} | {ctx} | {m} | {t[0]:.2f} | {t[1]:.2f} | {t[2]:.2f} | {c_ms} | "
+                  + " / ".join(f"{x:.2f}" for x in t[n:]) + " |", flush=True)
+
+
 def decode(rows: int, repeats: int) -> None:
     from kernels import cpu_decode_attention
     g = torch.Generator().manual_seed(0)
@@ -90,7 +127,11 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--decode", action="store_true")
     ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--paths", nargs="?", const=9, type=int, metavar="RUNS")
     args = ap.parse_args()
+    if args.paths:
+        paths(args.paths)
+        return 0
     if args.decode:
         decode(args.rows, args.repeats)
         return 0

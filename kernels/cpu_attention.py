@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_decode_attention, cpu_prefill_attention
 
-# The path bounds, from `bench/bench_attention.py --cpu-short-queries` on the 2-core dev machine
+# The path bounds, from `bench/bench_cpu_attention.py --paths` on the 2-core dev machine
 # (SmolLM2's 9/3 heads, one thread, contexts 128-2048, batch 1 and 16, medians of 3 runs).
 # Decode rows read the context once per row: fastest for n = 2 (up to 2.6x the short path at
 # batch 16), mostly behind from 4, 1.4-10x slower from 8 on, with a plan that grows with n x
