@@ -18,13 +18,15 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cbuild, cpu_gemm, cpu_gemm_bf16
+from kernels import cbuild, cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf
 from worker.kept import kept, machine_key
 
 logger = logging.getLogger(__name__)
 
 FP32_ROWS = (16, 64, 128, 256, 512, 1024)  # rows timed for the fp32 kernel, in order
 BF16_ROWS = (1, 2, 4, 8, 16, 32, 64)  # and for the bf16 kernel (few rows: decode steps)
+GGUF_ROWS = (1, 16, 32, 64, 128, 256, 512, 1024)  # and for the GGUF kernel, against dequantized weights
+GGUF_DEFAULT_ROWS = 64  # the GGUF kernel's bound where it is not measured (--cpu-matmul torch)
 WIDEN_ROWS = 256  # a prefill-sized product, where torch's bf16 matmul shows what it can do
 PAIRS = 12  # timed pairs of calls per row count, at least
 POOL_BYTES = 64 << 20  # distinct weights beyond a server CPU's last-level cache (32 MB here)
@@ -87,6 +89,38 @@ def measure(fp32: bool, bf16: bool, shape: tuple[int, int]) -> CpuMatmul:
     other = widened if widen else F.linear
     bf16_rows = bound(BF16_ROWS, lambda m: ratio(cpu_gemm_bf16.xwt, other, xb[:m], pool))
     return CpuMatmul(fp32_rows, bf16_rows, widen)
+
+
+def choose_gguf(wanted: bool, shape: tuple[int, int], kind: str, again: bool = False) -> int:
+    """The rows up to which GGUF projections (kind "q8_0" or "q4_1") of a [shape] weight run
+    through kernels/cpu_gemm_gguf.c on this machine; larger products dequantize the blocks for
+    torch's GEMM. Measured at a machine's first start and kept, as choose()'s bounds are (where
+    they cross is the machine's: about 64 rows on an AVX-512 Xeon and on a Zen 5 EPYC, by
+    bench/bench_gemm.py); GGUF_DEFAULT_ROWS with --cpu-matmul torch."""
+    if not (wanted and cpu_gemm_gguf.available()):
+        return GGUF_DEFAULT_ROWS
+    build = cbuild.library_path(cpu_gemm_gguf.SOURCE, cpu_gemm_gguf.FLAGS).name
+    started = time.perf_counter()
+    found, was_kept = kept(CACHE_NAME, machine_key(f"shape={shape[0]}x{shape[1]}", kind, build),
+                           lambda: {"gguf_kernel_rows": measure_gguf(shape, kind)}, {"gguf_kernel_rows"}, again)
+    rows = found["gguf_kernel_rows"]
+    how = ("as measured before on this machine" if was_kept
+           else f"measured in {time.perf_counter() - started:.1f} s")
+    logger.info("%s projections of up to %d rows run through kernels/cpu_gemm_gguf.c (%s)", kind, rows, how)
+    return rows
+
+
+def measure_gguf(shape: tuple[int, int], kind: str) -> int:
+    """The kernel against torch's GEMM on the blocks dequantized (what a projection past the
+    bound does), on a pool of one quantized weight's rows in other orders."""
+    g = torch.Generator().manual_seed(0)
+    blocks = cpu_gemm_gguf.quantize(torch.randn(*shape, generator=g), kind)
+    count = max(1, min(MAX_POOL, POOL_BYTES // blocks.numel()))
+    pool = [blocks] + [blocks[torch.randperm(shape[0], generator=g)] for _ in range(count - 1)]
+    x = torch.randn(max(GGUF_ROWS), shape[1], generator=g)
+    return bound(GGUF_ROWS, lambda m: ratio(lambda a, w: cpu_gemm_gguf.xwt(a, w, kind),
+                                            lambda a, w: F.linear(a, cpu_gemm_gguf.dequantize(w, kind)),
+                                            x[:m], pool))
 
 
 def bound(rows: tuple[int, ...], ratio_at) -> int:

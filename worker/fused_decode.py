@@ -26,15 +26,17 @@ import torch
 
 from kernels import cpu_decode_attention, cpu_decode_layer, cpu_gemm_gguf
 from kernels.cpu_decode_layer import LayerWeights, Shape
-from worker.layers import GGUF_KERNEL_MAX_ROWS, Linear
+from worker.layers import Linear
 
-# Tokens up to which a step goes through the C step. GGUF: the GGUF kernel's own bound, above
-# which a projection is faster dequantized into torch's GEMM. Dense: the machine's, measured at
+# Tokens up to which a step goes through the C step. GGUF: MAX_TOKENS, whatever the GGUF
+# kernel's bound for a projection alone (worker/layers.py GGUF_KERNEL_ROWS): on a Zen 5 EPYC,
+# whose measured bound is 32, the C step still beat the layers at 64 decodes (206 against 209 ms;
+# at 32, 105 against 109). Dense: the machine's, measured at
 # start-up (worker/startup_measurements.py measure_decode_step_bound); MAX_DENSE_TOKENS until
 # then, or where the pool is too small to time in. On an AVX2 EPYC the C step won at 8 decodes
 # (fp32 58 against 60 ms, bf16 53 against 65) and lost at 32 in fp32 (174 against 143); on a
 # Zen 5 it lost from 4 in fp32 and 6 in bf16 (bench/profile_cpu.py --fused-ab, docs/benchmarks.md).
-MAX_TOKENS = GGUF_KERNEL_MAX_ROWS
+MAX_TOKENS = 64  # the C step's most for GGUF weights (worker_flags.py MAX_DECODE_STEP_TOKENS)
 MAX_DENSE_TOKENS = 8
 enabled = True  # bench/profile_cpu.py --fused-ab turns it off to time the torch layers
 
@@ -93,7 +95,8 @@ class FusedDecode:
             return None
         plan = self.backend.plan(meta, k_cache, self.shape.num_heads)
         decode = plan.decode
-        if not plan.kernel or plan.prefills or plan.shorts or decode is None or decode.rows.numel() != T:
+        if (not plan.kernel or plan.prefills or plan.shorts or plan.kernel_prefill is not None or decode is None
+                or decode.rows.numel() != T):
             return None
         out = cpu_decode_layer.decode_step(
             self._layers_for(kv_caches), self.shape, self.final_norm, x.float().contiguous(), self.cis,

@@ -76,17 +76,25 @@ def int8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
 
 
 # Rows up to which a Q8_0 / Q4_1 projection runs through kernels/cpu_gemm_gguf.c; above, the
-# blocks are dequantized (in C, one pass) for torch's matmul. Where int8's is: SmolLM2's
-# projections in Q4_1, one thread (bench/bench_gemm.py --quantization q4_1), take 97 ms through
-# the kernel against 316 ms dequantized into MKL with 16 rows, 446 against 463 with 64 (Q8_0: 345
-# against 288), 746 against 528 with 128.
-GGUF_KERNEL_MAX_ROWS = 64
+# blocks are dequantized (in C, one pass) for torch's matmul. The machine's, measured at start-up
+# (use_gguf_kernel): on an AVX-512 Xeon, one thread, SmolLM2's projections in Q4_1 took 97 ms
+# through the kernel against 316 dequantized into MKL with 16 rows, 446 against 463 with 64, 746
+# against 528 with 128; on a Zen 5 EPYC, two threads, 75 against 106 with 32 rows, 146 against 148
+# with 64, 290 against 235 with 128.
+GGUF_KERNEL_ROWS = cpu_matmul.GGUF_DEFAULT_ROWS
+
+
+def use_gguf_kernel(wanted: bool, shape: tuple[int, int], kind: str, again: bool = False) -> int:
+    """Sets GGUF_KERNEL_ROWS for a `kind` model whose MLP weight is [shape] (cpu_matmul.choose_gguf)."""
+    global GGUF_KERNEL_ROWS
+    GGUF_KERNEL_ROWS = cpu_matmul.choose_gguf(wanted, shape, kind, again)
+    return GGUF_KERNEL_ROWS
 
 
 def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W^T (+ bias), W as GGUF blocks of kind "q8_0" or "q4_1" (--quantization q8_0 / q4_1)."""
-    if x.dim() == 2 and x.shape[0] <= GGUF_KERNEL_MAX_ROWS and x.dtype == torch.float32 \
+    if x.dim() == 2 and x.shape[0] <= GGUF_KERNEL_ROWS and x.dtype == torch.float32 \
             and cpu_gemm_gguf.available():
         out = cpu_gemm_gguf.xwt(x, blocks, kind)
         return out if bias is None else out.add_(bias)

@@ -22,7 +22,7 @@ def parse_bytes(text: str) -> int:
 
 
 DECODE_STEP_TOKENS = (1, 2, 4, 8)  # the counts --cpu-decode-step-tokens's measurement times
-MAX_DECODE_STEP_TOKENS = 64  # GGUF's bound (worker/fused_decode.py MAX_TOKENS)
+MAX_DECODE_STEP_TOKENS = 64  # the C step's most (worker/fused_decode.py MAX_TOKENS)
 
 
 def decode_step_tokens(text: str) -> int:

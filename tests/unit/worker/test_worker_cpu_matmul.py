@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import worker.layers as layers
-from kernels import cpu_gemm, cpu_gemm_bf16
+from kernels import cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf
 from worker import cpu_matmul
 from worker.cpu_matmul import BF16_ROWS, FP32_ROWS, WIDEN_ROWS, CpuMatmul
 
@@ -201,3 +201,45 @@ def test_workers_starting_together_measure_once(cache, measured, monkeypatch):
     for t in threads:
         t.join()
     assert got == [choice, choice] and calls == [SHAPE]
+
+
+GGUF_SHAPE = (96, 64)  # GGUF rows are whole blocks of 32
+
+
+@pytest.mark.skipif(not cpu_gemm_gguf.available(), reason="no GGUF kernel on this CPU")
+@pytest.mark.parametrize("kind", ["q8_0", "q4_1"])
+def test_the_gguf_bound_races_the_kernel_against_the_dequantized_gemm_and_is_kept(cache, monkeypatch, kind):
+    """Each race computes the same product both ways (the kernel's exact fp32 path against torch
+    on the dequantized blocks), at every count of GGUF_ROWS; the bound is kept per kind and read
+    back by the next start; --cpu-matmul torch keeps the default without measuring."""
+    raced = []
+
+    def ratio(kernel, other, x, pool, pairs=cpu_matmul.PAIRS):
+        a, b = kernel(x, pool[0]), other(x, pool[0])
+        assert a.shape == b.shape == (x.shape[0], GGUF_SHAPE[0]) and len(pool) > 1
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
+        raced.append(x.shape[0])
+        return 0.5 if x.shape[0] <= 128 else 2.0
+
+    monkeypatch.setattr(cpu_matmul, "ratio", ratio)
+    assert cpu_matmul.choose_gguf(True, GGUF_SHAPE, kind) == 128 and raced == list(cpu_matmul.GGUF_ROWS)
+    assert cpu_matmul.choose_gguf(True, GGUF_SHAPE, kind) == 128 and len(raced) == len(cpu_matmul.GGUF_ROWS)
+    assert {"gguf_kernel_rows": 128} in json.loads(cache.read_text()).values()
+    assert cpu_matmul.choose_gguf(False, GGUF_SHAPE, kind) == cpu_matmul.GGUF_DEFAULT_ROWS
+    assert len(raced) == len(cpu_matmul.GGUF_ROWS)
+
+
+@pytest.mark.skipif(not cpu_gemm_gguf.available(), reason="no GGUF kernel on this CPU")
+def test_gguf_projections_take_the_kernel_up_to_the_bound_and_dequantize_past_it(cache, monkeypatch):
+    monkeypatch.setattr(cpu_matmul, "measure_gguf", lambda shape, kind: 4)
+    monkeypatch.setattr(layers, "GGUF_KERNEL_ROWS", layers.GGUF_KERNEL_ROWS)  # put back afterwards
+    assert layers.use_gguf_kernel(True, GGUF_SHAPE, "q4_1") == 4 == layers.GGUF_KERNEL_ROWS
+    blocks = cpu_gemm_gguf.quantize(torch.randn(*GGUF_SHAPE), "q4_1")
+    kernel = []
+    real = cpu_gemm_gguf.xwt
+    monkeypatch.setattr(cpu_gemm_gguf, "xwt", lambda *a, **k: kernel.append(a[0].shape[0]) or real(*a, **k))
+    for rows in (1, 4, 5, 64):
+        x = torch.randn(rows, GGUF_SHAPE[1])
+        want = x.double() @ cpu_gemm_gguf.dequantize(blocks, "q4_1").double().t()
+        torch.testing.assert_close(layers.gguf_linear(x, blocks, "q4_1").double(), want, rtol=1e-4, atol=1e-3)
+    assert kernel == [1, 4]

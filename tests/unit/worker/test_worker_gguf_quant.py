@@ -15,6 +15,7 @@ from kernels import cpu_decode_layer, cpu_gemm_gguf
 from kernels.cpu_decode_layer import decode_step
 from tests.unit.worker.test_worker_loader import write_gguf
 from tests.worker_tiny_models import assert_greedy_equals_reference, make_hf_model, runner_args, save_model
+from worker import cpu_matmul
 from worker.loader import gguf_blocks
 from worker.runner import ModelRunner
 
@@ -110,8 +111,10 @@ def test_a_gguf_files_own_blocks_are_used_as_they_are(tmp_path, monkeypatch, exa
                                    hf.state_dict()[name].double(), atol=1e-6, rtol=0)
     quantized = []
     quantize = cpu_gemm_gguf.quantize
-    # The fused step's start-up check quantizes random weights of its own: done before the spy.
+    # The fused step's start-up check and the GGUF kernel's bound measurement (kept, then read
+    # back by the runner) quantize random weights of their own: done before the spy.
     cpu_decode_layer.available() and cpu_decode_layer.agrees_with_reference("q4_1")
+    cpu_matmul.choose_gguf(True, (96, 64), "q4_1")
     with monkeypatch.context() as spy:
         spy.setattr(cpu_gemm_gguf, "quantize", lambda w, kind: quantized.append(tuple(w.shape)) or quantize(w, kind))
         runner = ModelRunner(runner_args(path, "--quantization", "q4_1"))
