@@ -84,9 +84,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         f"where that beats layer by layer, of {', '.join(map(str, DECODE_STEP_TOKENS))}, "
                         "measured at a machine's first start; 0 = never")
     g.add_argument("--measure-again", action="store_true",
-                   help="time the CPU kernels' row bounds (the GGUF kernel's too), the decode step's bound and the prefill rate "
-                        "again at this start "
-                        "and keep the new figures, in place of those a machine's first start kept in "
+                   help="time the CPU kernels' row bounds (the GGUF kernel's too), the decode step's bound "
+                        "and the prefill rate again at this start and keep the new figures, in place of "
+                        "those a machine's first start kept in "
                         "PAGODA_CACHE (a first start under load keeps skewed ones)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="the largest batch, used to profile activation memory")
