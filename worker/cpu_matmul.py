@@ -57,7 +57,9 @@ def choose(wanted: bool, shape: tuple[int, int], dtype: torch.dtype, again: bool
     builds = [cbuild.library_path(k.SOURCE, k.FLAGS).name if on else "-"
               for k, on in ((cpu_gemm, fp32), (cpu_gemm_bf16, bf16))]
     started = time.perf_counter()
-    found, was_kept = kept(CACHE_NAME, machine_key(f"shape={shape[0]}x{shape[1]}", *builds),
+    # The rows timed are in the key: a bound kept from another list of them is measured again.
+    timed = "timed=" + ",".join(map(str, FP32_ROWS)) + "/" + ",".join(map(str, BF16_ROWS))
+    found, was_kept = kept(CACHE_NAME, machine_key(f"shape={shape[0]}x{shape[1]}", *builds, timed),
                            lambda: asdict(measure(fp32, bf16, shape)), set(asdict(CpuMatmul())), again)
     choice = CpuMatmul(**found)
     how = ("as measured before on this machine" if was_kept
@@ -101,7 +103,8 @@ def choose_gguf(wanted: bool, shape: tuple[int, int], kind: str, again: bool = F
         return GGUF_DEFAULT_ROWS
     build = cbuild.library_path(cpu_gemm_gguf.SOURCE, cpu_gemm_gguf.FLAGS).name
     started = time.perf_counter()
-    found, was_kept = kept(CACHE_NAME, machine_key(f"shape={shape[0]}x{shape[1]}", kind, build),
+    timed = "timed=" + ",".join(map(str, GGUF_ROWS))
+    found, was_kept = kept(CACHE_NAME, machine_key(f"shape={shape[0]}x{shape[1]}", kind, build, timed),
                            lambda: {"gguf_kernel_rows": measure_gguf(shape, kind)}, {"gguf_kernel_rows"}, again)
     rows = found["gguf_kernel_rows"]
     how = ("as measured before on this machine" if was_kept

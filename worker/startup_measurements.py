@@ -139,7 +139,8 @@ def measure_decode_step_bound(runner) -> None:
         how = "the default: the KV cache is too small to time it in"
     else:
         build = cbuild.library_path(cpu_decode_layer.SOURCE, cpu_decode_layer.FLAGS).name
-        key = machine_key(runner.config, runner.dtype, step.shape.kind, DECODE_CONTEXT, layers.CPU, build)
+        key = machine_key(runner.config, runner.dtype, step.shape.kind, DECODE_CONTEXT, layers.CPU, build,
+                          "timed=" + ",".join(map(str, DECODE_STEP_TOKENS)))
         found, was_kept = kept("decode-step", key, timed, {"max_tokens"}, runner.args.measure_again)
         step.max_tokens = found["max_tokens"]
         how = ("as measured before on this machine" if was_kept
