@@ -10,6 +10,7 @@ on tiny checkpoints. The prompts' greedy paths keep a margin between their top t
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -25,7 +26,10 @@ from tests.integration.test_integration_speculation import MIN_MARGIN, PROMPTS, 
 pytestmark = pytest.mark.integration
 
 K = 4
-MAX_TOKENS = 20
+# Each answer grows by 40 tokens and 4 proposals, about 3 blocks: any 3 admitted together outgrow
+# the 14-block pool. With 20, 3 answers admitted together just fitted and ended without a
+# preemption when they arrived at once (the test passed only when they arrived apart).
+MAX_TOKENS = 40
 NAMES = ("rewrite", "rename", "count", "json")
 
 
@@ -49,13 +53,20 @@ def reference(smollm2_hf, hf_tokenizer):  # noqa: F811
 def _run(c: Cluster, requests: list[pb.GenerateRequest],
          streamed: tuple[pb.GenerateRequest, ...] = ()) -> tuple[list, pb.WorkerLoad]:
     """Every request at once: the answers of `requests` (Generate), then the tokens by index of
-    `streamed` (GenerateStream), and the worker's load after."""
+    `streamed` (GenerateStream), and the worker's load after. At once: the channel is connected
+    first and the calls leave together, so that no call comes in after the others ended."""
     with grpc.insecure_channel(c.target) as ch:
         stub = pagoda_pb2_grpc.GenerationStub(ch)
+        loads(stub)  # connected
         calls = [lambda r=r: stub.Generate(r, timeout=600) for r in requests]
         calls += [lambda r=r: _streamed(stub, r) for r in streamed]
+        start = threading.Barrier(len(calls))
+
+        def together(call):
+            start.wait(timeout=60)
+            return call()
         with ThreadPoolExecutor(len(calls)) as pool:
-            got = list(pool.map(lambda call: call(), calls))
+            got = list(pool.map(together, calls))
         return got, loads(stub)
 
 
