@@ -22,8 +22,8 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_prefill_attention.c"
 _c = ctypes
 _kernel = cbuild.IsaKernel(
     SOURCE, FLAGS, "pagoda_prefill_attention_isa", "pagoda_prefill_attention",
-    [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_int, _c.c_int, _c.c_void_p, _c.c_void_p,
-     _c.c_void_p, _c.c_void_p, _c.c_int64, _c.c_int, _c.c_int, _c.c_int, _c.c_int, _c.c_int, _c.c_float,
+    [_c.c_void_p, _c.c_int64, _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_int, _c.c_int, _c.c_void_p,
+     _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_int64, _c.c_int, _c.c_int, _c.c_int, _c.c_int, _c.c_int, _c.c_float,
      _c.c_int, _c.c_int],
     ISA_NAMES, "prefill attention by torch's SDPA")
 available, isa, supported_isas = _kernel.available, _kernel.isa, _kernel.supported_isas
@@ -45,13 +45,15 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start
     """For each sequence i: out rows starts[i] .. starts[i] + num_tokens[i] = causal attention of
     q's same rows, query t at position lens[i] - num_tokens[i] + t, over block table tables[i]
     (int32 [seqs, blocks], covering lens[i] positions); other rows of out are left alone. q and
-    out [tokens, Hq, D] (fp32 or bf16: another dtype goes through an fp32 copy); the caches
+    out [tokens, Hq, D] (q's rows may be a slice of wider ones, as the fused qkv projection's;
+    fp32 or bf16: another dtype goes through an fp32 copy); the caches
     [num_blocks, bs, Hkv, D] as allocated (K in key_blocks' layout). Call only where
     runs_on(k_cache, Hq)."""
     num_seqs = starts.numel()
     if num_seqs == 0:
         return
-    q = q.contiguous()  # a view of the fused qkv projection, as a worker passes it
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # rows of any stride; heads must be dense
+        q = q.contiguous()
     if q.dtype not in DTYPES or out.dtype != q.dtype or not out.is_contiguous():
         target = torch.empty(q.shape, dtype=torch.float32)
         prefill(q.float(), k_cache, v_cache, starts, num_tokens, lens, tables, scale, target, isa)
@@ -61,8 +63,8 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     starts, num_tokens, lens = (t.to(torch.int32).contiguous() for t in (starts, num_tokens, lens))
     tables = tables.to(torch.int32).contiguous()
-    _kernel.fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), DTYPES[k_cache.dtype],
-               DTYPES[q.dtype], starts.data_ptr(), num_tokens.data_ptr(), lens.data_ptr(), tables.data_ptr(),
+    _kernel.fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+               DTYPES[k_cache.dtype], DTYPES[q.dtype], starts.data_ptr(), num_tokens.data_ptr(), lens.data_ptr(), tables.data_ptr(),
                tables.shape[1], num_seqs, q.shape[1], num_kv_heads, head_dim, block_size, scale,
                torch.get_num_threads(), isa or _kernel.best)
 

@@ -6,7 +6,7 @@
 //
 // Layouts as kernels/csrc/cpu_decode_attention.c's: K blocks [num_blocks, Hkv, D, bs] (keys
 // transposed), V blocks [num_blocks, bs, Hkv, D], fp32 or bf16 (cache dtype 0 or 1); q and out
-// [tokens, Hq, D] in fp32 or bf16 (io dtype). Sequence i's n[i] queries are q's rows start[i]...,
+// [tokens, Hq, D] in fp32 or bf16 (io dtype), q's rows ldq apart, out's contiguous. Sequence i's n[i] queries are q's rows start[i]...,
 // query t at position len[i] - n[i] + t.
 //
 // A task is one tile: QT consecutive queries of a sequence and the G query heads of one kv head,
@@ -44,6 +44,7 @@ int pagoda_prefill_attention_fits(int Hq, int Hkv, int D, int bs) {
 typedef struct {
     const void *q, *k_cache, *v_cache;
     void *out;
+    int64_t ldq;  // q's row stride: its rows may be a slice of the fused qkv projection's
     int cache_dtype, io_dtype, Hq, Hkv, D, bs;
     float scale;
 } Shape;
@@ -85,13 +86,13 @@ static inline size_t tile_scratch(int G, int D) {  // floats: queries, sums, sco
         const int G = sh->Hq / sh->Hkv, D = sh->D, bs = sh->bs, Hkv = sh->Hkv, P = padded_rows(G);  \
         const int nq = n - t0 < QT ? n - t0 : QT, pos0 = len - n + t0;                              \
         const int R = (nq * G + PAD - 1) / PAD * PAD;  /* rows computed: the real ones, padded */   \
-        const int64_t ld = (int64_t)sh->Hq * D;                                                     \
+        const int64_t ldo = (int64_t)sh->Hq * D;                                                    \
         float *restrict qs = scratch, *restrict acc = qs + (size_t)P * D;                           \
         float *restrict s = acc + (size_t)P * D, *restrict mx = s + (size_t)P * KC;                 \
         float *restrict sum = mx + P;                                                               \
         for (int i = 0; i < nq; i++)                                                                \
             for (int x = 0; x < G * D; x++)                                                         \
-                qs[i * G * D + x] = load_elem(sh->q, (start + t0 + i) * ld + (int64_t)h * G * D + x, io) * sh->scale; \
+                qs[i * G * D + x] = load_elem(sh->q, (start + t0 + i) * sh->ldq + (int64_t)h * G * D + x, io) * sh->scale; \
         memset(qs + (size_t)nq * G * D, 0, (size_t)(R - nq * G) * D * sizeof(float));              \
         for (int r = 0; r < R; r++) mx[r] = -__builtin_inff(), sum[r] = 0.0f;                      \
         memset(acc, 0, (size_t)R * D * sizeof(float));                                              \
@@ -144,7 +145,7 @@ static inline size_t tile_scratch(int G, int D) {  // floats: queries, sums, sco
         }                                                                                           \
         for (int r = 0; r < nq * G; r++) {                                                          \
             const float inv = 1.0f / sum[r];                                                        \
-            const int64_t at = (start + t0 + r / G) * ld + (int64_t)(h * G + r % G) * D;            \
+            const int64_t at = (start + t0 + r / G) * ldo + (int64_t)(h * G + r % G) * D;           \
             for (int x = 0; x < D; x++) {                                                           \
                 const float y = acc[r * D + x] * inv;                                               \
                 if (io == 0) ((float *)sh->out)[at + x] = y;                                        \
@@ -188,11 +189,11 @@ TILE(tile8, v8, 8, load8, 6, 2)
 RUN(avx512, "avx512f", tile16)
 RUN(avx2, "avx2,fma", tile8)
 
-void pagoda_prefill_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
+void pagoda_prefill_attention(const void *q, int64_t ldq, const void *k_cache, const void *v_cache, void *out,
                               int cache_dtype, int io_dtype, const int32_t *starts, const int32_t *ns,
                               const int32_t *lens, const int32_t *tables, int64_t ldt, int num_seqs,
                               int Hq, int Hkv, int D, int bs, float scale, int threads, int isa) {
-    const Shape sh = {q, k_cache, v_cache, out, cache_dtype, io_dtype, Hq, Hkv, D, bs, scale};
+    const Shape sh = {q, k_cache, v_cache, out, ldq, cache_dtype, io_dtype, Hq, Hkv, D, bs, scale};
     int64_t *first = malloc(((size_t)num_seqs + 1) * sizeof(int64_t));  // each sequence's first task
     first[0] = 0;
     for (int i = 0; i < num_seqs; i++) first[i + 1] = first[i] + (int64_t)((ns[i] + QT - 1) / QT) * Hkv;

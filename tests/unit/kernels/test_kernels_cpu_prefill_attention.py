@@ -99,3 +99,24 @@ def test_queries_of_another_dtype_go_through_fp32_and_land_in_their_rows():
     _, want = batch.expected()
     assert out.dtype == torch.float16 and bool((out[30] == 7.0).all())
     assert (out[:30].double() - want[:30]).abs().max().item() <= 2e-3
+
+
+def test_queries_read_in_place_from_the_fused_projection_give_the_same_bits():
+    """q as a worker passes it, the first Hq heads of each row of the fused qkv output: read with
+    its row stride, not copied, and the same output as from a contiguous q."""
+    if not cpu_prefill_attention.available():
+        pytest.skip("no prefill attention kernel on this CPU")
+    batch = Batch([3, 0], [25, 18], 6, 2, 32, 16, torch.bfloat16, seed=11)
+    k_cache = torch.empty(batch.k_cache.shape, dtype=torch.bfloat16)
+    cpu_attention.key_blocks(k_cache).copy_(batch.k_cache.permute(0, 2, 3, 1))
+    qkv = torch.cat([batch.q.flatten(1), torch.randn(batch.q.shape[0], 2 * 2 * 32).bfloat16()], 1)
+    strided = qkv[:, :6 * 32].view(-1, 6, 32)
+    assert not strided.is_contiguous()
+    qsl = batch.query_start_loc.long()
+    outs = []
+    for q in (strided, batch.q.contiguous()):
+        out = torch.full(batch.q.shape, float("nan"), dtype=torch.bfloat16)
+        cpu_prefill_attention.prefill(q, k_cache, batch.v_cache, qsl[:-1], qsl[1:] - qsl[:-1],
+                                      batch.seq_lens, batch.block_tables, batch.scale, out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and not outs[0].isnan().any()
