@@ -26,6 +26,7 @@ import argparse
 import statistics
 import sys
 import time
+import timeit
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -63,27 +64,24 @@ def _median_ms(fn, repeats: int) -> float:
 def paths(runs: int) -> None:
     """Median ms of one layer's attention per path, runs alternating; the once-a-step plan apart.
     The C prefill kernel (kernels/cpu_prefill_attention.c) is a fourth column where it runs."""
-    import timeit
-    cpu = cpu_attention
-    hq, hkv, d, bs = HQ, HKV, D, BS
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {hq}/{hkv} heads, D={d}, "
-          f"block {bs}, C prefill kernel: {cpu_prefill_attention.isa()}\n\n| dtype | B | context | m | "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {HQ}/{HKV} heads, D={D}, "
+          f"block {BS}, C prefill kernel: {cpu_prefill_attention.isa()}\n\n| dtype | B | context | m | "
           "decode rows ms | short ms | SDPA ms | C prefill ms | plan ms: rows / short / SDPA / C |\n"
           "|---|---|---|---|---|---|---|---|---|")
     for dtype, batch, ctx in ((t, b, c) for t in (torch.float32, torch.bfloat16) for b in (1, 16)
                               for c in (128, 512, 2048)):
-        nb = batch * ctx // bs
-        k, v = (torch.randn(nb, bs, hkv, d).to(dtype) for _ in range(2))
+        nb = batch * ctx // BS
+        k, v = (torch.randn(nb, BS, HKV, D).to(dtype) for _ in range(2))
         tables, lens = torch.randperm(nb).view(batch, -1).int(), torch.full((batch,), ctx).int()
-        kernel = cpu_prefill_attention.runs_on(k, hq)
+        kernel = cpu_prefill_attention.runs_on(k, HQ)
         for m in (1, 2, 4, 8, 16, 32):
-            qsl, q = (torch.arange(batch + 1) * m).int(), torch.randn(batch * m, hq, d).to(dtype)
+            qsl, q = (torch.arange(batch + 1) * m).int(), torch.randn(batch * m, HQ, D).to(dtype)
             bounds = [(m, m, False), (0, m, False), (0, 0, False)] + ([(0, 0, True)] if kernel else [])
-            plans = [lambda r=r, s=s, c=c: cpu.plan_attention(tables, lens, qsl, k, hq, max_decode_rows=r,
-                                                              max_short_query=s, prefill_kernel=c)
+            plans = [lambda r=r, s=s, c=c: cpu_attention.plan_attention(
+                         tables, lens, qsl, k, HQ, max_decode_rows=r, max_short_query=s, prefill_kernel=c)
                      for r, s, c in bounds]   # each path takes every sequence
             built = [p() for p in plans]
-            calls = [lambda p=p: cpu.paged_attention(q, k, v, p, d ** -0.5) for p in built] + plans
+            calls = [lambda p=p: cpu_attention.paged_attention(q, k, v, p, D ** -0.5) for p in built] + plans
             rounds = [[timeit.timeit(f, number=1) * 1e3 for f in calls] for _ in range(runs + 1)]
             t = [sorted(col)[runs // 2] for col in zip(*rounds[1:])]   # round 0 warms up
             n = len(built)

@@ -177,15 +177,11 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
     # The C prefill kernel beats the short path at every length past the decode rows (stop 42
     # in docs/benchmarks.md: 2-5x in fp32, 1.0-2.5x in bf16), so with it there is no short path.
     max_short_query = max_decode_rows if prefill_kernel else max(max_short_query, max_decode_rows)
-    prefills, kernel_prefill = [], None
     long = (query_lens > max_short_query).nonzero().flatten()
-    if prefill_kernel and long.numel():
-        max_blocks = -(-int(seq_lens[long].max()) // block_size)
-        kernel_prefill = KernelPrefillPlan(
-            qsl[long].to(torch.int32), query_lens[long].to(torch.int32), seq_lens[long].to(torch.int32),
-            block_tables[long, :max_blocks].to(torch.int32).contiguous())
-        long = long[:0]
-    for s in long.tolist():
+    kernel_prefill = _plan_kernel_prefill(long, qsl, query_lens, seq_lens, block_tables, block_size) \
+        if prefill_kernel and long.numel() else None
+    prefills = []
+    for s in ([] if prefill_kernel else long.tolist()):
         n, seq_len = int(query_lens[s]), int(seq_lens[s])
         blocks = block_tables[s, :-(-seq_len // block_size)].long()
         # Query i sits at position seq_len - n + i and sees the keys up to there.
@@ -217,6 +213,13 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
     return AttentionPlan(_plan_decode(qsl[seq] + offset, lens, block_tables[seq], k_cache,
                                       num_q_heads, decode_kernel), prefills, shorts, decode_kernel,
                          kernel_prefill)
+
+
+def _plan_kernel_prefill(seqs, qsl, query_lens, seq_lens, block_tables, block_size) -> KernelPrefillPlan:
+    max_blocks = -(-int(seq_lens[seqs].max()) // block_size)
+    return KernelPrefillPlan(qsl[seqs].to(torch.int32), query_lens[seqs].to(torch.int32),
+                             seq_lens[seqs].to(torch.int32),
+                             block_tables[seqs, :max_blocks].to(torch.int32).contiguous())
 
 
 def _plan_short(starts, query_lens, lens, tables, k_cache) -> ShortPlan:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cbuild, cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf
-from worker.kept import kept, machine_key
+from worker.kept import how, kept, machine_key, timed
 
 logger = logging.getLogger(__name__)
 
@@ -57,18 +57,15 @@ def choose(wanted: bool, shape: tuple[int, int], dtype: torch.dtype, again: bool
     builds = [cbuild.library_path(k.SOURCE, k.FLAGS).name if on else "-"
               for k, on in ((cpu_gemm, fp32), (cpu_gemm_bf16, bf16))]
     started = time.perf_counter()
-    # The rows timed are in the key: a bound kept from another list of them is measured again.
-    timed = "timed=" + ",".join(map(str, FP32_ROWS)) + "/" + ",".join(map(str, BF16_ROWS))
-    found, was_kept = kept(CACHE_NAME, machine_key(f"shape={shape[0]}x{shape[1]}", *builds, timed),
+    found, was_kept = kept(CACHE_NAME, machine_key(f"shape={shape[0]}x{shape[1]}", *builds,
+                                                   timed(FP32_ROWS, BF16_ROWS)),
                            lambda: asdict(measure(fp32, bf16, shape)), set(asdict(CpuMatmul())), again)
     choice = CpuMatmul(**found)
-    how = ("as measured before on this machine" if was_kept
-           else f"measured in {time.perf_counter() - started:.1f} s")
     said = f"fp32 projections of up to {choice.fp32_kernel_rows} rows run through kernels/cpu_gemm.c"
     if bf16:
         said += (f", bf16 ones of up to {choice.bf16_kernel_rows} through kernels/cpu_gemm_bf16.c"
                  + (" and larger ones in fp32 on widened operands" if choice.bf16_widen else ""))
-    logger.info("%s (%s)", said, how)
+    logger.info("%s (%s)", said, how(was_kept, started))
     return choice
 
 
@@ -97,19 +94,17 @@ def choose_gguf(wanted: bool, shape: tuple[int, int], kind: str, again: bool = F
     """The rows up to which GGUF projections (kind "q8_0" or "q4_1") of a [shape] weight run
     through kernels/cpu_gemm_gguf.c on this machine; larger products dequantize the blocks for
     torch's GEMM. Measured at a machine's first start and kept, as choose()'s bounds are (where
-    they cross is the machine's: about 64 rows on an AVX-512 Xeon and on a Zen 5 EPYC, by
-    bench/bench_gemm.py); GGUF_DEFAULT_ROWS with --cpu-matmul torch."""
+    they cross is the machine's: about 64 rows on an AVX-512 Xeon by bench/bench_gemm.py; 128
+    for Q4_1 and 64 for Q8_0 on a Zen 5 EPYC); GGUF_DEFAULT_ROWS with --cpu-matmul torch."""
     if not (wanted and cpu_gemm_gguf.available()):
         return GGUF_DEFAULT_ROWS
     build = cbuild.library_path(cpu_gemm_gguf.SOURCE, cpu_gemm_gguf.FLAGS).name
     started = time.perf_counter()
-    timed = "timed=" + ",".join(map(str, GGUF_ROWS))
-    found, was_kept = kept(CACHE_NAME, machine_key(f"shape={shape[0]}x{shape[1]}", kind, build, timed),
+    found, was_kept = kept(CACHE_NAME, machine_key(f"shape={shape[0]}x{shape[1]}", kind, build, timed(GGUF_ROWS)),
                            lambda: {"gguf_kernel_rows": measure_gguf(shape, kind)}, {"gguf_kernel_rows"}, again)
     rows = found["gguf_kernel_rows"]
-    how = ("as measured before on this machine" if was_kept
-           else f"measured in {time.perf_counter() - started:.1f} s")
-    logger.info("%s projections of up to %d rows run through kernels/cpu_gemm_gguf.c (%s)", kind, rows, how)
+    logger.info("%s projections of up to %d rows run through kernels/cpu_gemm_gguf.c (%s)", kind, rows,
+                how(was_kept, started))
     return rows
 
 

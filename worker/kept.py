@@ -1,6 +1,6 @@
 """Measurements a worker makes of its machine at start-up, kept for the next start: the CPU
-kernels' row bounds (worker/cpu_matmul.py) and the prefill rate the scheduler's deadlines use
-(worker/runner.py). Each kind is one JSON file in the cache folder (PAGODA_CACHE, else
+kernels' row bounds (worker/cpu_matmul.py), the one-C-call decode step's bound and the prefill
+rate the scheduler's deadlines use (worker/startup_measurements.py). Each kind is one JSON file in the cache folder (PAGODA_CACHE, else
 ~/.cache/pagoda), keyed by what the figure depends on; delete the file to measure again.
 
 Workers starting together on a machine take turns (a lock beside the file): one measures, the
@@ -15,6 +15,7 @@ import logging
 import os
 import platform
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -36,6 +37,18 @@ def machine_key(*parts: object) -> str:
     except OSError:
         pass
     return "|".join([cpu, torch.__version__, f"threads={torch.get_num_threads()}", *map(str, parts)])
+
+
+def timed(*counts: tuple[int, ...]) -> str:
+    """The key part naming the row or sequence counts a measurement times: a figure kept from
+    another list of them is measured again, not read back."""
+    return "timed=" + "/".join(",".join(map(str, c)) for c in counts)
+
+
+def how(was_kept: bool, started: float) -> str:
+    """How a kept figure was had, for its log line (started: time.perf_counter() before kept())."""
+    return ("as measured before on this machine" if was_kept
+            else f"measured in {time.perf_counter() - started:.1f} s")
 
 
 def kept(name: str, key: str, measure: Callable[[], dict], fields: set[str],

@@ -17,7 +17,7 @@ from worker import fused_decode, layers
 from worker.cpu_matmul import bound
 from worker.cache import CacheEngine
 from worker.input_batch import InputBatch
-from worker.kept import kept, machine_key
+from worker.kept import how, kept, machine_key, timed
 from worker.worker_flags import DECODE_STEP_TOKENS
 
 
@@ -106,7 +106,7 @@ def measure_decode_step_bound(runner) -> None:
     need = -(-(DECODE_CONTEXT + 1) // runner.block_size)
     most = max(DECODE_STEP_TOKENS)
 
-    def timed() -> dict:
+    def timings() -> dict:
         batch = InputBatch(runner.max_model_len, runner.block_size)
         for i in range(most):
             batch.add(i, [0] * (DECODE_CONTEXT + 1), range(i * need, (i + 1) * need), DECODE_CONTEXT,
@@ -134,15 +134,13 @@ def measure_decode_step_bound(runner) -> None:
 
     started = time.perf_counter()
     if runner.args.cpu_decode_step_tokens is not None:
-        step.max_tokens, how = runner.args.cpu_decode_step_tokens, "--cpu-decode-step-tokens"
+        step.max_tokens, said = runner.args.cpu_decode_step_tokens, "--cpu-decode-step-tokens"
     elif most * need > runner.cache.num_blocks:
-        how = "the default: the KV cache is too small to time it in"
+        said = "the default: the KV cache is too small to time it in"
     else:
         build = cbuild.library_path(cpu_decode_layer.SOURCE, cpu_decode_layer.FLAGS).name
         key = machine_key(runner.config, runner.dtype, step.shape.kind, DECODE_CONTEXT, layers.CPU, build,
-                          "timed=" + ",".join(map(str, DECODE_STEP_TOKENS)))
-        found, was_kept = kept("decode-step", key, timed, {"max_tokens"}, runner.args.measure_again)
-        step.max_tokens = found["max_tokens"]
-        how = ("as measured before on this machine" if was_kept
-               else f"measured in {time.perf_counter() - started:.1f} s")
-    fused_decode.log.info("decode steps of up to %d tokens run as one C call (%s)", step.max_tokens, how)
+                          timed(DECODE_STEP_TOKENS))
+        found, was_kept = kept("decode-step", key, timings, {"max_tokens"}, runner.args.measure_again)
+        step.max_tokens, said = found["max_tokens"], how(was_kept, started)
+    fused_decode.log.info("decode steps of up to %d tokens run as one C call (%s)", step.max_tokens, said)
