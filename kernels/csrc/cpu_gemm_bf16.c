@@ -75,7 +75,7 @@ static inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 // vector loaded once for the MR rows, each x vector once for the 4 weight rows; s[i * 4 + j].
 __attribute__((always_inline, target("avx512f,avx512bw,avx512bf16")))
 static inline void tile_avx512bf16(const uint16_t *x, int64_t ldx, const uint16_t *const w[4], int64_t ldw,
-                                   int64_t K, float *s, const int MR, int prefetch) {
+                                   int64_t K, float *s, const int MR, const uint16_t *ahead, int ahead_rows) {
     __m512 a[4][4];
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < 4; j++) a[i][j] = _mm512_setzero_ps();
@@ -83,8 +83,7 @@ static inline void tile_avx512bf16(const uint16_t *x, int64_t ldx, const uint16_
     for (; k + 32 <= K; k += 32) {
         __m512bh wv[4];
         for (int j = 0; j < 4; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + k);
-        if (prefetch)  // the next group's rows: four short streams lose the hardware prefetcher
-            for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(w[j] + 4 * ldw + k), _MM_HINT_T0);
+        for (int r = 0; r < ahead_rows; r++) _mm_prefetch((const char *)(ahead + r * ldw + k), _MM_HINT_T0);
         for (int i = 0; i < MR; i++) {
             const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * ldx + k);
             for (int j = 0; j < 4; j++) a[i][j] = _mm512_dpbf16_ps(a[i][j], xv, wv[j]);
@@ -106,28 +105,40 @@ static inline void tile_avx512bf16(const uint16_t *x, int64_t ldx, const uint16_
 // L1 beside a tile of x), the blocks split over the threads; for each block, every 4 rows of x
 // against each group: a tile of x is read from L2 once per block, not once per group, and the
 // weights stream from memory once. A group past N's end repeats its last row and drops its sums.
+// The next block is prefetched a few rows a tile over all of the block's tiles: prefetched only
+// while the first rows of x passed (as before), memory idled while the others did, and 8-48 rows
+// ran 5-19% slower (bench/bench_gemm.py --dtype bfloat16).
 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 static void xwt_avx512bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, uint16_t *out,
                            int64_t ldo, int M, int64_t N, int64_t K, int threads) {
     const int64_t groups = (N + 3) / 4;
     const int64_t fit = 24576 / (4 * 2 * K), per_block = fit < 1 ? 1 : fit > 4 ? 4 : fit;
     const int64_t blocks = (groups + per_block - 1) / per_block;
+    const int64_t tiles = (M + 3) / 4 * per_block, block_rows = 4 * per_block;
+    const int64_t rows_per_tile = (block_rows + tiles - 1) / tiles;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t g1 = (b + 1) * per_block < groups ? (b + 1) * per_block : groups;
+        // The next block's rows are requested a few per tile over all of this block's tiles, so
+        // that memory streams while every row of x passes over this block, not only the first.
+        const int64_t next = g1 * 4, next_end = next + block_rows < N ? next + block_rows : N;
+        int64_t t = 0;
         for (int m = 0; m < M; m += 4) {
             const int mr = M - m < 4 ? M - m : 4;
             const uint16_t *xm = x + m * ldx;
-            for (int64_t g = b * per_block; g < g1; g++) {
+            for (int64_t g = b * per_block; g < g1; g++, t++) {
                 const int64_t n = g * 4;
-                const int nr = N - n < 4 ? (int)(N - n) : 4, ahead = m == 0 && g + 1 < groups;
+                const int nr = N - n < 4 ? (int)(N - n) : 4;
+                const int64_t a0 = next + t * rows_per_tile, a1 = a0 + rows_per_tile < next_end ? a0 + rows_per_tile : next_end;
+                const int ahead_rows = a1 > a0 ? (int)(a1 - a0) : 0;
+                const uint16_t *ahead = w + a0 * ldw;
                 const uint16_t *rows[4];
                 for (int j = 0; j < 4; j++) rows[j] = w + (n + (j < nr ? j : nr - 1)) * ldw;
                 float s[16];
-                if (mr == 4) tile_avx512bf16(xm, ldx, rows, ldw, K, s, 4, ahead);
-                else if (mr == 3) tile_avx512bf16(xm, ldx, rows, ldw, K, s, 3, ahead);
-                else if (mr == 2) tile_avx512bf16(xm, ldx, rows, ldw, K, s, 2, ahead);
-                else tile_avx512bf16(xm, ldx, rows, ldw, K, s, 1, ahead);
+                if (mr == 4) tile_avx512bf16(xm, ldx, rows, ldw, K, s, 4, ahead, ahead_rows);
+                else if (mr == 3) tile_avx512bf16(xm, ldx, rows, ldw, K, s, 3, ahead, ahead_rows);
+                else if (mr == 2) tile_avx512bf16(xm, ldx, rows, ldw, K, s, 2, ahead, ahead_rows);
+                else tile_avx512bf16(xm, ldx, rows, ldw, K, s, 1, ahead, ahead_rows);
                 for (int i = 0; i < mr; i++)
                     for (int j = 0; j < nr; j++) out[(m + i) * ldo + n + j] = to_bf16(s[i * 4 + j]);
             }

@@ -24,9 +24,17 @@ def test_cpu_rows_past_the_batch_are_left_alone_and_the_plan_serves_every_layer(
         assert (out[4:] == 7.0).all()
 
 
+def _slots(kind: str, num_slots: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """Scattered slots, or a prefill's runs: consecutive slots from mid-block across block ends."""
+    if kind == "scattered":
+        return torch.randperm(num_slots, generator=gen)[:n]
+    return torch.cat([torch.arange(5, 5 + n // 2), torch.arange(num_slots - 1 - (n - n // 2), num_slots - 1)])
+
+
+@pytest.mark.parametrize("slots_kind", ["scattered", "runs"])
 @pytest.mark.parametrize("path", ["c", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_cpu_write_kv_keeps_keys_transposed_within_blocks(dtype, path):
+def test_cpu_write_kv_keeps_keys_transposed_within_blocks(dtype, path, slots_kind):
     from kernels import cpu_decode_attention
     if path == "c" and not cpu_decode_attention.available():
         pytest.skip("no C kernel on this CPU")
@@ -38,8 +46,8 @@ def test_cpu_write_kv_keeps_keys_transposed_within_blocks(dtype, path):
     cpu.key_blocks(k_cache).copy_(want_k.permute(0, 2, 3, 1))
     kv = torch.randn(n, 2, hkv, d + 8, generator=gen)              # strided float32 views
     key, value = kv[:, 0, :, :d], kv[:, 1, :, :d]
-    slots = torch.randperm(num_blocks * bs, generator=gen)[:n]
-    slots[::5] = -1                                                  # skipped tokens
+    slots = _slots(slots_kind, num_blocks * bs, n, gen)
+    slots[::7] = -1                                                  # skipped tokens
     ref.write_kv(key, value, want_k, want_v, slots)
     cpu.write_kv(key, value, k_cache, v_cache, slots, kernel=path == "c")
     assert torch.equal(v_cache, want_v)
