@@ -25,7 +25,7 @@ _kernel = cbuild.IsaKernel(
     SOURCE, FLAGS, "pagoda_decode_attention_isa", "pagoda_decode_attention",
     [_c.c_void_p, _c.c_int64, _c.c_void_p, _c.c_void_p, _c.c_int, _c.c_void_p, _c.c_void_p, _c.c_void_p,
      _c.c_int64, _c.c_int, _c.c_int, _c.c_int, _c.c_int, _c.c_int, _c.c_float, _c.c_void_p, _c.c_int64,
-     _c.c_int, _c.c_int, _c.c_int, _c.c_int],
+     _c.c_int, _c.c_int, _c.c_int, _c.c_int, _c.c_int],
     ISA_NAMES, "attending with torch ops")
 available, isa, supported_isas = _kernel.available, _kernel.isa, _kernel.supported_isas
 
@@ -50,18 +50,26 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: 
     num_rows = rows.numel()
     if num_rows == 0:
         return
-    qf = q if q.dtype == torch.float32 and q.is_contiguous() else q.float().contiguous()
-    target = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(qf)
     rows32, lens32 = rows.to(torch.int32).contiguous(), lens.to(torch.int32).contiguous()
     tables = tables.to(torch.int32).contiguous()
     width = tables.shape[1] * block_size
-    _kernel.fn(qf.data_ptr(), num_q_heads * head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
+    # bf16 q and out (a bf16 model's) are read and written where they lie: q is the rows of the
+    # fused qkv projection (row stride its width); else fp32 copies.
+    io = 1 if q.dtype == out.dtype == torch.bfloat16 and _rows_of_heads(q) and _rows_of_heads(out) else 0
+    qf = q if io or (q.dtype == torch.float32 and q.is_contiguous()) else q.float().contiguous()
+    target = out if io or (out.dtype == torch.float32 and out.is_contiguous()) else torch.empty_like(qf)
+    _kernel.fn(qf.data_ptr(), qf.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                DTYPES[k_cache.dtype], rows32.data_ptr(), lens32.data_ptr(), tables.data_ptr(),
                tables.shape[1], num_rows, num_q_heads, num_kv_heads, head_dim, block_size, scale,
-               target.data_ptr(), num_q_heads * head_dim, width, torch.get_num_threads(),
-               isa or _kernel.best, grouping)
+               target.data_ptr(), target.stride(0), width, torch.get_num_threads(),
+               isa or _kernel.best, grouping, io)
     if target is not out:
         out.index_copy_(0, rows, target.index_select(0, rows).to(out.dtype))
+
+
+def _rows_of_heads(x: torch.Tensor) -> bool:
+    """Whether x [tokens, heads, D] holds each token's heads side by side (any row stride)."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

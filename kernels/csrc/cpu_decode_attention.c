@@ -256,33 +256,44 @@ static inline void attend_grouped(const float *q, const void *k_cache, const voi
 #undef GROUP
 }
 
-// The floats of scratch a thread passes attend_task: G * (width + 8 D), for a group's scores and
-// scaled queries (8 D: attend_group16_bf16's paired ones; one head uses the first width + D).
+// The floats of scratch a thread passes attend_task: G * (width + 10 D), for a group's scores,
+// scaled queries (8 D: attend_group16_bf16's paired ones; one head uses the first width + D), and
+// bf16 q and out widened (the last 2 G D).
 static inline size_t attend_scratch(int Hq, int Hkv, int D, int width) {
-    return (size_t)(Hq / Hkv) * (size_t)(width + 8 * D);
+    return (size_t)(Hq / Hkv) * (size_t)(width + 10 * D);
 }
 
 // One task of a layer's decode attention. Tasks are (row, kv head) pairs, each its G query heads
 // together, where there are enough of them to share among the threads (grouped); else (row, query
 // head) pairs, so that one row's 9 heads keep two threads busy where its 3 kv heads would not.
-// s: scratch of attend_scratch(...) floats.
+// s: scratch of attend_scratch(...) floats. io: q and out fp32 (0) or bf16 (1: the task's heads
+// widened into scratch, and its outputs rounded from there, to nearest even).
 __attribute__((always_inline))
-static inline void attend_task(int64_t task, int grouped, const float *q, int64_t ldq, const void *k_cache,
+static inline void attend_task(int64_t task, int grouped, const void *q, int64_t ldq, const void *k_cache,
                                const void *v_cache, const int32_t *rows, const int32_t *lens,
                                const int32_t *tables, int64_t ldt, int Hq, int Hkv, int D, int bs,
-                               float scale, float *out, int64_t ldo, int width, float *s, const int dtype,
-                               const int wide) {
-    const int G = Hq / Hkv, per_row = grouped ? Hkv : Hq;
+                               float scale, void *out, int64_t ldo, int width, float *s, const int dtype,
+                               const int wide, const int io) {
+    const int G = Hq / Hkv, per_row = grouped ? Hkv : Hq, n = (grouped ? G : 1) * D;
     const int r = (int)(task / per_row), head = (int)(task % per_row);
     const int hq = grouped ? head * G : head;
-    const float *qh = q + rows[r] * ldq + (int64_t)hq * D;
-    float *oh = out + rows[r] * ldo + (int64_t)hq * D;
+    const int64_t at_q = rows[r] * ldq + (int64_t)hq * D, at_out = rows[r] * ldo + (int64_t)hq * D;
+    const float *qh = (const float *)q + at_q;
+    float *oh = (float *)out + at_out;
+    if (io == 1) {
+        float *qb = s + (int64_t)G * (width + 8 * D);
+        for (int i = 0; i < n; i++) qb[i] = load_elem(q, at_q + i, 1);
+        qh = qb;
+        oh = qb + n;
+    }
     if (grouped)
         attend_grouped(qh, k_cache, v_cache, tables + r * ldt, lens[r], head, Hkv, D, bs, scale, width,
                        s, s + (int64_t)G * width, oh, dtype, G, wide);
     else
         attend(qh, k_cache, v_cache, tables + r * ldt, lens[r], hq / G, Hkv, D, bs, scale, s, s + width,
                oh, dtype);
+    if (io == 1)
+        for (int i = 0; i < n; i++) ((uint16_t *)out)[at_out + i] = to_bf16(oh[i]);
 }
 
 // How a layer's attention is split: grouped for a bf16 cache, where each widened load then serves
@@ -293,24 +304,25 @@ static inline int attend_grouped_here(int num_rows, int Hq, int Hkv, int D, int 
     return dtype == 1 && groups_fit(Hq / Hkv, D, bs) && (int64_t)num_rows * Hkv >= 4 * (int64_t)threads;
 }
 
+#define TASK(DTYPE, IO, WIDE) attend_task(t, grouped, q, ldq, k_cache, v_cache, rows, lens, tables, ldt, Hq, Hkv, \
+                                    D, bs, scale, out, ldo, width, s, DTYPE, WIDE, IO)
 #define RUN(ISA, TARGET, WIDE)                                                                        \
     __attribute__((target(TARGET)))                                                                   \
-    static void run_##ISA(const float *q, int64_t ldq, const void *k_cache, const void *v_cache,      \
+    static void run_##ISA(const void *q, int64_t ldq, const void *k_cache, const void *v_cache,       \
                           int dtype, const int32_t *rows, const int32_t *lens, const int32_t *tables, \
                           int64_t ldt, int num_rows, int Hq, int Hkv, int D, int bs, float scale,     \
-                          float *out, int64_t ldo, int width, int threads, int grouped) {             \
+                          void *out, int64_t ldo, int width, int threads, int grouped, int io) {      \
         const int64_t tasks = (int64_t)num_rows * (grouped ? Hkv : Hq);                               \
         _Pragma("omp parallel num_threads(threads)")                                                  \
         {                                                                                             \
             float *s = malloc(attend_scratch(Hq, Hkv, D, width) * sizeof(float));                     \
             _Pragma("omp for schedule(static)")                                                       \
             for (int64_t t = 0; t < tasks; t++) {                                                     \
-                if (dtype == 0)                                                                       \
-                    attend_task(t, grouped, q, ldq, k_cache, v_cache, rows, lens, tables, ldt, Hq, Hkv, \
-                                D, bs, scale, out, ldo, width, s, 0, WIDE);                           \
-                else                                                                                  \
-                    attend_task(t, grouped, q, ldq, k_cache, v_cache, rows, lens, tables, ldt, Hq, Hkv, \
-                                D, bs, scale, out, ldo, width, s, 1, WIDE);                           \
+                if (dtype == 0) {                                                                     \
+                    if (io == 0) TASK(0, 0, WIDE); else TASK(0, 1, WIDE);                          \
+                } else {                                                                              \
+                    if (io == 0) TASK(1, 0, WIDE); else TASK(1, 1, WIDE);                          \
+                }                                                                                     \
             }                                                                                         \
             free(s);                                                                                  \
         }                                                                                             \
@@ -318,20 +330,21 @@ static inline int attend_grouped_here(int num_rows, int Hq, int Hkv, int D, int 
 
 RUN(avx512, "avx512f", 1)
 RUN(avx2, "avx2,fma", 0)
+#undef TASK
 
-// q [tokens, Hq, D] fp32 with row stride ldq (elements); out likewise (ldo); rows[i]: decode row
-// i's token in q and out; lens[i] >= 1 its visible positions; tables [num_rows, ldt] its blocks.
-// width: at least the largest ceil(len / bs) * bs (the scores' scratch). isa: 2 AVX-512F, 1 AVX2.
-// grouping: 1 query heads grouped by kv head where the shapes fit, 0 never, -1 as
-// attend_grouped_here decides (the tests run both).
-void pagoda_decode_attention(const float *q, int64_t ldq, const void *k_cache, const void *v_cache,
+// q [tokens, Hq, D] with row stride ldq (elements); out likewise (ldo); both fp32 (io 0) or bf16
+// (io 1); rows[i]: decode row i's token in q and out; lens[i] >= 1 its visible positions; tables
+// [num_rows, ldt] its blocks. width: at least the largest ceil(len / bs) * bs (the scores'
+// scratch). isa: 2 AVX-512F, 1 AVX2. grouping: 1 query heads grouped by kv head where the shapes
+// fit, 0 never, -1 as attend_grouped_here decides (the tests run both).
+void pagoda_decode_attention(const void *q, int64_t ldq, const void *k_cache, const void *v_cache,
                              int dtype, const int32_t *rows, const int32_t *lens, const int32_t *tables,
                              int64_t ldt, int num_rows, int Hq, int Hkv, int D, int bs, float scale,
-                             float *out, int64_t ldo, int width, int threads, int isa, int grouping) {
+                             void *out, int64_t ldo, int width, int threads, int isa, int grouping, int io) {
     const int grouped = grouping < 0 ? attend_grouped_here(num_rows, Hq, Hkv, D, bs, dtype, threads)
                                      : grouping && groups_fit(Hq / Hkv, D, bs);
-    (isa == 2 ? run_avx512 : run_avx2)(q, ldq, k_cache, v_cache, dtype, rows, lens, tables, ldt,
-                                       num_rows, Hq, Hkv, D, bs, scale, out, ldo, width, threads, grouped);
+    (isa == 2 ? run_avx512 : run_avx2)(q, ldq, k_cache, v_cache, dtype, rows, lens, tables, ldt, num_rows,
+                                       Hq, Hkv, D, bs, scale, out, ldo, width, threads, grouped, io);
 }
 
 // Keys of n tokens (rows [n, row], the cache's elements) into positions o..o+n-1 of one block's

@@ -220,11 +220,11 @@ static inline float silu(float x) {
                     if (p->cache_dtype == 0)                                                           \
                         attend_task(task, grouped, qkv, nqkv, L->k_cache, L->v_cache, p->rows, p->lens, \
                                     p->tables, p->ldt, Hq, Hkv, D, p->bs, p->scale, attn, (int64_t)Hq * D, \
-                                    width, s, 0, WIDE);                                                \
+                                    width, s, 0, WIDE, 0);                                             \
                     else                                                                               \
                         attend_task(task, grouped, qkv, nqkv, L->k_cache, L->v_cache, p->rows, p->lens, \
                                     p->tables, p->ldt, Hq, Hkv, D, p->bs, p->scale, attn, (int64_t)Hq * D, \
-                                    width, s, 1, WIDE);                                                \
+                                    width, s, 1, WIDE, 0);                                             \
                 }                                                                                      \
                 gemv(DOTS, MOST, attn, (int64_t)Hq * D, T, L->o, L->ld_o, p->wtype, H, (int64_t)Hq * D, \
                      p->h, H, 1);                                                                      \

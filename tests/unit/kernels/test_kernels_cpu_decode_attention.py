@@ -75,6 +75,30 @@ def test_rows_it_is_not_given_are_left_alone_and_rows_map_to_their_tokens():
     assert bool((out[[1, 3, 5]] == 7.0).all())
 
 
+@pytest.mark.parametrize("grouping", [0, 1])
+def test_bf16_q_and_out_are_read_and_written_in_place_as_their_fp32_rounded(grouping):
+    """A bf16 model's q (rows of the fused qkv projection: a row stride past its heads) and out:
+    the kernel reads and writes them where they lie, and out's rows are the fp32 outputs rounded
+    to nearest even, bit for bit; other rows of out are left alone."""
+    if not cpu_decode_attention.available():
+        pytest.skip("no decode attention kernel on this CPU")
+    batch = Batch([30, 5, 64], [1, 1, 1], 9, 3, 64, 16, torch.bfloat16, seed=8)
+    k_cache = _key_layout(batch)
+    qkv = torch.randn(6, 15 * 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    q = qkv[:, :9 * 64].view(6, 9, 64)
+    q[[4, 0, 2]] = batch.q.bfloat16()
+    rows = torch.tensor([4, 0, 2])
+    for isa in cpu_decode_attention.supported_isas():
+        out = torch.full((6, 9, 64), 7.0, dtype=torch.bfloat16)
+        wide = torch.full((6, 9, 64), 7.0)
+        cpu_decode_attention.decode(q, k_cache, batch.v_cache, rows, batch.seq_lens, batch.block_tables,
+                                    batch.scale, out, isa=isa, grouping=grouping)
+        cpu_decode_attention.decode(q.float(), k_cache, batch.v_cache, rows, batch.seq_lens,
+                                    batch.block_tables, batch.scale, wide, isa=isa, grouping=grouping)
+        assert torch.equal(out[rows], wide[rows].bfloat16()), cpu_decode_attention.ISA_NAMES[isa]
+        assert bool((out[[1, 3, 5]] == 7.0).all())
+
+
 def test_a_block_table_too_short_for_its_row_is_refused_before_the_kernel_reads_past_it():
     if not cpu_decode_attention.available():
         pytest.skip("no decode attention kernel on this CPU")
