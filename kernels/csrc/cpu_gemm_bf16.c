@@ -71,11 +71,25 @@ static inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// MR (1-4) rows of x against 4 weight rows (w[j] for j < 4): 16 sums in registers, each weight
-// vector loaded once for the MR rows, each x vector once for the 4 weight rows; s[i * 4 + j].
+// Four sums rounded to bf16 as to_bf16 rounds (to nearest even, a NaN made quiet), in the low
+// half: one tile row's outputs in a few vector instructions instead of a scalar loop.
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+static inline __m128i round4_bf16(__m128 v) {
+    const __m128i u = _mm_castps_si128(v);
+    const __m128i lsb = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
+    const __m128i even = _mm_srli_epi32(_mm_add_epi32(_mm_add_epi32(u, _mm_set1_epi32(0x7fff)), lsb), 16);
+    const __m128i quiet = _mm_or_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(0x40));
+    const __m128i r = _mm_blendv_epi8(even, quiet, _mm_castps_si128(_mm_cmpunord_ps(v, v)));
+    return _mm_packus_epi32(r, r);
+}
+
+// MR (1-4) rows of x against 4 weight rows (w[j] for j < 4; nr of them kept): 16 sums in
+// registers, each weight vector loaded once for the MR rows, each x vector once for the 4 weight
+// rows; row i's sums rounded into out[i * ldo + j].
 __attribute__((always_inline, target("avx512f,avx512bw,avx512bf16")))
 static inline void tile_avx512bf16(const uint16_t *x, int64_t ldx, const uint16_t *const w[4], int64_t ldw,
-                                   int64_t K, float *s, const int MR, const uint16_t *ahead, int ahead_rows) {
+                                   int64_t K, uint16_t *out, int64_t ldo, int nr, const int MR,
+                                   const uint16_t *ahead, int ahead_rows) {
     __m512 a[4][4];
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < 4; j++) a[i][j] = _mm512_setzero_ps();
@@ -98,7 +112,16 @@ static inline void tile_avx512bf16(const uint16_t *x, int64_t ldx, const uint16_
             for (int j = 0; j < 4; j++) a[i][j] = _mm512_dpbf16_ps(a[i][j], xv, wv[j]);
         }
     }
-    for (int i = 0; i < MR; i++) _mm_storeu_ps(s + 4 * i, sum4(a[i][0], a[i][1], a[i][2], a[i][3]));
+    for (int i = 0; i < MR; i++) {
+        const __m128i r = round4_bf16(sum4(a[i][0], a[i][1], a[i][2], a[i][3]));
+        if (nr == 4) {
+            _mm_storel_epi64((__m128i *)(out + i * ldo), r);
+        } else {
+            uint16_t v[8];
+            _mm_storeu_si128((__m128i *)v, r);
+            for (int j = 0; j < nr; j++) out[i * ldo + j] = v[j];
+        }
+    }
 }
 
 // Weight rows in blocks of up to four groups of four (as many as fit 24 KB, so that they stay in
@@ -134,13 +157,11 @@ static void xwt_avx512bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, in
                 const uint16_t *ahead = w + a0 * ldw;
                 const uint16_t *rows[4];
                 for (int j = 0; j < 4; j++) rows[j] = w + (n + (j < nr ? j : nr - 1)) * ldw;
-                float s[16];
-                if (mr == 4) tile_avx512bf16(xm, ldx, rows, ldw, K, s, 4, ahead, ahead_rows);
-                else if (mr == 3) tile_avx512bf16(xm, ldx, rows, ldw, K, s, 3, ahead, ahead_rows);
-                else if (mr == 2) tile_avx512bf16(xm, ldx, rows, ldw, K, s, 2, ahead, ahead_rows);
-                else tile_avx512bf16(xm, ldx, rows, ldw, K, s, 1, ahead, ahead_rows);
-                for (int i = 0; i < mr; i++)
-                    for (int j = 0; j < nr; j++) out[(m + i) * ldo + n + j] = to_bf16(s[i * 4 + j]);
+                uint16_t *o = out + m * ldo + n;
+                if (mr == 4) tile_avx512bf16(xm, ldx, rows, ldw, K, o, ldo, nr, 4, ahead, ahead_rows);
+                else if (mr == 3) tile_avx512bf16(xm, ldx, rows, ldw, K, o, ldo, nr, 3, ahead, ahead_rows);
+                else if (mr == 2) tile_avx512bf16(xm, ldx, rows, ldw, K, o, ldo, nr, 2, ahead, ahead_rows);
+                else tile_avx512bf16(xm, ldx, rows, ldw, K, o, ldo, nr, 1, ahead, ahead_rows);
             }
         }
     }
