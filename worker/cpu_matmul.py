@@ -24,7 +24,7 @@ from worker.kept import how, kept, machine_key, timed
 logger = logging.getLogger(__name__)
 
 FP32_ROWS = (16, 64, 128, 256, 512, 1024)  # rows timed for the fp32 kernel, in order
-BF16_ROWS = (1, 2, 4, 8, 16, 32, 64)  # and for the bf16 kernel (few rows: decode steps)
+BF16_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # and for the bf16 kernel (decode steps, short chunks)
 GGUF_ROWS = (1, 16, 32, 64, 128, 256, 512, 1024)  # and for the GGUF kernel, against dequantized weights
 GGUF_DEFAULT_ROWS = 64  # the GGUF kernel's bound where it is not measured (--cpu-matmul torch)
 WIDEN_ROWS = 256  # a prefill-sized product, where torch's bf16 matmul shows what it can do
