@@ -26,6 +26,14 @@ FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 ISA_NAMES = {2: "AVX-512F", 1: "AVX2+FMA"}
 # Weight formats by their ggml type: GGUF blocks, or dense rows.
 DENSE = {"f32": (0, torch.float32), "bf16": (30, torch.bfloat16)}
+# The step with bf16 dot products against reference(bf16_dot=True), relative: both round the same
+# activations to bf16, but one within fp32's error of a rounding boundary can round the other way
+# (a bf16 step, 2^-8), which the next layers carry (measured up to 5e-3; 2e-7 where none did).
+BF16_DOT_TOL = 1e-2
+# Tokens from which a bf16 step takes the dot products: with fewer, the widened weights, one row
+# at a time, stream as fast or faster (1 token: 7.5 against 8.5 ms on a Zen 5 EPYC; 4: even; 8:
+# 21 against 13), and keep the activations in fp32.
+BF16_DOT_MIN_TOKENS = 5
 WTYPES = {**{kind: fmt[0] for kind, fmt in cpu_gemm_gguf.FORMATS.items()}, **{k: t for k, (t, _) in DENSE.items()}}
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -42,7 +50,7 @@ class DecodeStep(ctypes.Structure):
                 ("wtype", _i), ("cache_dtype", _i), ("num_rows", _i), ("threads", _i), ("isa", _i),
                 ("eps", _f), ("scale", _f), ("cis", _p), ("positions", _p), ("slots", _p),
                 ("rows", _p), ("lens", _p), ("tables", _p), ("ldt", ctypes.c_int64),
-                ("final_norm", _p), ("h", _p), ("out", _p)]
+                ("final_norm", _p), ("h", _p), ("out", _p), ("bf16_dot", _i)]
 
 
 _kernel = cbuild.IsaKernel(SOURCE, FLAGS, "pagoda_decode_layer_isa", "pagoda_decode_step",
@@ -90,14 +98,25 @@ def layers_array(weights: list[LayerWeights], kv_caches: list[tuple[torch.Tensor
     return arr
 
 
+def bf16_dot_here() -> bool:
+    """Whether decode steps over bf16 weights take AVX512-BF16 dot products here (else widened
+    weights against fp32 activations). Call only after available()."""
+    return bool(_kernel.function("pagoda_decode_layer_bf16_dot", [], _i)())
+
+
 def decode_step(layers, shape: Shape, final_norm: torch.Tensor, h: torch.Tensor, cis: torch.Tensor,
                 positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
-                tables: torch.Tensor, k_cache: torch.Tensor, isa: int | None = None) -> torch.Tensor:
+                tables: torch.Tensor, k_cache: torch.Tensor, isa: int | None = None,
+                bf16_dot: bool | None = None) -> torch.Tensor:
     """The final-normed hidden states [T, H] of the step. h: the embeddings [T, H] (fp32,
     contiguous; summed into in place: the residual stream). cis: complex64 [positions, D / 2].
     positions, slots: int64 [T]; rows, lens: int32 [R]; tables: int32 [R, blocks] (the decode
-    plan's, every token a row). k_cache: any layer's (for its layout and dtype). Call only after
+    plan's, every token a row). k_cache: any layer's (for its layout and dtype). bf16_dot: bf16
+    weights' products in dot products on activations rounded to bf16, as torch's bf16 model
+    rounds them (None: from BF16_DOT_MIN_TOKENS tokens where this CPU has them). Call only after
     available(), with bounds already checked (C checks none)."""
+    if bf16_dot is None:
+        bf16_dot = shape.kind == "bf16" and h.shape[0] >= BF16_DOT_MIN_TOKENS and bf16_dot_here()
     T = h.shape[0]
     out = torch.empty_like(h)
     num_blocks, bs, num_kv_heads, head_dim = k_cache.shape
@@ -108,7 +127,7 @@ def decode_step(layers, shape: Shape, final_norm: torch.Tensor, h: torch.Tensor,
                    scale=shape.head_dim ** -0.5, cis=cis.data_ptr(), positions=positions.data_ptr(),
                    slots=slots.data_ptr(), rows=rows.data_ptr(), lens=lens.data_ptr(),
                    tables=tables.data_ptr(), ldt=tables.stride(0), final_norm=final_norm.data_ptr(),
-                   h=h.data_ptr(), out=out.data_ptr())
+                   h=h.data_ptr(), out=out.data_ptr(), bf16_dot=int(bf16_dot and shape.kind == "bf16"))
     _kernel.fn(ctypes.addressof(layers), len(layers), ctypes.byref(p))
     return out
 
@@ -116,10 +135,11 @@ def decode_step(layers, shape: Shape, final_norm: torch.Tensor, h: torch.Tensor,
 def reference(weights: list[LayerWeights], shape: Shape, final_norm: torch.Tensor, h: torch.Tensor,
               cis: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
               kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lens: torch.Tensor,
-              tables: torch.Tensor) -> torch.Tensor:
+              tables: torch.Tensor, bf16_dot: bool = False) -> torch.Tensor:
     """decode_step in float64 (each token t a decode row over lens[t] positions of tables[t]),
-    on the dequantized (or widened) weights; writes the step's K/V into the caches, rounded to their dtype,
-    as the kernel does. Returns float64 [T, H]."""
+    on the dequantized (or widened) weights, each projection's input rounded to bf16 first with
+    bf16_dot; writes the step's K/V into the caches, rounded to their dtype, as the kernel does.
+    Returns float64 [T, H]."""
     from kernels.cpu_attention import key_blocks
     T, D = h.shape[0], shape.head_dim
     Hq, Hkv = shape.num_heads, shape.num_kv_heads
@@ -131,6 +151,8 @@ def reference(weights: list[LayerWeights], shape: Shape, final_norm: torch.Tenso
 
     def mm(v, rows):
         if shape.kind in DENSE:
+            if bf16_dot and shape.kind == "bf16":
+                v = v.float().bfloat16().double()  # the kernel rounds its fp32 activations
             return v @ rows.double().t()
         return v @ cpu_gemm_gguf.dequantize(rows, shape.kind, torch.float64).t()
 
@@ -186,10 +208,11 @@ def agrees_with_reference(kind: str = "q4_1") -> bool:
     cis = torch.polar(torch.ones_like(angles), angles)
     positions, slots = torch.tensor([5, 20]), torch.tensor([5, 3 * 16 + 4])
     lens, tables = torch.tensor([6, 21], dtype=torch.int32), torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
-    want = reference(weights, shape, final_norm, h, cis, positions, slots, ref_caches, lens, tables)
+    dot = kind == "bf16" and bf16_dot_here()
+    want = reference(weights, shape, final_norm, h, cis, positions, slots, ref_caches, lens, tables, dot)
     got = decode_step(layers_array(weights, caches), shape, final_norm, h.clone(), cis, positions, slots,
-                      torch.arange(2, dtype=torch.int32), lens, tables, caches[0][0])
-    ok = bool(((got.double() - want).abs() <= 1e-4 * want.abs().clamp(min=1)).all())
+                      torch.arange(2, dtype=torch.int32), lens, tables, caches[0][0], bf16_dot=dot)
+    ok = bool(((got.double() - want).abs() <= (BF16_DOT_TOL if dot else 1e-4) * want.abs().clamp(min=1)).all())
     if not ok:
         logging.getLogger(__name__).warning(
             "the decode step kernel (%s) disagrees with float64 on this machine: it is off", isa())

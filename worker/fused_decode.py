@@ -34,7 +34,9 @@ from worker.layers import Linear
 # start-up (worker/startup_measurements.py measure_decode_step_bound); MAX_DENSE_TOKENS until
 # then, or where the pool is too small to time in. On an AVX2 EPYC the C step won at 8 decodes
 # (fp32 58 against 60 ms, bf16 53 against 65) and lost at 32 in fp32 (174 against 143); on a
-# Zen 5 it lost from 4 in fp32 and 6 in bf16 (bench/profile_cpu.py --fused-ab, docs/benchmarks.md).
+# Zen 5 it lost from 4 in fp32 and 6 in bf16 (bench/profile_cpu.py --fused-ab, docs/benchmarks.md)
+# until bf16 steps of 5 or more tokens took AVX512-BF16 dot products (kernels/cpu_decode_layer.py
+# BF16_DOT_MIN_TOKENS): 8 decodes 13 against 15 ms, 12 15 against 17, 16 even; measured 16.
 MAX_TOKENS = 64  # the C step's most for GGUF weights (worker_flags.py MAX_DECODE_STEP_TOKENS)
 MAX_DENSE_TOKENS = 8
 enabled = True  # bench/profile_cpu.py --fused-ab turns it off to time the torch layers

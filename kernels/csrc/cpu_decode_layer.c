@@ -21,6 +21,7 @@
 // in place by the o and down projections' rows as they are computed.
 #include "cpu_gemm_gguf.c"
 #include "cpu_decode_attention.c"
+#include "cpu_bf16_tile.h"
 
 #include <math.h>
 
@@ -45,6 +46,8 @@ typedef struct {
     const float *final_norm;       // [H]
     float *h;                      // [T, H]: in the embeddings; the residual stream, summed in place
     float *out;                    // [T, H]: the final norm of the last layer's stream
+    int bf16_dot;                  // bf16 weights: 1 AVX512-BF16 dot products on activations
+                                   // rounded to bf16 (pagoda_decode_layer_bf16_dot), 0 widened, fp32
 } DecodeStep;
 
 int pagoda_decode_layer_isa(void) {
@@ -169,16 +172,70 @@ static void gemv(dots_fn dots, int most, const float *x, int64_t ldx, int T, con
     }
 }
 
+// Whether this CPU has the dot products decode steps over bf16 weights can take (bf16_dot).
+int pagoda_decode_layer_bf16_dot(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+}
+
+// gemv for bf16 weights in AVX512-BF16 dot products: x's rows rounded to bf16 once (into xb,
+// [T, K]), then 4 x 4 tiles (kernels/csrc/cpu_bf16_tile.h), as a bf16 model's projections round
+// their inputs in torch. Widened weights against fp32 activations took two FMAs and a widening
+// per 16 products; a dot product takes 32. An orphaned worksharing loop, as gemv.
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+static void gemv_bf16_dot(const float *x, int64_t ldx, int T, const uint8_t *w, int64_t ldw, int64_t N,
+                          int64_t K, float *out, int64_t ldo, int add, uint16_t *xb) {
+    #pragma omp for schedule(static)
+    for (int t = 0; t < T; t++)
+        for (int64_t k = 0; k < K; k++) xb[t * K + k] = to_bf16(x[t * ldx + k]);
+    const int64_t ldr = ldw / 2;  // bf16 elements per weight row
+    #pragma omp for schedule(static)
+    for (int64_t g = 0; g < (N + 3) / 4; g++) {
+        const int64_t n = g * 4;
+        const int nr = N - n < 4 ? (int)(N - n) : 4;
+        const uint16_t *rows[4];
+        for (int j = 0; j < 4; j++) rows[j] = (const uint16_t *)w + (n + (j < nr ? j : nr - 1)) * ldr;
+        // The next group's rows are prefetched a share per tile (cpu_gemm_bf16.c's reason).
+        const int tiles = (T + 3) / 4, per_tile = (4 + tiles - 1) / tiles;
+        const int64_t next = n + 4, left = N - next < 4 ? N - next : 4;
+        for (int m = 0, t = 0; m < T; m += 4, t++) {
+            const int mr = T - m < 4 ? T - m : 4;
+            const int64_t a0 = (int64_t)t * per_tile, a1 = a0 + per_tile < left ? a0 + per_tile : left;
+            const int ahead_rows = a1 > a0 ? (int)(a1 - a0) : 0;
+            const uint16_t *ahead = (const uint16_t *)w + (next + a0) * ldr;
+            __m128 sums[4];
+            const uint16_t *xm = xb + m * K;
+            if (mr == 4) tile_sums_avx512bf16(xm, K, rows, ldr, K, sums, 4, ahead, ahead_rows);
+            else if (mr == 3) tile_sums_avx512bf16(xm, K, rows, ldr, K, sums, 3, ahead, ahead_rows);
+            else if (mr == 2) tile_sums_avx512bf16(xm, K, rows, ldr, K, sums, 2, ahead, ahead_rows);
+            else tile_sums_avx512bf16(xm, K, rows, ldr, K, sums, 1, ahead, ahead_rows);
+            for (int i = 0; i < mr; i++) {
+                float v[4];
+                _mm_storeu_ps(v, sums[i]);
+                for (int j = 0; j < nr; j++) {
+                    float *o = out + (m + i) * ldo + n + j;
+                    *o = add ? *o + v[j] : v[j];
+                }
+            }
+        }
+    }
+}
+
 // x * sigmoid(x), e^-|x| by exp_poly (which takes arguments <= 0).
 static inline float silu(float x) {
     const float e = exp_poly(-__builtin_fabsf(x));
     return x >= 0.0f ? x / (1.0f + e) : x * e / (1.0f + e);
 }
 
+// One projection of the step: bf16 dot products where the step takes them, else gemv.
+#define PROJECT(DOTS, MOST, X, LDX, W, LDW, N, K, OUT, LDO, ADD)                                       \
+    if (p->bf16_dot) gemv_bf16_dot(X, LDX, T, W, LDW, N, K, OUT, LDO, ADD, xb);                         \
+    else gemv(DOTS, MOST, X, LDX, T, W, LDW, p->wtype, N, K, OUT, LDO, ADD)
+
 #define STEP(ISA, TARGET, DOTS, MOST, WIDE)                                                            \
     __attribute__((target(TARGET)))                                                                    \
     static void step_##ISA(const DecodeLayer *layers, int num_layers, const DecodeStep *p, float *act, \
-                           float *qkv, float *attn, float *gu, int width) {                            \
+                           float *qkv, float *attn, float *gu, uint16_t *xb, int width) {              \
         const int T = p->T, H = p->H, D = p->D, I = p->I, Hq = p->Hq, Hkv = p->Hkv;                    \
         const int64_t nqkv = (int64_t)(Hq + 2 * Hkv) * D;                                              \
         const int grouped = attend_grouped_here(p->num_rows, Hq, Hkv, D, p->bs, p->cache_dtype,        \
@@ -192,7 +249,7 @@ static inline float silu(float x) {
                 _Pragma("omp for schedule(static)")                                                    \
                 for (int t = 0; t < T; t++)                                                            \
                     rms_norm_row(p->h + (int64_t)t * H, L->norm1, p->eps, H, act + (int64_t)t * H);    \
-                gemv(DOTS, MOST, act, H, T, L->qkv, L->ld_qkv, p->wtype, nqkv, H, qkv, nqkv, 0);       \
+                PROJECT(DOTS, MOST, act, H, L->qkv, L->ld_qkv, nqkv, H, qkv, nqkv, 0);                 \
                 /* q and k heads turned; k and v heads written to the cache */                         \
                 _Pragma("omp for schedule(static)")                                                    \
                 for (int64_t task = 0; task < (int64_t)T * (Hq + Hkv); task++) {                       \
@@ -226,19 +283,19 @@ static inline float silu(float x) {
                                     p->tables, p->ldt, Hq, Hkv, D, p->bs, p->scale, attn, (int64_t)Hq * D, \
                                     width, s, 1, WIDE, 0);                                             \
                 }                                                                                      \
-                gemv(DOTS, MOST, attn, (int64_t)Hq * D, T, L->o, L->ld_o, p->wtype, H, (int64_t)Hq * D, \
-                     p->h, H, 1);                                                                      \
+                PROJECT(DOTS, MOST, attn, (int64_t)Hq * D, L->o, L->ld_o, H, (int64_t)Hq * D, p->h, H,  \
+                        1);                                                                            \
                 _Pragma("omp for schedule(static)")                                                    \
                 for (int t = 0; t < T; t++)                                                            \
                     rms_norm_row(p->h + (int64_t)t * H, L->norm2, p->eps, H, act + (int64_t)t * H);    \
-                gemv(DOTS, MOST, act, H, T, L->gate_up, L->ld_gate_up, p->wtype, 2 * (int64_t)I, H,    \
-                     gu, 2 * (int64_t)I, 0);                                                           \
+                PROJECT(DOTS, MOST, act, H, L->gate_up, L->ld_gate_up, 2 * (int64_t)I, H, gu,          \
+                        2 * (int64_t)I, 0);                                                            \
                 _Pragma("omp for schedule(static)")                                                    \
                 for (int64_t e = 0; e < (int64_t)T * I; e++) {                                         \
                     const int64_t t = e / I, i = e % I;                                                \
                     act[e] = silu(gu[t * 2 * I + i]) * gu[t * 2 * I + I + i];                          \
                 }                                                                                      \
-                gemv(DOTS, MOST, act, I, T, L->down, L->ld_down, p->wtype, H, I, p->h, H, 1);          \
+                PROJECT(DOTS, MOST, act, I, L->down, L->ld_down, H, I, p->h, H, 1);                    \
             }                                                                                          \
             free(s);                                                                                   \
         }                                                                                              \
@@ -261,7 +318,10 @@ void pagoda_decode_step(const DecodeLayer *layers, int num_layers, const DecodeS
     float *qkv = malloc(T * (p->Hq + 2 * p->Hkv) * p->D * sizeof(float));
     float *attn = malloc(T * p->Hq * p->D * sizeof(float));
     float *gu = malloc(T * 2 * p->I * sizeof(float));
-    (p->isa == 2 ? step_avx512 : step_avx2)(layers, num_layers, p, act, qkv, attn, gu, width);
+    const int64_t widest = wide > (int64_t)p->Hq * p->D ? wide : (int64_t)p->Hq * p->D;
+    uint16_t *xb = p->bf16_dot ? malloc(T * widest * sizeof(uint16_t)) : NULL;  // x rounded to bf16
+    (p->isa == 2 ? step_avx512 : step_avx2)(layers, num_layers, p, act, qkv, attn, gu, xb, width);
+    free(xb);
     pagoda_rms_norm(p->h, p->final_norm, p->eps, p->T, p->H, p->out);
     free(act);
     free(qkv);

@@ -8,6 +8,8 @@
 // L1 or L2, so with few rows the kernel runs at the speed weights stream from memory; with more
 // (AVX512-BF16: tiles of 4 x 4, one reduction for four sums) it runs past torch's bf16 linear
 // up to the rows worker/cpu_matmul.py measures at start-up.
+#include "cpu_bf16_tile.h"
+
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -58,19 +60,6 @@ static void dots_avx512bf16(const uint16_t *x, int64_t ldx, int rows, const uint
 
 #define ROW_AT_A_TIME 4  // rows of x up to which dots_avx512bf16 serves
 
-// The sums of four vectors, as the four floats of one: the reduction of a 4 x 4 tile's row.
-__attribute__((target("avx512f,avx512bw,avx512bf16")))
-static inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-    const __m512d d01 = _mm512_castps_pd(s01), d23 = _mm512_castps_pd(s23);
-    const __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d01, d23)),
-                                   _mm512_castpd_ps(_mm512_unpackhi_pd(d01, d23)));  // a0..a3 a lane
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s),
-                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
 // Four sums rounded to bf16 as to_bf16 rounds (to nearest even, a NaN made quiet), in the low
 // half: one tile row's outputs in a few vector instructions instead of a scalar loop.
 __attribute__((target("avx512f,avx512bw,avx512bf16")))
@@ -83,37 +72,15 @@ static inline __m128i round4_bf16(__m128 v) {
     return _mm_packus_epi32(r, r);
 }
 
-// MR (1-4) rows of x against 4 weight rows (w[j] for j < 4; nr of them kept): 16 sums in
-// registers, each weight vector loaded once for the MR rows, each x vector once for the 4 weight
-// rows; row i's sums rounded into out[i * ldo + j].
+// The tile's sums rounded into out[i * ldo + j] (nr of the 4 columns kept).
 __attribute__((always_inline, target("avx512f,avx512bw,avx512bf16")))
 static inline void tile_avx512bf16(const uint16_t *x, int64_t ldx, const uint16_t *const w[4], int64_t ldw,
                                    int64_t K, uint16_t *out, int64_t ldo, int nr, const int MR,
                                    const uint16_t *ahead, int ahead_rows) {
-    __m512 a[4][4];
-    for (int i = 0; i < MR; i++)
-        for (int j = 0; j < 4; j++) a[i][j] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        __m512bh wv[4];
-        for (int j = 0; j < 4; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + k);
-        for (int r = 0; r < ahead_rows; r++) _mm_prefetch((const char *)(ahead + r * ldw + k), _MM_HINT_T0);
-        for (int i = 0; i < MR; i++) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * ldx + k);
-            for (int j = 0; j < 4; j++) a[i][j] = _mm512_dpbf16_ps(a[i][j], xv, wv[j]);
-        }
-    }
-    if (k < K) {  // the last K % 32 values, the rest of the vectors zero
-        const __mmask32 left = (__mmask32)((1ull << (K - k)) - 1);
-        __m512bh wv[4];
-        for (int j = 0; j < 4; j++) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(left, w[j] + k);
-        for (int i = 0; i < MR; i++) {
-            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(left, x + i * ldx + k);
-            for (int j = 0; j < 4; j++) a[i][j] = _mm512_dpbf16_ps(a[i][j], xv, wv[j]);
-        }
-    }
+    __m128 sums[4];
+    tile_sums_avx512bf16(x, ldx, w, ldw, K, sums, MR, ahead, ahead_rows);
     for (int i = 0; i < MR; i++) {
-        const __m128i r = round4_bf16(sum4(a[i][0], a[i][1], a[i][2], a[i][3]));
+        const __m128i r = round4_bf16(sums[i]);
         if (nr == 4) {
             _mm_storel_epi64((__m128i *)(out + i * ldo), r);
         } else {
