@@ -24,6 +24,7 @@ from worker.attention_backends import select_backend
 from worker.cache import CacheEngine, bytes_per_block, num_device_blocks
 from worker.eos import eos_token_ids
 from worker.grammar import GrammarRows, why_no_token
+from worker.host_memory import keep_freed_memory
 from worker.input_batch import InputBatch, StepInputs
 from worker.layers import use_cpu_kernel, use_gguf_kernel
 from worker.loader import load_weights
@@ -77,6 +78,7 @@ class ModelRunner:
         # This rank's share of the heads and MLP (all of them without a group).
         shard = shard_config(self.config, self.tp.size)
         if self.device.type == "cpu":
+            keep_freed_memory()
             use_cpu_kernel(args.cpu_matmul == "auto", (shard.intermediate_size, shard.hidden_size), self.dtype,
                            args.measure_again)
             if args.quantization in ("q8_0", "q4_1"):
