@@ -27,6 +27,8 @@ FP32_ROWS = (16, 64, 128, 256, 512, 1024)  # rows timed for the fp32 kernel, in 
 BF16_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # and for the bf16 kernel (decode steps, short chunks)
 GGUF_ROWS = (1, 16, 32, 64, 128, 256, 512, 1024)  # and for the GGUF kernel, against dequantized weights
 GGUF_DEFAULT_ROWS = 64  # the GGUF kernel's bound where it is not measured (--cpu-matmul torch)
+VOCAB_ROWS = (16, 64, 128, 256)  # and for a GGUF vocabulary projection (a step's sampled rows)
+VOCAB_PAIRS = 3  # its pairs: each dequantized call writes the whole vocabulary's weights
 WIDEN_ROWS = 256  # a prefill-sized product, where torch's bf16 matmul shows what it can do
 PAIRS = 12  # timed pairs of calls per row count, at least
 POOL_BYTES = 64 << 20  # distinct weights beyond a server CPU's last-level cache (32 MB here)
@@ -108,17 +110,37 @@ def choose_gguf(wanted: bool, shape: tuple[int, int], kind: str, again: bool = F
     return rows
 
 
-def measure_gguf(shape: tuple[int, int], kind: str) -> int:
+def choose_gguf_vocab(wanted: bool, shape: tuple[int, int], kind: str, again: bool = False) -> int:
+    """choose_gguf for the vocabulary projection ([vocab, hidden] blocks), raced on its own shape:
+    past the bound its blocks are dequantized whole for every call, 28M weights for SmolLM2, about
+    50 ms on a Zen 5 EPYC where the kernel takes 4 ms for 17 rows and 59 for 128; the layers'
+    bound (16 there, from their 1536 x 576 shape, whose dequantized copy stays in cache) would
+    send a step of 17 sequences that way."""
+    if not (wanted and cpu_gemm_gguf.available()):
+        return GGUF_DEFAULT_ROWS
+    build = cbuild.library_path(cpu_gemm_gguf.SOURCE, cpu_gemm_gguf.FLAGS).name
+    started = time.perf_counter()
+    found, was_kept = kept(CACHE_NAME, machine_key(f"vocab={shape[0]}x{shape[1]}", kind, build, timed(VOCAB_ROWS)),
+                           lambda: {"vocab_kernel_rows": measure_gguf(shape, kind, VOCAB_ROWS, VOCAB_PAIRS, 2)},
+                           {"vocab_kernel_rows"}, again)
+    rows = found["vocab_kernel_rows"]
+    logger.info("%s vocabulary projections of up to %d rows run through kernels/cpu_gemm_gguf.c (%s)", kind,
+                rows, how(was_kept, started))
+    return rows
+
+
+def measure_gguf(shape: tuple[int, int], kind: str, rows: tuple[int, ...] = GGUF_ROWS, pairs: int = PAIRS,
+                 most: int = MAX_POOL) -> int:
     """The kernel against torch's GEMM on the blocks dequantized (what a projection past the
     bound does), on a pool of one quantized weight's rows in other orders."""
     g = torch.Generator().manual_seed(0)
     blocks = cpu_gemm_gguf.quantize(torch.randn(*shape, generator=g), kind)
-    count = max(1, min(MAX_POOL, POOL_BYTES // blocks.numel()))
+    count = max(2, min(most, POOL_BYTES // blocks.numel()))
     pool = [blocks] + [blocks[torch.randperm(shape[0], generator=g)] for _ in range(count - 1)]
-    x = torch.randn(max(GGUF_ROWS), shape[1], generator=g)
-    return bound(GGUF_ROWS, lambda m: ratio(lambda a, w: cpu_gemm_gguf.xwt(a, w, kind),
-                                            lambda a, w: F.linear(a, cpu_gemm_gguf.dequantize(w, kind)),
-                                            x[:m], pool))
+    x = torch.randn(max(rows), shape[1], generator=g)
+    return bound(rows, lambda m: ratio(lambda a, w: cpu_gemm_gguf.xwt(a, w, kind),
+                                       lambda a, w: F.linear(a, cpu_gemm_gguf.dequantize(w, kind)),
+                                       x[:m], pool, pairs))
 
 
 def bound(rows: tuple[int, ...], ratio_at) -> int:

@@ -82,19 +82,26 @@ def int8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
 # against 528 with 128; on a Zen 5 EPYC, two threads, 75 against 106 with 32 rows, 146 against 148
 # with 64, 290 against 235 with 128.
 GGUF_KERNEL_ROWS = cpu_matmul.GGUF_DEFAULT_ROWS
+GGUF_VOCAB_KERNEL_ROWS = cpu_matmul.GGUF_DEFAULT_ROWS  # the vocabulary projection's own
 
 
-def use_gguf_kernel(wanted: bool, shape: tuple[int, int], kind: str, again: bool = False) -> int:
-    """Sets GGUF_KERNEL_ROWS for a `kind` model whose MLP weight is [shape] (cpu_matmul.choose_gguf)."""
-    global GGUF_KERNEL_ROWS
+def use_gguf_kernel(wanted: bool, shape: tuple[int, int], kind: str, again: bool = False,
+                    vocab_shape: tuple[int, int] | None = None) -> int:
+    """Sets GGUF_KERNEL_ROWS for a `kind` model whose MLP weight is [shape] (cpu_matmul.choose_gguf),
+    and GGUF_VOCAB_KERNEL_ROWS for its [vocab_shape] vocabulary projection (choose_gguf_vocab)."""
+    global GGUF_KERNEL_ROWS, GGUF_VOCAB_KERNEL_ROWS
     GGUF_KERNEL_ROWS = cpu_matmul.choose_gguf(wanted, shape, kind, again)
+    if vocab_shape is not None:
+        GGUF_VOCAB_KERNEL_ROWS = cpu_matmul.choose_gguf_vocab(wanted, vocab_shape, kind, again)
     return GGUF_KERNEL_ROWS
 
 
 def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T (+ bias), W as GGUF blocks of kind "q8_0" or "q4_1" (--quantization q8_0 / q4_1)."""
-    if x.dim() == 2 and x.shape[0] <= GGUF_KERNEL_ROWS and x.dtype == torch.float32 \
+                bias: torch.Tensor | None = None, vocab: bool = False) -> torch.Tensor:
+    """x @ W^T (+ bias), W as GGUF blocks of kind "q8_0" or "q4_1" (--quantization q8_0 / q4_1);
+    vocab: the vocabulary projection, with its own bound."""
+    most = GGUF_VOCAB_KERNEL_ROWS if vocab else GGUF_KERNEL_ROWS
+    if x.dim() == 2 and x.shape[0] <= most and x.dtype == torch.float32 \
             and cpu_gemm_gguf.available():
         out = cpu_gemm_gguf.xwt(x, blocks, kind)
         return out if bias is None else out.add_(bias)

@@ -205,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head_int8 is not None:
             return int8_linear(hidden, *self.lm_head_int8).float()
         if self.lm_head_gguf is not None:
-            return gguf_linear(hidden, *self.lm_head_gguf).float()
+            return gguf_linear(hidden, *self.lm_head_gguf, vocab=True).float()
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         if (hidden.device.type != "cpu" or kernel_fits(hidden, weight) or bf16_kernel_fits(hidden, weight)
                 or bf16_widens(hidden, weight)):

@@ -83,7 +83,8 @@ class ModelRunner:
                            args.measure_again)
             if args.quantization in ("q8_0", "q4_1"):
                 use_gguf_kernel(args.cpu_matmul == "auto", (shard.intermediate_size, shard.hidden_size),
-                                args.quantization, args.measure_again)
+                                args.quantization, args.measure_again,
+                                vocab_shape=(self.config.vocab_size, shard.hidden_size))
         self.model = build_model(shard, weights, self.backend, self.max_model_len, self.device,
                                  self.dtype, self.tp,
                                  # a quantized model builds its own (LlamaForCausalLM.quantize_gguf)

@@ -243,3 +243,54 @@ def test_gguf_projections_take_the_kernel_up_to_the_bound_and_dequantize_past_it
         want = x.double() @ cpu_gemm_gguf.dequantize(blocks, "q4_1").double().t()
         torch.testing.assert_close(layers.gguf_linear(x, blocks, "q4_1").double(), want, rtol=1e-4, atol=1e-3)
     assert kernel == [1, 4]
+
+
+@pytest.mark.skipif(not cpu_gemm_gguf.available(), reason="no GGUF kernel on this CPU")
+def test_the_vocabulary_projection_races_on_its_own_shape_and_keeps_its_own_bound(cache, monkeypatch):
+    """Past its bound a vocabulary projection dequantizes every block of the vocabulary for each
+    call, so it is raced on its own [vocab, hidden] shape (VOCAB_ROWS), kept apart from the
+    layers' bound, and gguf_linear(vocab=True) obeys it while the layers obey theirs."""
+    raced = []
+
+    def ratio(kernel, other, x, pool, pairs=cpu_matmul.PAIRS):
+        raced.append((x.shape[0], tuple(pool[0].shape)))
+        return 0.5 if x.shape[0] <= 64 else 2.0
+
+    vocab_shape = (256, 64)
+    monkeypatch.setattr(cpu_matmul, "ratio", ratio)
+    monkeypatch.setattr(cpu_matmul, "measure_gguf", lambda shape, kind, *a, **k: 4 if shape == GGUF_SHAPE
+                        else cpu_matmul.bound(cpu_matmul.VOCAB_ROWS, lambda m: ratio(None, None, torch.empty(m, 1),
+                                                                                     [torch.empty(shape)])))
+    for name in ("GGUF_KERNEL_ROWS", "GGUF_VOCAB_KERNEL_ROWS"):  # put back afterwards
+        monkeypatch.setattr(layers, name, getattr(layers, name))
+    assert layers.use_gguf_kernel(True, GGUF_SHAPE, "q4_1", vocab_shape=vocab_shape) == 4
+    assert (layers.GGUF_KERNEL_ROWS, layers.GGUF_VOCAB_KERNEL_ROWS) == (4, 64)
+    assert [m for m, _ in raced] == list(cpu_matmul.VOCAB_ROWS)
+    assert {"vocab_kernel_rows": 64} in json.loads(cache.read_text()).values()
+    blocks = cpu_gemm_gguf.quantize(torch.randn(*vocab_shape), "q4_1")
+    kernel = []
+    real = cpu_gemm_gguf.xwt
+    monkeypatch.setattr(cpu_gemm_gguf, "xwt", lambda *a, **k: kernel.append(a[0].shape[0]) or real(*a, **k))
+    for rows in (5, 64, 65):
+        x = torch.randn(rows, vocab_shape[1])
+        want = x.double() @ cpu_gemm_gguf.dequantize(blocks, "q4_1").double().t()
+        torch.testing.assert_close(layers.gguf_linear(x, blocks, "q4_1", vocab=True).double(), want,
+                                   rtol=1e-4, atol=1e-3)
+        layers.gguf_linear(x, blocks, "q4_1")  # a layer's bound: 4 rows
+    assert kernel == [5, 64]
+
+
+@pytest.mark.skipif(not cpu_gemm_gguf.available(), reason="no GGUF kernel on this CPU")
+def test_the_vocabulary_race_times_the_kernel_against_the_dequantized_gemm_on_its_shape(cache, monkeypatch):
+    raced = []
+
+    def ratio(kernel, other, x, pool, pairs=cpu_matmul.PAIRS):
+        a, b = kernel(x, pool[0]), other(x, pool[0])
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
+        raced.append((x.shape[0], a.shape[1], pairs, len(pool)))
+        return 0.5 if x.shape[0] <= 128 else 2.0
+
+    monkeypatch.setattr(cpu_matmul, "ratio", ratio)
+    assert cpu_matmul.choose_gguf_vocab(True, (320, 64), "q8_0") == 128
+    assert raced == [(m, 320, cpu_matmul.VOCAB_PAIRS, 2) for m in cpu_matmul.VOCAB_ROWS]
+    assert cpu_matmul.choose_gguf_vocab(True, (320, 64), "q8_0") == 128 and len(raced) == len(cpu_matmul.VOCAB_ROWS)
