@@ -92,47 +92,36 @@ def measure(fp32: bool, bf16: bool, shape: tuple[int, int]) -> CpuMatmul:
     return CpuMatmul(fp32_rows, bf16_rows, widen)
 
 
-def choose_gguf(wanted: bool, shape: tuple[int, int], kind: str, again: bool = False) -> int:
+def choose_gguf(wanted: bool, shape: tuple[int, int], kind: str, again: bool = False, vocab: bool = False) -> int:
     """The rows up to which GGUF projections (kind "q8_0" or "q4_1") of a [shape] weight run
     through kernels/cpu_gemm_gguf.c on this machine; larger products dequantize the blocks for
     torch's GEMM. Measured at a machine's first start and kept, as choose()'s bounds are (where
     they cross is the machine's: about 64 rows on an AVX-512 Xeon by bench/bench_gemm.py; 128
-    for Q4_1 and 64 for Q8_0 on a Zen 5 EPYC); GGUF_DEFAULT_ROWS with --cpu-matmul torch."""
+    for Q4_1 and 64 for Q8_0 on a Zen 5 EPYC at stop 42, 16 for Q4_1 at stop 43);
+    GGUF_DEFAULT_ROWS with --cpu-matmul torch.
+    vocab: the vocabulary projection ([vocab, hidden] blocks), raced on its own shape over
+    VOCAB_ROWS: past its bound every call dequantizes the whole vocabulary, 28M weights for
+    SmolLM2, about 50 ms on a Zen 5 EPYC where the kernel takes 4 ms for 17 rows and 59 for 128,
+    while a layer's small dequantized copy stays in cache (whose bound, 16 there, would send a
+    step of 17 sequences that way)."""
     if not (wanted and cpu_gemm_gguf.available()):
         return GGUF_DEFAULT_ROWS
     build = cbuild.library_path(cpu_gemm_gguf.SOURCE, cpu_gemm_gguf.FLAGS).name
+    name, rows, field = (("vocab", VOCAB_ROWS, "vocab_kernel_rows") if vocab
+                         else ("shape", GGUF_ROWS, "gguf_kernel_rows"))
     started = time.perf_counter()
-    found, was_kept = kept(CACHE_NAME, machine_key(f"shape={shape[0]}x{shape[1]}", kind, build, timed(GGUF_ROWS)),
-                           lambda: {"gguf_kernel_rows": measure_gguf(shape, kind)}, {"gguf_kernel_rows"}, again)
-    rows = found["gguf_kernel_rows"]
-    logger.info("%s projections of up to %d rows run through kernels/cpu_gemm_gguf.c (%s)", kind, rows,
-                how(was_kept, started))
-    return rows
+    found, was_kept = kept(CACHE_NAME, machine_key(f"{name}={shape[0]}x{shape[1]}", kind, build, timed(rows)),
+                           lambda: {field: measure_gguf(shape, kind, vocab)}, {field}, again)
+    logger.info("%s %sprojections of up to %d rows run through kernels/cpu_gemm_gguf.c (%s)", kind,
+                "vocabulary " if vocab else "", found[field], how(was_kept, started))
+    return found[field]
 
 
-def choose_gguf_vocab(wanted: bool, shape: tuple[int, int], kind: str, again: bool = False) -> int:
-    """choose_gguf for the vocabulary projection ([vocab, hidden] blocks), raced on its own shape:
-    past the bound its blocks are dequantized whole for every call, 28M weights for SmolLM2, about
-    50 ms on a Zen 5 EPYC where the kernel takes 4 ms for 17 rows and 59 for 128; the layers'
-    bound (16 there, from their 1536 x 576 shape, whose dequantized copy stays in cache) would
-    send a step of 17 sequences that way."""
-    if not (wanted and cpu_gemm_gguf.available()):
-        return GGUF_DEFAULT_ROWS
-    build = cbuild.library_path(cpu_gemm_gguf.SOURCE, cpu_gemm_gguf.FLAGS).name
-    started = time.perf_counter()
-    found, was_kept = kept(CACHE_NAME, machine_key(f"vocab={shape[0]}x{shape[1]}", kind, build, timed(VOCAB_ROWS)),
-                           lambda: {"vocab_kernel_rows": measure_gguf(shape, kind, VOCAB_ROWS, VOCAB_PAIRS, 2)},
-                           {"vocab_kernel_rows"}, again)
-    rows = found["vocab_kernel_rows"]
-    logger.info("%s vocabulary projections of up to %d rows run through kernels/cpu_gemm_gguf.c (%s)", kind,
-                rows, how(was_kept, started))
-    return rows
-
-
-def measure_gguf(shape: tuple[int, int], kind: str, rows: tuple[int, ...] = GGUF_ROWS, pairs: int = PAIRS,
-                 most: int = MAX_POOL) -> int:
+def measure_gguf(shape: tuple[int, int], kind: str, vocab: bool = False) -> int:
     """The kernel against torch's GEMM on the blocks dequantized (what a projection past the
-    bound does), on a pool of one quantized weight's rows in other orders."""
+    bound does), on a pool of one quantized weight's rows in other orders (two for a vocabulary,
+    whose dequantized copy alone is far past any cache, timed over fewer pairs)."""
+    rows, pairs, most = (VOCAB_ROWS, VOCAB_PAIRS, 2) if vocab else (GGUF_ROWS, PAIRS, MAX_POOL)
     g = torch.Generator().manual_seed(0)
     blocks = cpu_gemm_gguf.quantize(torch.randn(*shape, generator=g), kind)
     count = max(2, min(most, POOL_BYTES // blocks.numel()))

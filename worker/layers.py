@@ -88,11 +88,11 @@ GGUF_VOCAB_KERNEL_ROWS = cpu_matmul.GGUF_DEFAULT_ROWS  # the vocabulary projecti
 def use_gguf_kernel(wanted: bool, shape: tuple[int, int], kind: str, again: bool = False,
                     vocab_shape: tuple[int, int] | None = None) -> int:
     """Sets GGUF_KERNEL_ROWS for a `kind` model whose MLP weight is [shape] (cpu_matmul.choose_gguf),
-    and GGUF_VOCAB_KERNEL_ROWS for its [vocab_shape] vocabulary projection (choose_gguf_vocab)."""
+    and GGUF_VOCAB_KERNEL_ROWS for its [vocab_shape] vocabulary projection (choose_gguf, vocab)."""
     global GGUF_KERNEL_ROWS, GGUF_VOCAB_KERNEL_ROWS
     GGUF_KERNEL_ROWS = cpu_matmul.choose_gguf(wanted, shape, kind, again)
     if vocab_shape is not None:
-        GGUF_VOCAB_KERNEL_ROWS = cpu_matmul.choose_gguf_vocab(wanted, vocab_shape, kind, again)
+        GGUF_VOCAB_KERNEL_ROWS = cpu_matmul.choose_gguf(wanted, vocab_shape, kind, again, vocab=True)
     return GGUF_KERNEL_ROWS
 
 

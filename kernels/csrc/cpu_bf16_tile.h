@@ -52,4 +52,20 @@ static inline void tile_sums_avx512bf16(const uint16_t *x, int64_t ldx, const ui
     for (int i = 0; i < MR; i++) sums[i] = sum4(a[i][0], a[i][1], a[i][2], a[i][3]);
 }
 
+// The tile for mr (1-4) rows of x, each count its own copy (MR a constant: the sums stay in
+// registers), prefetching tile t's share of the weight rows [next, end) of `base` when each tile
+// of a pass takes per_tile of them: memory streams while every row of x passes, not the first.
+__attribute__((always_inline, target("avx512f,avx512bw,avx512bf16")))
+static inline void tile_sums(const uint16_t *x, int64_t ldx, const uint16_t *const w[4], const uint16_t *base,
+                             int64_t ldw, int64_t K, __m128 sums[4], int mr, int64_t next, int64_t end,
+                             int64_t t, int64_t per_tile) {
+    const int64_t a0 = next + t * per_tile, a1 = a0 + per_tile < end ? a0 + per_tile : end;
+    const int rows = a1 > a0 ? (int)(a1 - a0) : 0;
+    const uint16_t *ahead = base + (rows ? a0 : 0) * ldw;
+    if (mr == 4) tile_sums_avx512bf16(x, ldx, w, ldw, K, sums, 4, ahead, rows);
+    else if (mr == 3) tile_sums_avx512bf16(x, ldx, w, ldw, K, sums, 3, ahead, rows);
+    else if (mr == 2) tile_sums_avx512bf16(x, ldx, w, ldw, K, sums, 2, ahead, rows);
+    else tile_sums_avx512bf16(x, ldx, w, ldw, K, sums, 1, ahead, rows);
+}
+
 #endif

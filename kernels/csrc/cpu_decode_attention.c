@@ -355,10 +355,7 @@ void pagoda_decode_attention(const void *q, int64_t ldq, const void *k_cache, co
 
 static void write_keys(const char *k, char *kb, int64_t row, int bs, int64_t o, int n, int elem) {
     if (elem == 2) { WRITE_KEYS(uint16_t) }
-    else if (elem == 4) { WRITE_KEYS(uint32_t) }
-    else
-        for (int64_t i = 0; i < row; i++)
-            for (int t = 0; t < n; t++) memcpy(kb + (i * bs + o + t) * elem, k + (t * row + i) * elem, (size_t)elem);
+    else { WRITE_KEYS(uint32_t) }  // elem 4: the caches are fp32, bf16 or fp16
 }
 #undef WRITE_KEYS
 

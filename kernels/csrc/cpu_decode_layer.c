@@ -195,20 +195,12 @@ static void gemv_bf16_dot(const float *x, int64_t ldx, int T, const uint8_t *w, 
         const int nr = N - n < 4 ? (int)(N - n) : 4;
         const uint16_t *rows[4];
         for (int j = 0; j < 4; j++) rows[j] = (const uint16_t *)w + (n + (j < nr ? j : nr - 1)) * ldr;
-        // The next group's rows are prefetched a share per tile (cpu_gemm_bf16.c's reason).
-        const int tiles = (T + 3) / 4, per_tile = (4 + tiles - 1) / tiles;
-        const int64_t next = n + 4, left = N - next < 4 ? N - next : 4;
+        const int tiles = (T + 3) / 4, per_tile = (4 + tiles - 1) / tiles;  // the next group's rows
+        const int64_t end = n + 8 < N ? n + 8 : N;
         for (int m = 0, t = 0; m < T; m += 4, t++) {
             const int mr = T - m < 4 ? T - m : 4;
-            const int64_t a0 = (int64_t)t * per_tile, a1 = a0 + per_tile < left ? a0 + per_tile : left;
-            const int ahead_rows = a1 > a0 ? (int)(a1 - a0) : 0;
-            const uint16_t *ahead = (const uint16_t *)w + (next + a0) * ldr;
             __m128 sums[4];
-            const uint16_t *xm = xb + m * K;
-            if (mr == 4) tile_sums_avx512bf16(xm, K, rows, ldr, K, sums, 4, ahead, ahead_rows);
-            else if (mr == 3) tile_sums_avx512bf16(xm, K, rows, ldr, K, sums, 3, ahead, ahead_rows);
-            else if (mr == 2) tile_sums_avx512bf16(xm, K, rows, ldr, K, sums, 2, ahead, ahead_rows);
-            else tile_sums_avx512bf16(xm, K, rows, ldr, K, sums, 1, ahead, ahead_rows);
+            tile_sums(xb + m * K, K, rows, (const uint16_t *)w, ldr, K, sums, mr, n + 4, end, t, per_tile);
             for (int i = 0; i < mr; i++) {
                 float v[4];
                 _mm_storeu_ps(v, sums[i]);

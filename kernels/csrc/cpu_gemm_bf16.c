@@ -72,14 +72,10 @@ static inline __m128i round4_bf16(__m128 v) {
     return _mm_packus_epi32(r, r);
 }
 
-// The tile's sums rounded into out[i * ldo + j] (nr of the 4 columns kept).
-__attribute__((always_inline, target("avx512f,avx512bw,avx512bf16")))
-static inline void tile_avx512bf16(const uint16_t *x, int64_t ldx, const uint16_t *const w[4], int64_t ldw,
-                                   int64_t K, uint16_t *out, int64_t ldo, int nr, const int MR,
-                                   const uint16_t *ahead, int ahead_rows) {
-    __m128 sums[4];
-    tile_sums_avx512bf16(x, ldx, w, ldw, K, sums, MR, ahead, ahead_rows);
-    for (int i = 0; i < MR; i++) {
+// A tile's sums rounded into out[i * ldo + j] (mr rows, nr of the 4 columns kept).
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+static inline void store_rounded(const __m128 sums[4], int mr, int nr, uint16_t *out, int64_t ldo) {
+    for (int i = 0; i < mr; i++) {
         const __m128i r = round4_bf16(sums[i]);
         if (nr == 4) {
             _mm_storel_epi64((__m128i *)(out + i * ldo), r);
@@ -105,30 +101,22 @@ static void xwt_avx512bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, in
     const int64_t fit = 24576 / (4 * 2 * K), per_block = fit < 1 ? 1 : fit > 4 ? 4 : fit;
     const int64_t blocks = (groups + per_block - 1) / per_block;
     const int64_t tiles = (M + 3) / 4 * per_block, block_rows = 4 * per_block;
-    const int64_t rows_per_tile = (block_rows + tiles - 1) / tiles;
+    const int64_t per_tile = (block_rows + tiles - 1) / tiles;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t g1 = (b + 1) * per_block < groups ? (b + 1) * per_block : groups;
-        // The next block's rows are requested a few per tile over all of this block's tiles, so
-        // that memory streams while every row of x passes over this block, not only the first.
-        const int64_t next = g1 * 4, next_end = next + block_rows < N ? next + block_rows : N;
+        const int64_t next = g1 * 4, end = next + block_rows < N ? next + block_rows : N;  // the next block
         int64_t t = 0;
         for (int m = 0; m < M; m += 4) {
             const int mr = M - m < 4 ? M - m : 4;
-            const uint16_t *xm = x + m * ldx;
             for (int64_t g = b * per_block; g < g1; g++, t++) {
                 const int64_t n = g * 4;
                 const int nr = N - n < 4 ? (int)(N - n) : 4;
-                const int64_t a0 = next + t * rows_per_tile, a1 = a0 + rows_per_tile < next_end ? a0 + rows_per_tile : next_end;
-                const int ahead_rows = a1 > a0 ? (int)(a1 - a0) : 0;
-                const uint16_t *ahead = w + a0 * ldw;
                 const uint16_t *rows[4];
                 for (int j = 0; j < 4; j++) rows[j] = w + (n + (j < nr ? j : nr - 1)) * ldw;
-                uint16_t *o = out + m * ldo + n;
-                if (mr == 4) tile_avx512bf16(xm, ldx, rows, ldw, K, o, ldo, nr, 4, ahead, ahead_rows);
-                else if (mr == 3) tile_avx512bf16(xm, ldx, rows, ldw, K, o, ldo, nr, 3, ahead, ahead_rows);
-                else if (mr == 2) tile_avx512bf16(xm, ldx, rows, ldw, K, o, ldo, nr, 2, ahead, ahead_rows);
-                else tile_avx512bf16(xm, ldx, rows, ldw, K, o, ldo, nr, 1, ahead, ahead_rows);
+                __m128 sums[4];
+                tile_sums(x + m * ldx, ldx, rows, w, ldw, K, sums, mr, next, end, t, per_tile);
+                store_rounded(sums, mr, nr, out + m * ldo + n, ldo);
             }
         }
     }

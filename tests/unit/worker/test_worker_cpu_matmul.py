@@ -231,7 +231,7 @@ def test_the_gguf_bound_races_the_kernel_against_the_dequantized_gemm_and_is_kep
 
 @pytest.mark.skipif(not cpu_gemm_gguf.available(), reason="no GGUF kernel on this CPU")
 def test_gguf_projections_take_the_kernel_up_to_the_bound_and_dequantize_past_it(cache, monkeypatch):
-    monkeypatch.setattr(cpu_matmul, "measure_gguf", lambda shape, kind: 4)
+    monkeypatch.setattr(cpu_matmul, "measure_gguf", lambda shape, kind, vocab=False: 4)
     monkeypatch.setattr(layers, "GGUF_KERNEL_ROWS", layers.GGUF_KERNEL_ROWS)  # put back afterwards
     assert layers.use_gguf_kernel(True, GGUF_SHAPE, "q4_1") == 4 == layers.GGUF_KERNEL_ROWS
     blocks = cpu_gemm_gguf.quantize(torch.randn(*GGUF_SHAPE), "q4_1")
@@ -258,7 +258,7 @@ def test_the_vocabulary_projection_races_on_its_own_shape_and_keeps_its_own_boun
 
     vocab_shape = (256, 64)
     monkeypatch.setattr(cpu_matmul, "ratio", ratio)
-    monkeypatch.setattr(cpu_matmul, "measure_gguf", lambda shape, kind, *a, **k: 4 if shape == GGUF_SHAPE
+    monkeypatch.setattr(cpu_matmul, "measure_gguf", lambda shape, kind, vocab=False: 4 if not vocab
                         else cpu_matmul.bound(cpu_matmul.VOCAB_ROWS, lambda m: ratio(None, None, torch.empty(m, 1),
                                                                                      [torch.empty(shape)])))
     for name in ("GGUF_KERNEL_ROWS", "GGUF_VOCAB_KERNEL_ROWS"):  # put back afterwards
@@ -291,6 +291,6 @@ def test_the_vocabulary_race_times_the_kernel_against_the_dequantized_gemm_on_it
         return 0.5 if x.shape[0] <= 128 else 2.0
 
     monkeypatch.setattr(cpu_matmul, "ratio", ratio)
-    assert cpu_matmul.choose_gguf_vocab(True, (320, 64), "q8_0") == 128
+    assert cpu_matmul.choose_gguf(True, (320, 64), "q8_0", vocab=True) == 128
     assert raced == [(m, 320, cpu_matmul.VOCAB_PAIRS, 2) for m in cpu_matmul.VOCAB_ROWS]
-    assert cpu_matmul.choose_gguf_vocab(True, (320, 64), "q8_0") == 128 and len(raced) == len(cpu_matmul.VOCAB_ROWS)
+    assert cpu_matmul.choose_gguf(True, (320, 64), "q8_0", vocab=True) == 128 and len(raced) == len(cpu_matmul.VOCAB_ROWS)
