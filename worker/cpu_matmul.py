@@ -14,20 +14,22 @@ import logging
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
-from kernels import cbuild, cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf
+from kernels import cbuild, cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8
 from worker.kept import how, kept, machine_key, timed
 
 logger = logging.getLogger(__name__)
 
 FP32_ROWS = (16, 64, 128, 256, 512, 1024)  # rows timed for the fp32 kernel, in order
 BF16_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # and for the bf16 kernel (decode steps, short chunks)
-GGUF_ROWS = (1, 16, 32, 64, 128, 256, 512, 1024)  # and for the GGUF kernel, against dequantized weights
-GGUF_DEFAULT_ROWS = 64  # the GGUF kernel's bound where it is not measured (--cpu-matmul torch)
-VOCAB_ROWS = (16, 64, 128, 256)  # and for a GGUF vocabulary projection (a step's sampled rows)
+QUANTIZED_ROWS = (1, 16, 32, 64, 128, 256, 512, 1024)  # and for int8 / GGUF kernels, against dequantized weights
+QUANTIZED_DEFAULT_ROWS = 64  # their bound where it is not measured (--cpu-matmul torch)
+VOCAB_ROWS = (16, 64, 128, 256)  # and for a quantized vocabulary projection (a step's sampled rows)
 VOCAB_PAIRS = 3  # its pairs: each dequantized call writes the whole vocabulary's weights
 WIDEN_ROWS = 256  # a prefill-sized product, where torch's bf16 matmul shows what it can do
 PAIRS = 12  # timed pairs of calls per row count, at least
@@ -92,44 +94,68 @@ def measure(fp32: bool, bf16: bool, shape: tuple[int, int]) -> CpuMatmul:
     return CpuMatmul(fp32_rows, bf16_rows, widen)
 
 
-def choose_gguf(wanted: bool, shape: tuple[int, int], kind: str, again: bool = False, vocab: bool = False) -> int:
-    """The rows up to which GGUF projections (kind "q8_0" or "q4_1") of a [shape] weight run
-    through kernels/cpu_gemm_gguf.c on this machine; larger products dequantize the blocks for
-    torch's GEMM. Measured at a machine's first start and kept, as choose()'s bounds are (where
-    they cross is the machine's: about 64 rows on an AVX-512 Xeon by bench/bench_gemm.py; 128
-    for Q4_1 and 64 for Q8_0 on a Zen 5 EPYC at stop 42, 16 for Q4_1 at stop 43);
-    GGUF_DEFAULT_ROWS with --cpu-matmul torch.
-    vocab: the vocabulary projection ([vocab, hidden] blocks), raced on its own shape over
-    VOCAB_ROWS: past its bound every call dequantizes the whole vocabulary, 28M weights for
-    SmolLM2, about 50 ms on a Zen 5 EPYC where the kernel takes 4 ms for 17 rows and 59 for 128,
-    while a layer's small dequantized copy stays in cache (whose bound, 16 there, would send a
-    step of 17 sequences that way)."""
-    if not (wanted and cpu_gemm_gguf.available()):
-        return GGUF_DEFAULT_ROWS
-    build = cbuild.library_path(cpu_gemm_gguf.SOURCE, cpu_gemm_gguf.FLAGS).name
+def choose_quantized(wanted: bool, shape: tuple[int, int], kind: str, again: bool = False,
+                     vocab: bool = False) -> int:
+    """The rows up to which projections of a [shape] weight quantized as `kind` ("int8", "q8_0"
+    or "q4_1") run through their kernel (kernels/cpu_gemm_int8.c, cpu_gemm_gguf.c) on this
+    machine; larger products dequantize the weights for torch's GEMM. Measured at a machine's
+    first start and kept, as choose()'s bounds are (where they cross is the machine's: about 64
+    rows on an AVX-512 Xeon by bench/bench_gemm.py; 128 for Q4_1 and 64 for Q8_0 on a Zen 5 EPYC
+    at stop 42, 16 for Q4_1 at stop 43); QUANTIZED_DEFAULT_ROWS with --cpu-matmul torch.
+    vocab: the vocabulary projection ([vocab, hidden]), raced on its own shape over VOCAB_ROWS:
+    past its bound every call dequantizes the whole vocabulary, 28M weights for SmolLM2, about
+    50 ms on a Zen 5 EPYC where the GGUF kernel takes 4 ms for 17 rows and 59 for 128, while a
+    layer's small dequantized copy stays in cache (whose bound, 16 there, would send a step of
+    17 sequences that way)."""
+    module = cpu_gemm_int8 if kind == "int8" else cpu_gemm_gguf
+    if not (wanted and module.available()):
+        return QUANTIZED_DEFAULT_ROWS
+    build = cbuild.library_path(module.SOURCE, module.FLAGS).name
     name, rows, field = (("vocab", VOCAB_ROWS, "vocab_kernel_rows") if vocab
-                         else ("shape", GGUF_ROWS, "gguf_kernel_rows"))
+                         else ("shape", QUANTIZED_ROWS, "kernel_rows"))
     started = time.perf_counter()
     found, was_kept = kept(CACHE_NAME, machine_key(f"{name}={shape[0]}x{shape[1]}", kind, build, timed(rows)),
-                           lambda: {field: measure_gguf(shape, kind, vocab)}, {field}, again)
-    logger.info("%s %sprojections of up to %d rows run through kernels/cpu_gemm_gguf.c (%s)", kind,
-                "vocabulary " if vocab else "", found[field], how(was_kept, started))
+                           lambda: {field: measure_quantized(shape, kind, vocab)}, {field}, again)
+    logger.info("%s %sprojections of up to %d rows run through %s (%s)", kind,
+                "vocabulary " if vocab else "", found[field], Path(module.SOURCE).name, how(was_kept, started))
     return found[field]
 
 
-def measure_gguf(shape: tuple[int, int], kind: str, vocab: bool = False) -> int:
-    """The kernel against torch's GEMM on the blocks dequantized (what a projection past the
+@dataclass(frozen=True)
+class _Format:
+    """A quantized format as the race uses it: a weight packed, its rows reordered, and the two
+    ways to multiply by it (the kernel; torch's GEMM on the dequantized weights)."""
+    pack: Callable[[torch.Tensor], Any]
+    reorder: Callable[[Any, torch.Tensor], Any]
+    kernel: Callable[[torch.Tensor, Any], torch.Tensor]
+    dequantized: Callable[[torch.Tensor, Any], torch.Tensor]
+    nbytes: Callable[[Any], int]
+
+
+def _format(kind: str) -> _Format:
+    if kind == "int8":  # (int8 rows, a scale per row)
+        return _Format(cpu_gemm_int8.quantize, lambda q, order: (q[0][order], q[1][order]),
+                       lambda a, q: cpu_gemm_int8.xwt(a, *q),
+                       lambda a, q: F.linear(a, cpu_gemm_int8.dequantize(*q)),
+                       lambda q: q[0].numel())
+    return _Format(lambda w: cpu_gemm_gguf.quantize(w, kind), lambda q, order: q[order],
+                   lambda a, q: cpu_gemm_gguf.xwt(a, q, kind),
+                   lambda a, q: F.linear(a, cpu_gemm_gguf.dequantize(q, kind)),
+                   lambda q: q.numel())
+
+
+def measure_quantized(shape: tuple[int, int], kind: str, vocab: bool = False) -> int:
+    """The kernel against torch's GEMM on the dequantized weights (what a projection past the
     bound does), on a pool of one quantized weight's rows in other orders (two for a vocabulary,
     whose dequantized copy alone is far past any cache, timed over fewer pairs)."""
-    rows, pairs, most = (VOCAB_ROWS, VOCAB_PAIRS, 2) if vocab else (GGUF_ROWS, PAIRS, MAX_POOL)
+    rows, pairs, most = (VOCAB_ROWS, VOCAB_PAIRS, 2) if vocab else (QUANTIZED_ROWS, PAIRS, MAX_POOL)
+    fmt = _format(kind)
     g = torch.Generator().manual_seed(0)
-    blocks = cpu_gemm_gguf.quantize(torch.randn(*shape, generator=g), kind)
-    count = max(2, min(most, POOL_BYTES // blocks.numel()))
-    pool = [blocks] + [blocks[torch.randperm(shape[0], generator=g)] for _ in range(count - 1)]
+    packed = fmt.pack(torch.randn(*shape, generator=g))
+    count = max(2, min(most, POOL_BYTES // fmt.nbytes(packed)))
+    pool = [packed] + [fmt.reorder(packed, torch.randperm(shape[0], generator=g)) for _ in range(count - 1)]
     x = torch.randn(max(rows), shape[1], generator=g)
-    return bound(rows, lambda m: ratio(lambda a, w: cpu_gemm_gguf.xwt(a, w, kind),
-                                       lambda a, w: F.linear(a, cpu_gemm_gguf.dequantize(w, kind)),
-                                       x[:m], pool, pairs))
+    return bound(rows, lambda m: ratio(fmt.kernel, fmt.dequantized, x[:m], pool, pairs))
 
 
 def bound(rows: tuple[int, ...], ratio_at) -> int:

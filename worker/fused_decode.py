@@ -29,7 +29,7 @@ from kernels.cpu_decode_layer import LayerWeights, Shape
 from worker.layers import Linear
 
 # Tokens up to which a step goes through the C step. GGUF: MAX_TOKENS, whatever the GGUF
-# kernel's bound for a projection alone (worker/layers.py GGUF_KERNEL_ROWS): on a Zen 5 EPYC the
+# kernel's bound for a projection alone (worker/layers.py QUANTIZED_KERNEL_ROWS): on a Zen 5 EPYC the
 # C step beat the layers at 8, 32 and 64 decodes of Q4_1 (64: 206 against 209 ms). Dense: the machine's, measured at
 # start-up (worker/startup_measurements.py measure_decode_step_bound); MAX_DENSE_TOKENS until
 # then, or where the pool is too small to time in. On an AVX2 EPYC the C step won at 8 decodes

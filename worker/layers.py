@@ -60,49 +60,49 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if bias is None else out.add_(bias)
 
 
-# Rows up to which an int8 projection runs through kernels/cpu_gemm_int8.c; above, the weights are
-# dequantized for torch's matmul (a prefill chunk is bound by arithmetic, not by weight bytes).
-INT8_KERNEL_MAX_ROWS = 64
+# Rows up to which an int8, Q8_0 or Q4_1 projection runs through its kernel
+# (kernels/cpu_gemm_int8.c, cpu_gemm_gguf.c); above, the weights are dequantized (in C, one pass)
+# for torch's matmul, as a prefill chunk is bound by arithmetic, not by weight bytes. The
+# machine's, for the model's format, measured at start-up (use_quantized_kernel): on an AVX-512
+# Xeon, one thread, SmolLM2's projections in Q4_1 took 97 ms through the kernel against 316
+# dequantized into MKL with 16 rows, 446 against 463 with 64, 746 against 528 with 128; on a Zen
+# 5 EPYC, two threads, 75 against 106 with 32 rows, 146 against 148 with 64, 290 against 235
+# with 128. The vocabulary projection has its own (cpu_matmul.choose_quantized, vocab).
+QUANTIZED_KERNEL_ROWS = cpu_matmul.QUANTIZED_DEFAULT_ROWS
+QUANTIZED_VOCAB_KERNEL_ROWS = cpu_matmul.QUANTIZED_DEFAULT_ROWS
+
+
+def use_quantized_kernel(wanted: bool, shape: tuple[int, int], kind: str, again: bool = False,
+                         vocab_shape: tuple[int, int] | None = None) -> int:
+    """Sets QUANTIZED_KERNEL_ROWS for a model quantized as `kind` whose MLP weight is [shape],
+    and QUANTIZED_VOCAB_KERNEL_ROWS for its [vocab_shape] vocabulary projection."""
+    global QUANTIZED_KERNEL_ROWS, QUANTIZED_VOCAB_KERNEL_ROWS
+    QUANTIZED_KERNEL_ROWS = cpu_matmul.choose_quantized(wanted, shape, kind, again)
+    if vocab_shape is not None:
+        QUANTIZED_VOCAB_KERNEL_ROWS = cpu_matmul.choose_quantized(wanted, vocab_shape, kind, again, vocab=True)
+    return QUANTIZED_KERNEL_ROWS
+
+
+def _quantized_kernel_fits(x: torch.Tensor, vocab: bool) -> bool:
+    most = QUANTIZED_VOCAB_KERNEL_ROWS if vocab else QUANTIZED_KERNEL_ROWS
+    return x.dim() == 2 and x.shape[0] <= most and x.dtype == torch.float32
 
 
 def int8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ (scale * w8)^T (+ bias), weight-only int8 (--quantization int8)."""
-    if x.dim() == 2 and x.shape[0] <= INT8_KERNEL_MAX_ROWS and x.dtype == torch.float32 \
-            and cpu_gemm_int8.available():
+                bias: torch.Tensor | None = None, vocab: bool = False) -> torch.Tensor:
+    """x @ (scale * w8)^T (+ bias), weight-only int8 (--quantization int8); vocab: the
+    vocabulary projection, with its own bound."""
+    if _quantized_kernel_fits(x, vocab) and cpu_gemm_int8.available():
         out = cpu_gemm_int8.xwt(x, w8, scale)
         return out if bias is None else out.add_(bias)
     return F.linear(x, cpu_gemm_int8.dequantize(w8, scale, x.dtype), bias)
-
-
-# Rows up to which a Q8_0 / Q4_1 projection runs through kernels/cpu_gemm_gguf.c; above, the
-# blocks are dequantized (in C, one pass) for torch's matmul. The machine's, measured at start-up
-# (use_gguf_kernel): on an AVX-512 Xeon, one thread, SmolLM2's projections in Q4_1 took 97 ms
-# through the kernel against 316 dequantized into MKL with 16 rows, 446 against 463 with 64, 746
-# against 528 with 128; on a Zen 5 EPYC, two threads, 75 against 106 with 32 rows, 146 against 148
-# with 64, 290 against 235 with 128.
-GGUF_KERNEL_ROWS = cpu_matmul.GGUF_DEFAULT_ROWS
-GGUF_VOCAB_KERNEL_ROWS = cpu_matmul.GGUF_DEFAULT_ROWS  # the vocabulary projection's own
-
-
-def use_gguf_kernel(wanted: bool, shape: tuple[int, int], kind: str, again: bool = False,
-                    vocab_shape: tuple[int, int] | None = None) -> int:
-    """Sets GGUF_KERNEL_ROWS for a `kind` model whose MLP weight is [shape] (cpu_matmul.choose_gguf),
-    and GGUF_VOCAB_KERNEL_ROWS for its [vocab_shape] vocabulary projection (choose_gguf, vocab)."""
-    global GGUF_KERNEL_ROWS, GGUF_VOCAB_KERNEL_ROWS
-    GGUF_KERNEL_ROWS = cpu_matmul.choose_gguf(wanted, shape, kind, again)
-    if vocab_shape is not None:
-        GGUF_VOCAB_KERNEL_ROWS = cpu_matmul.choose_gguf(wanted, vocab_shape, kind, again, vocab=True)
-    return GGUF_KERNEL_ROWS
 
 
 def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str,
                 bias: torch.Tensor | None = None, vocab: bool = False) -> torch.Tensor:
     """x @ W^T (+ bias), W as GGUF blocks of kind "q8_0" or "q4_1" (--quantization q8_0 / q4_1);
     vocab: the vocabulary projection, with its own bound."""
-    most = GGUF_VOCAB_KERNEL_ROWS if vocab else GGUF_KERNEL_ROWS
-    if x.dim() == 2 and x.shape[0] <= most and x.dtype == torch.float32 \
-            and cpu_gemm_gguf.available():
+    if _quantized_kernel_fits(x, vocab) and cpu_gemm_gguf.available():
         out = cpu_gemm_gguf.xwt(x, blocks, kind)
         return out if bias is None else out.add_(bias)
     return F.linear(x, cpu_gemm_gguf.dequantize(blocks, kind, x.dtype), bias)

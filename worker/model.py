@@ -203,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Only for the rows that sample: the vocab projection is the largest matmul per token."""
         if self.lm_head_int8 is not None:
-            return int8_linear(hidden, *self.lm_head_int8).float()
+            return int8_linear(hidden, *self.lm_head_int8, vocab=True).float()
         if self.lm_head_gguf is not None:
             return gguf_linear(hidden, *self.lm_head_gguf, vocab=True).float()
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight

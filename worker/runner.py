@@ -26,7 +26,7 @@ from worker.eos import eos_token_ids
 from worker.grammar import GrammarRows, why_no_token
 from worker.host_memory import keep_freed_memory
 from worker.input_batch import InputBatch, StepInputs
-from worker.layers import use_cpu_kernel, use_gguf_kernel
+from worker.layers import use_cpu_kernel, use_quantized_kernel
 from worker.loader import load_weights
 from worker.model import build_model
 from worker.parallel import FORGET, PLAN, TensorParallel, shard_config
@@ -81,10 +81,10 @@ class ModelRunner:
             keep_freed_memory()
             use_cpu_kernel(args.cpu_matmul == "auto", (shard.intermediate_size, shard.hidden_size), self.dtype,
                            args.measure_again)
-            if args.quantization in ("q8_0", "q4_1"):
-                use_gguf_kernel(args.cpu_matmul == "auto", (shard.intermediate_size, shard.hidden_size),
-                                args.quantization, args.measure_again,
-                                vocab_shape=(self.config.vocab_size, shard.hidden_size))
+            if args.quantization:
+                use_quantized_kernel(args.cpu_matmul == "auto", (shard.intermediate_size, shard.hidden_size),
+                                     args.quantization, args.measure_again,
+                                     vocab_shape=(self.config.vocab_size, shard.hidden_size))
         self.model = build_model(shard, weights, self.backend, self.max_model_len, self.device,
                                  self.dtype, self.tp,
                                  # a quantized model builds its own (LlamaForCausalLM.quantize_gguf)

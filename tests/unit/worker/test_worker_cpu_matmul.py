@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import worker.layers as layers
-from kernels import cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf
+from kernels import cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8
 from worker import cpu_matmul
 from worker.cpu_matmul import BF16_ROWS, FP32_ROWS, WIDEN_ROWS, CpuMatmul
 
@@ -203,53 +203,96 @@ def test_workers_starting_together_measure_once(cache, measured, monkeypatch):
     assert got == [choice, choice] and calls == [SHAPE]
 
 
-GGUF_SHAPE = (96, 64)  # GGUF rows are whole blocks of 32
+QUANT_SHAPE = (96, 64)  # GGUF rows are whole blocks of 32
+KINDS = ["int8", "q8_0", "q4_1"]
 
 
-@pytest.mark.skipif(not cpu_gemm_gguf.available(), reason="no GGUF kernel on this CPU")
-@pytest.mark.parametrize("kind", ["q8_0", "q4_1"])
-def test_the_gguf_bound_races_the_kernel_against_the_dequantized_gemm_and_is_kept(cache, monkeypatch, kind):
+def _module(kind):
+    return cpu_gemm_int8 if kind == "int8" else cpu_gemm_gguf
+
+
+def _quantized(shape, kind):
+    """A random weight in `kind`, its float64 dequantization and a layers.* projection by it."""
+    w = torch.randn(*shape)
+    if kind == "int8":
+        w8, scale = cpu_gemm_int8.quantize(w)
+        return (cpu_gemm_int8.dequantize(w8, scale, torch.float64),
+                lambda x, **k: layers.int8_linear(x, w8, scale, **k))
+    blocks = cpu_gemm_gguf.quantize(w, kind)
+    return (cpu_gemm_gguf.dequantize(blocks, kind, torch.float64),
+            lambda x, **k: layers.gguf_linear(x, blocks, kind, **k))
+
+
+def _counting_kernel(monkeypatch, kind):
+    """The rows of every call into kind's kernel."""
+    module, rows = _module(kind), []
+    real = module.xwt
+    monkeypatch.setattr(module, "xwt", lambda *a, **k: rows.append(a[0].shape[0]) or real(*a, **k))
+    return rows
+
+
+def _keep_bounds(monkeypatch):
+    for name in ("QUANTIZED_KERNEL_ROWS", "QUANTIZED_VOCAB_KERNEL_ROWS"):  # put back afterwards
+        monkeypatch.setattr(layers, name, getattr(layers, name))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_quantized_bound_races_the_kernel_against_the_dequantized_gemm_and_is_kept(cache, monkeypatch, kind):
     """Each race computes the same product both ways (the kernel's exact fp32 path against torch
-    on the dequantized blocks), at every count of GGUF_ROWS; the bound is kept per kind and read
-    back by the next start; --cpu-matmul torch keeps the default without measuring."""
+    on the dequantized weights), at every count of QUANTIZED_ROWS; the bound is kept per kind and
+    read back by the next start; --cpu-matmul torch keeps the default without measuring."""
+    if not _module(kind).available():
+        pytest.skip(f"no {kind} kernel on this CPU")
     raced = []
 
     def ratio(kernel, other, x, pool, pairs=cpu_matmul.PAIRS):
         a, b = kernel(x, pool[0]), other(x, pool[0])
-        assert a.shape == b.shape == (x.shape[0], GGUF_SHAPE[0]) and len(pool) > 1
+        assert a.shape == b.shape == (x.shape[0], QUANT_SHAPE[0]) and len(pool) > 1
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
         raced.append(x.shape[0])
         return 0.5 if x.shape[0] <= 128 else 2.0
 
     monkeypatch.setattr(cpu_matmul, "ratio", ratio)
-    assert cpu_matmul.choose_gguf(True, GGUF_SHAPE, kind) == 128 and raced == list(cpu_matmul.GGUF_ROWS)
-    assert cpu_matmul.choose_gguf(True, GGUF_SHAPE, kind) == 128 and len(raced) == len(cpu_matmul.GGUF_ROWS)
-    assert {"gguf_kernel_rows": 128} in json.loads(cache.read_text()).values()
-    assert cpu_matmul.choose_gguf(False, GGUF_SHAPE, kind) == cpu_matmul.GGUF_DEFAULT_ROWS
-    assert len(raced) == len(cpu_matmul.GGUF_ROWS)
+    assert cpu_matmul.choose_quantized(True, QUANT_SHAPE, kind) == 128 and raced == list(cpu_matmul.QUANTIZED_ROWS)
+    assert cpu_matmul.choose_quantized(True, QUANT_SHAPE, kind) == 128 and len(raced) == len(cpu_matmul.QUANTIZED_ROWS)
+    assert {"kernel_rows": 128} in json.loads(cache.read_text()).values()
+    assert cpu_matmul.choose_quantized(False, QUANT_SHAPE, kind) == cpu_matmul.QUANTIZED_DEFAULT_ROWS
+    assert len(raced) == len(cpu_matmul.QUANTIZED_ROWS)
 
 
-@pytest.mark.skipif(not cpu_gemm_gguf.available(), reason="no GGUF kernel on this CPU")
-def test_gguf_projections_take_the_kernel_up_to_the_bound_and_dequantize_past_it(cache, monkeypatch):
-    monkeypatch.setattr(cpu_matmul, "measure_gguf", lambda shape, kind, vocab=False: 4)
-    monkeypatch.setattr(layers, "GGUF_KERNEL_ROWS", layers.GGUF_KERNEL_ROWS)  # put back afterwards
-    assert layers.use_gguf_kernel(True, GGUF_SHAPE, "q4_1") == 4 == layers.GGUF_KERNEL_ROWS
-    blocks = cpu_gemm_gguf.quantize(torch.randn(*GGUF_SHAPE), "q4_1")
-    kernel = []
-    real = cpu_gemm_gguf.xwt
-    monkeypatch.setattr(cpu_gemm_gguf, "xwt", lambda *a, **k: kernel.append(a[0].shape[0]) or real(*a, **k))
+def test_each_format_keeps_its_own_bound(cache, monkeypatch):
+    """A machine's int8 bound is not its Q4_1 one: kept under the kind, each read back as raced."""
+    bounds = {"int8": 16, "q8_0": 32, "q4_1": 256}
+    monkeypatch.setattr(cpu_matmul, "measure_quantized", lambda shape, kind, vocab=False: bounds[kind])
+    for module in (cpu_gemm_int8, cpu_gemm_gguf):
+        monkeypatch.setattr(module, "available", lambda: True)
+    assert {k: cpu_matmul.choose_quantized(True, QUANT_SHAPE, k) for k in KINDS} == bounds
+    monkeypatch.setattr(cpu_matmul, "measure_quantized", lambda *a, **k: pytest.fail("measured again"))
+    assert {k: cpu_matmul.choose_quantized(True, QUANT_SHAPE, k) for k in KINDS} == bounds
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantized_projections_take_the_kernel_up_to_the_bound_and_dequantize_past_it(cache, monkeypatch, kind):
+    if not _module(kind).available():
+        pytest.skip(f"no {kind} kernel on this CPU")
+    monkeypatch.setattr(cpu_matmul, "measure_quantized", lambda shape, kind, vocab=False: 4)
+    _keep_bounds(monkeypatch)
+    assert layers.use_quantized_kernel(True, QUANT_SHAPE, kind) == 4 == layers.QUANTIZED_KERNEL_ROWS
+    want_weight, project = _quantized(QUANT_SHAPE, kind)
+    kernel = _counting_kernel(monkeypatch, kind)
     for rows in (1, 4, 5, 64):
-        x = torch.randn(rows, GGUF_SHAPE[1])
-        want = x.double() @ cpu_gemm_gguf.dequantize(blocks, "q4_1").double().t()
-        torch.testing.assert_close(layers.gguf_linear(x, blocks, "q4_1").double(), want, rtol=1e-4, atol=1e-3)
+        x = torch.randn(rows, QUANT_SHAPE[1])
+        torch.testing.assert_close(project(x).double(), x.double() @ want_weight.t(), rtol=1e-4, atol=1e-3)
     assert kernel == [1, 4]
 
 
-@pytest.mark.skipif(not cpu_gemm_gguf.available(), reason="no GGUF kernel on this CPU")
-def test_the_vocabulary_projection_races_on_its_own_shape_and_keeps_its_own_bound(cache, monkeypatch):
-    """Past its bound a vocabulary projection dequantizes every block of the vocabulary for each
-    call, so it is raced on its own [vocab, hidden] shape (VOCAB_ROWS), kept apart from the
-    layers' bound, and gguf_linear(vocab=True) obeys it while the layers obey theirs."""
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_vocabulary_projection_races_on_its_own_shape_and_keeps_its_own_bound(cache, monkeypatch, kind):
+    """Past its bound a vocabulary projection dequantizes the whole vocabulary for each call, so
+    it is raced on its own [vocab, hidden] shape (VOCAB_ROWS), kept apart from the layers' bound,
+    and a projection with vocab=True obeys it while the layers obey theirs."""
+    if not _module(kind).available():
+        pytest.skip(f"no {kind} kernel on this CPU")
     raced = []
 
     def ratio(kernel, other, x, pool, pairs=cpu_matmul.PAIRS):
@@ -258,30 +301,27 @@ def test_the_vocabulary_projection_races_on_its_own_shape_and_keeps_its_own_boun
 
     vocab_shape = (256, 64)
     monkeypatch.setattr(cpu_matmul, "ratio", ratio)
-    monkeypatch.setattr(cpu_matmul, "measure_gguf", lambda shape, kind, vocab=False: 4 if not vocab
+    monkeypatch.setattr(cpu_matmul, "measure_quantized", lambda shape, kind, vocab=False: 4 if not vocab
                         else cpu_matmul.bound(cpu_matmul.VOCAB_ROWS, lambda m: ratio(None, None, torch.empty(m, 1),
                                                                                      [torch.empty(shape)])))
-    for name in ("GGUF_KERNEL_ROWS", "GGUF_VOCAB_KERNEL_ROWS"):  # put back afterwards
-        monkeypatch.setattr(layers, name, getattr(layers, name))
-    assert layers.use_gguf_kernel(True, GGUF_SHAPE, "q4_1", vocab_shape=vocab_shape) == 4
-    assert (layers.GGUF_KERNEL_ROWS, layers.GGUF_VOCAB_KERNEL_ROWS) == (4, 64)
+    _keep_bounds(monkeypatch)
+    assert layers.use_quantized_kernel(True, QUANT_SHAPE, kind, vocab_shape=vocab_shape) == 4
+    assert (layers.QUANTIZED_KERNEL_ROWS, layers.QUANTIZED_VOCAB_KERNEL_ROWS) == (4, 64)
     assert [m for m, _ in raced] == list(cpu_matmul.VOCAB_ROWS)
     assert {"vocab_kernel_rows": 64} in json.loads(cache.read_text()).values()
-    blocks = cpu_gemm_gguf.quantize(torch.randn(*vocab_shape), "q4_1")
-    kernel = []
-    real = cpu_gemm_gguf.xwt
-    monkeypatch.setattr(cpu_gemm_gguf, "xwt", lambda *a, **k: kernel.append(a[0].shape[0]) or real(*a, **k))
+    want_weight, project = _quantized(vocab_shape, kind)
+    kernel = _counting_kernel(monkeypatch, kind)
     for rows in (5, 64, 65):
         x = torch.randn(rows, vocab_shape[1])
-        want = x.double() @ cpu_gemm_gguf.dequantize(blocks, "q4_1").double().t()
-        torch.testing.assert_close(layers.gguf_linear(x, blocks, "q4_1", vocab=True).double(), want,
-                                   rtol=1e-4, atol=1e-3)
-        layers.gguf_linear(x, blocks, "q4_1")  # a layer's bound: 4 rows
+        torch.testing.assert_close(project(x, vocab=True).double(), x.double() @ want_weight.t(), rtol=1e-4, atol=1e-3)
+        project(x)  # as a layer: 4 rows
     assert kernel == [5, 64]
 
 
-@pytest.mark.skipif(not cpu_gemm_gguf.available(), reason="no GGUF kernel on this CPU")
-def test_the_vocabulary_race_times_the_kernel_against_the_dequantized_gemm_on_its_shape(cache, monkeypatch):
+@pytest.mark.parametrize("kind", ["int8", "q8_0"])
+def test_the_vocabulary_race_times_the_kernel_against_the_dequantized_gemm_on_its_shape(cache, monkeypatch, kind):
+    if not _module(kind).available():
+        pytest.skip(f"no {kind} kernel on this CPU")
     raced = []
 
     def ratio(kernel, other, x, pool, pairs=cpu_matmul.PAIRS):
@@ -291,6 +331,6 @@ def test_the_vocabulary_race_times_the_kernel_against_the_dequantized_gemm_on_it
         return 0.5 if x.shape[0] <= 128 else 2.0
 
     monkeypatch.setattr(cpu_matmul, "ratio", ratio)
-    assert cpu_matmul.choose_gguf(True, (320, 64), "q8_0", vocab=True) == 128
+    assert cpu_matmul.choose_quantized(True, (320, 64), kind, vocab=True) == 128
     assert raced == [(m, 320, cpu_matmul.VOCAB_PAIRS, 2) for m in cpu_matmul.VOCAB_ROWS]
-    assert cpu_matmul.choose_gguf(True, (320, 64), "q8_0", vocab=True) == 128 and len(raced) == len(cpu_matmul.VOCAB_ROWS)
+    assert cpu_matmul.choose_quantized(True, (320, 64), kind, vocab=True) == 128 and len(raced) == len(cpu_matmul.VOCAB_ROWS)

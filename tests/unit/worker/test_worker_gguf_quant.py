@@ -114,8 +114,8 @@ def test_a_gguf_files_own_blocks_are_used_as_they_are(tmp_path, monkeypatch, exa
     # The fused step's start-up check and the GGUF kernel's bound measurements (kept, then read
     # back by the runner) quantize random weights of their own: done before the spy.
     cpu_decode_layer.available() and cpu_decode_layer.agrees_with_reference("q4_1")
-    cpu_matmul.choose_gguf(True, (96, 64), "q4_1")
-    cpu_matmul.choose_gguf(True, (256, 64), "q4_1", vocab=True)
+    cpu_matmul.choose_quantized(True, (96, 64), "q4_1")
+    cpu_matmul.choose_quantized(True, (256, 64), "q4_1", vocab=True)
     with monkeypatch.context() as spy:
         spy.setattr(cpu_gemm_gguf, "quantize", lambda w, kind: quantized.append(tuple(w.shape)) or quantize(w, kind))
         runner = ModelRunner(runner_args(path, "--quantization", "q4_1"))

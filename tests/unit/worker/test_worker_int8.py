@@ -10,8 +10,10 @@ import copy
 import pytest
 import torch
 
+import worker.layers as layers
 from launch.flag_errors import FlagError
 from kernels import cpu_gemm_int8
+from worker import cpu_matmul
 from tests.worker_tiny_models import (VARIANTS, assert_greedy_equals_reference, make_hf_model,
                                       runner_args, save_model)
 from worker.runner import ModelRunner
@@ -47,3 +49,31 @@ def test_int8_is_refused_where_it_cannot_run(tmp_path):
     with pytest.raises(FlagError, match="--quantization int8 runs on the CPU, with --dtype float32"):
         ModelRunner(runner_args(save_model(hf, tmp_path / "m"), "--quantization", "int8",
                                 "--dtype", "bfloat16"))
+
+
+@pytest.mark.skipif(not cpu_gemm_int8.available(), reason="no int8 kernel on this CPU")
+def test_an_int8_runner_bounds_its_layers_and_its_vocabulary_projection_apart(tmp_path, monkeypatch):
+    """Its layers' bound is raced on the MLP's shape and the vocabulary projection's on its own
+    (worker/cpu_matmul.py choose_quantized); the logits' projection obeys its own bound."""
+    monkeypatch.setenv("PAGODA_CACHE", str(tmp_path / "cache"))
+    raced = []
+    monkeypatch.setattr(cpu_matmul, "measure_quantized",
+                        lambda shape, kind, vocab=False: raced.append((shape, kind, vocab)) or (3 if vocab else 1))
+    for name in ("QUANTIZED_KERNEL_ROWS", "QUANTIZED_VOCAB_KERNEL_ROWS"):  # put back afterwards
+        monkeypatch.setattr(layers, name, getattr(layers, name))
+    hf = make_hf_model("llama")
+    runner = ModelRunner(runner_args(save_model(hf, tmp_path / "m"), "--quantization", "int8"))
+    config = hf.config
+    assert raced == [((config.intermediate_size, config.hidden_size), "int8", False),
+                     ((config.vocab_size, config.hidden_size), "int8", True)]
+    kernel = []
+    real = cpu_gemm_int8.xwt
+    monkeypatch.setattr(cpu_gemm_int8, "xwt", lambda x, w8, *a, **k: kernel.append((x.shape[0], w8.shape[0]))
+                        or real(x, w8, *a, **k))
+    w8, scale = runner.model.lm_head_int8
+    for rows in (3, 4):
+        hidden = torch.randn(rows, config.hidden_size)
+        torch.testing.assert_close(runner.model.compute_logits(hidden).double(),
+                                   hidden.double() @ cpu_gemm_int8.dequantize(w8, scale, torch.float64).t(),
+                                   rtol=1e-4, atol=1e-3)
+    assert kernel == [(3, config.vocab_size)]
