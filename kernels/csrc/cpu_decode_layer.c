@@ -78,7 +78,7 @@ static inline void store_elem(void *base, int64_t i, float f, int dtype) {
     ((uint16_t *)base)[i] = (uint16_t)(b >> 16);
 }
 
-typedef void (*dots_fn)(const float *, int64_t, int, const uint8_t *, int64_t, int, float *);
+typedef void (*dots_fn)(const float *, int64_t, int, const uint8_t *, int64_t, int, const float *, float *);
 
 #define TYPE_F32 0
 #define TYPE_BF16 30
@@ -132,38 +132,42 @@ static inline void dense_avx512(const float *x, int64_t ldx, const uint8_t *w, i
 // Every weight format a layer may hold, by its ggml type.
 __attribute__((target("avx2,fma,f16c")))
 static void layer_dots_avx2(const float *x, int64_t ldx, int rows, const uint8_t *w, int64_t K,
-                            int type, float *s) {
+                            int type, const float *xs, float *s) {
     if (type == TYPE_F32) {
         switch (rows) { ROWS_1_TO_4(dense_avx2, TYPE_F32) }
     } else if (type == TYPE_BF16) {
         switch (rows) { ROWS_1_TO_4(dense_avx2, TYPE_BF16) }
     } else {
-        dots_avx2(x, ldx, rows, w, K, type, s);
+        dots_avx2(x, ldx, rows, w, K, type, xs, s);
     }
 }
 
 __attribute__((target("avx512f,f16c")))
 static void layer_dots_avx512(const float *x, int64_t ldx, int rows, const uint8_t *w, int64_t K,
-                              int type, float *s) {
+                              int type, const float *xs, float *s) {
     if (type == TYPE_F32) {
         switch (rows) { ROWS_1_TO_4(dense_avx512, TYPE_F32) ROWS_5_TO_8(dense_avx512, TYPE_F32) }
     } else if (type == TYPE_BF16) {
         switch (rows) { ROWS_1_TO_4(dense_avx512, TYPE_BF16) ROWS_5_TO_8(dense_avx512, TYPE_BF16) }
     } else {
-        dots_avx512(x, ldx, rows, w, K, type, s);
+        dots_avx512(x, ldx, rows, w, K, type, xs, s);
     }
 }
 
 // out[t, n] = (or +=) x[t] . W[n] for every weight row n, split over the team (an orphaned
-// worksharing loop: called from inside the step's parallel region; it ends at a barrier).
+// worksharing loop: called from inside the step's parallel region; it ends at a barrier). A
+// last row of x alone in its pass takes Q4_1's one-row dot products, which read its block sums
+// (row_sums; each thread sums its own copy, x being complete when gemv is called).
 static void gemv(dots_fn dots, int most, const float *x, int64_t ldx, int T, const uint8_t *w,
                  int64_t ldw, int type, int64_t N, int64_t K, float *out, int64_t ldo, int add) {
+    float xs[type == TYPE_Q4_1 && T % most == 1 ? 2 * (K / QK) : 1];
+    if (type == TYPE_Q4_1 && T % most == 1) row_sums(x + (int64_t)(T - 1) * ldx, K, xs);
     #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         float s[8];
         for (int m = 0; m < T; m += most) {
             const int rows = T - m < most ? T - m : most;
-            dots(x + m * ldx, ldx, rows, w + n * ldw, K, type, s);
+            dots(x + m * ldx, ldx, rows, w + n * ldw, K, type, xs, s);
             for (int r = 0; r < rows; r++) {
                 float *o = out + (m + r) * ldo + n;
                 *o = add ? *o + s[r] : s[r];

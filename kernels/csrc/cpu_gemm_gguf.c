@@ -14,7 +14,8 @@
 //   1 AVX2 + FMA, 3 AVX-512F: exact fp32 activations. A block is 4 vectors of 8 (2 of 16);
 //     each weight row is read once for up to 4 (8) rows of x, which stay in L1, so a block's
 //     dequantization is shared by as many; every row of x keeps two accumulators, so that
-//     consecutive FMAs do not wait on each other's latency (one row is the common case: decode).
+//     consecutive FMAs do not wait on each other's latency (one row is the common case: decode;
+//     with AVX2 it factors each block's scales out of its sum instead, row_avx2).
 //   2 AVX2 int8, 4 AVX-512 VNNI: int8 activations, as llama.cpp multiplies its Q4_1 / Q8_0
 //     weights (its Q8_1 activations). Each row of x is quantized once per call, per block of 32:
 //     d = max |x| / 127, q = round(x / d), and s = d * sum(q) for Q4_1's offset; then a block's
@@ -89,7 +90,8 @@ static inline void body_avx512(const float *x, int64_t ldx, const uint8_t *w, in
 
 __attribute__((target("avx512f,f16c")))
 static void dots_avx512(const float *x, int64_t ldx, int rows, const uint8_t *w, int64_t K,
-                        int type, float *s) {
+                        int type, const float *xs, float *s) {
+    (void)xs;
     if (type == TYPE_Q8_0) {
         switch (rows) { ROWS_1_TO_4(body_avx512, TYPE_Q8_0) ROWS_5_TO_8(body_avx512, TYPE_Q8_0) }
     } else {
@@ -140,10 +142,62 @@ static inline void body_avx2(const float *x, int64_t ldx, const uint8_t *w, int6
     for (int m = 0; m < rows; m++) s[m] = sum2_avx2(a[m][0], a[m][1]);
 }
 
+// One row of x (a single stream's decode), with the block's scales factored out of its sum:
+// x . (d q + m) = d (x . q) + m sum(x), so a block costs its conversions and the FMAs on x, and
+// no FMA dequantizes a weight (a Zen 2 EPYC: 18% more blocks a second, from L2; exact fp32
+// arithmetic still, in another order). xs: x's block sums for Q4_1 as pairs (0, sum of block b)
+// at xs[2b] (row_sums), so that d, m times a pair puts m sum(x) in lane 1 with one FMA.
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline float row_avx2(const float *x, const float *xs, const uint8_t *w, int64_t K, const int type) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    __m128 off = _mm_setzero_ps();
+    const int bytes = type == TYPE_Q8_0 ? 34 : 20;
+    const __m256i low4 = _mm256_set1_epi32(15);
+    for (int64_t k = 0; k < K; k += QK, w += bytes) {
+        const float *xk = x + k;
+        __m256 t0, t1, d;
+        if (type == TYPE_Q8_0) {
+            d = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(half_at(w))));
+            __m256 q[4];
+            for (int i = 0; i < 4; i++)
+                q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + 2 + 8 * i))));
+            t0 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 16), q[2], _mm256_mul_ps(_mm256_loadu_ps(xk), q[0]));
+            t1 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 24), q[3], _mm256_mul_ps(_mm256_loadu_ps(xk + 8), q[1]));
+        } else {
+            const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)bytes4_at(w)));
+            d = _mm256_broadcastss_ps(dm);
+            // bytes 4 .. 11: weights 0 .. 7 (low nibbles) and 16 .. 23 (high); 12 .. 19: 8 .. 15, 24 .. 31
+            const __m256i q0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 4)));
+            const __m256i q1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 12)));
+            t0 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 16), _mm256_cvtepi32_ps(_mm256_srli_epi32(q0, 4)),
+                                 _mm256_mul_ps(_mm256_loadu_ps(xk), _mm256_cvtepi32_ps(_mm256_and_si256(q0, low4))));
+            t1 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 24), _mm256_cvtepi32_ps(_mm256_srli_epi32(q1, 4)),
+                                 _mm256_mul_ps(_mm256_loadu_ps(xk + 8), _mm256_cvtepi32_ps(_mm256_and_si256(q1, low4))));
+            off = _mm_fmadd_ps(dm, _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(xs + 2 * (k / QK)))), off);
+        }
+        a0 = _mm256_fmadd_ps(d, t0, a0);
+        a1 = _mm256_fmadd_ps(d, t1, a1);
+    }
+    return sum2_avx2(a0, a1) + (type == TYPE_Q4_1 ? _mm_cvtss_f32(_mm_movehdup_ps(off)) : 0.0f);
+}
+
+// xs for one row of x (row_avx2): (0, sum of block b) at xs[2b], b < K / 32.
+static inline void row_sums(const float *x, int64_t K, float *xs) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        float t = 0.0f;
+        for (int j = 0; j < QK; j++) t += x[b * QK + j];
+        xs[2 * b] = 0.0f;
+        xs[2 * b + 1] = t;
+    }
+}
+
+// xs: row_sums of x's row where rows is 1 (row_avx2), else unread.
 __attribute__((target("avx2,fma,f16c")))
 static void dots_avx2(const float *x, int64_t ldx, int rows, const uint8_t *w, int64_t K,
-                      int type, float *s) {
-    if (type == TYPE_Q8_0) {
+                      int type, const float *xs, float *s) {
+    if (rows == 1) {
+        s[0] = type == TYPE_Q8_0 ? row_avx2(x, xs, w, K, TYPE_Q8_0) : row_avx2(x, xs, w, K, TYPE_Q4_1);
+    } else if (type == TYPE_Q8_0) {
         switch (rows) { ROWS_1_TO_4(body_avx2, TYPE_Q8_0) }
     } else {
         switch (rows) { ROWS_1_TO_4(body_avx2, TYPE_Q4_1) }
@@ -329,19 +383,22 @@ void pagoda_gguf_xwt(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw,
         xwt_int8(x, ldx, w, ldw, type, out, ldo, M, N, K, threads, isa);
         return;
     }
-    void (*dots)(const float *, int64_t, int, const uint8_t *, int64_t, int, float *) =
+    void (*dots)(const float *, int64_t, int, const uint8_t *, int64_t, int, const float *, float *) =
         isa == 3 ? dots_avx512 : dots_avx2;
     const int most = isa == 3 ? 8 : 4;  // rows of x a pass over a weight row takes
+    float *xs = malloc((size_t)(K / QK) * 2 * sizeof(float));  // the last row's sums, where it is alone
+    if (M % most == 1) row_sums(x + (int64_t)(M - 1) * ldx, K, xs);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wn = w + n * ldw;
         float s[8];
         for (int m = 0; m < M; m += most) {
             int rows = M - m < most ? M - m : most;
-            dots(x + m * ldx, ldx, rows, wn, K, type, s);
+            dots(x + m * ldx, ldx, rows, wn, K, type, xs, s);
             for (int r = 0; r < rows; r++) out[(m + r) * ldo + n] = s[r];
         }
     }
+    free(xs);
 }
 
 // out[N, K] (fp32) = the weights of the blocks w[N, K / 32 blocks]: for a prefill chunk, which
