@@ -1,7 +1,7 @@
 """A whole decode step of a pre-norm transformer in one C call (kernels/csrc/cpu_decode_layer.c):
 every layer (RMSNorm, q/k/v with rotary q and k, the K/V writes, paged attention, o, RMSNorm,
-gated SiLU MLP, the residual sums) in one parallel region, over GGUF Q8_0 / Q4_1 weights or
-dense fp32 / bf16 ones, and an fp32 or bf16 paged cache, then the final norm; activations in
+gated SiLU MLP, the residual sums) in one parallel region, over GGUF Q8_0 / Q4_1 weights, int8
+rows with a scale per row (kernels/cpu_gemm_int8.py's format) or dense fp32 / bf16 ones, and an fp32 or bf16 paged cache, then the final norm; activations in
 fp32. For a single stream, where layer-by-layer torch spends a large share of the step on its
 ops' dispatch (worker/fused_decode.py decides when).
 
@@ -19,13 +19,15 @@ from pathlib import Path
 
 import torch
 
-from kernels import cbuild, cpu_decode_attention, cpu_gemm_gguf
+from kernels import cbuild, cpu_decode_attention, cpu_gemm_gguf, cpu_gemm_int8
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_decode_layer.c"
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 ISA_NAMES = {2: "AVX-512F", 1: "AVX2+FMA"}
 # Weight formats by their ggml type: GGUF blocks, or dense rows.
 DENSE = {"f32": (0, torch.float32), "bf16": (30, torch.bfloat16)}
+INT8 = "int8"  # int8 rows (ggml's I8) with a scale per row (LayerWeights.scales)
+INT8_WTYPE = 24
 # The step with bf16 dot products against reference(bf16_dot=True), relative: both round the same
 # activations to bf16, but one within fp32's error of a rounding boundary can round the other way
 # (a bf16 step, 2^-8), which the next layers carry (measured up to 5e-3; 2e-7 where none did).
@@ -34,7 +36,9 @@ BF16_DOT_TOL = 1e-2
 # at a time, stream as fast or faster (1 token: 7.5 against 8.5 ms on a Zen 5 EPYC; 4: even; 8:
 # 21 against 13), and keep the activations in fp32.
 BF16_DOT_MIN_TOKENS = 5
-WTYPES = {**{kind: fmt[0] for kind, fmt in cpu_gemm_gguf.FORMATS.items()}, **{k: t for k, (t, _) in DENSE.items()}}
+WTYPES = {**{kind: fmt[0] for kind, fmt in cpu_gemm_gguf.FORMATS.items()}, **{k: t for k, (t, _) in DENSE.items()},
+          INT8: INT8_WTYPE}
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -42,7 +46,8 @@ _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 class DecodeLayer(ctypes.Structure):
     _fields_ = [("qkv", _p), ("o", _p), ("gate_up", _p), ("down", _p),
                 ("ld_qkv", ctypes.c_int64), ("ld_o", ctypes.c_int64), ("ld_gate_up", ctypes.c_int64),
-                ("ld_down", ctypes.c_int64), ("norm1", _p), ("norm2", _p), ("k_cache", _p), ("v_cache", _p)]
+                ("ld_down", ctypes.c_int64), ("norm1", _p), ("norm2", _p), ("k_cache", _p), ("v_cache", _p),
+                ("scale_qkv", _p), ("scale_o", _p), ("scale_gate_up", _p), ("scale_down", _p)]
 
 
 class DecodeStep(ctypes.Structure):
@@ -62,13 +67,15 @@ available, isa, supported_isas = _kernel.available, _kernel.isa, _kernel.support
 class LayerWeights:
     """One layer as the kernel reads it: the fused q|k|v rows (q and k rows paired for the
     rotary turn), o, the fused gate|up rows and down, each GGUF blocks (uint8 [N, K / 32 *
-    bytes]) or dense rows (fp32 or bf16 [N, K]); the two norms' weights (fp32 [H])."""
+    bytes]), int8 rows [N, K] or dense rows (fp32 or bf16 [N, K]); the two norms' weights (fp32
+    [H]); for int8 rows, each projection's scales (fp32 [N], in PROJECTIONS' order)."""
     qkv: torch.Tensor
     o: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
     norm1: torch.Tensor
     norm2: torch.Tensor
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -82,17 +89,36 @@ class Shape:
     kind: str                   # "q8_0", "q4_1" (GGUF blocks), "f32" or "bf16" (dense rows)
 
 
+def layer_weights(projections: list[torch.Tensor], norm1: torch.Tensor, norm2: torch.Tensor,
+                  kind: str) -> LayerWeights:
+    """A layer of float weights ([N, K] each, in PROJECTIONS' order) as the kernel reads it in
+    `kind`: GGUF blocks by gguf's quantizer, int8 rows and scales, or dense rows of its dtype."""
+    if kind == INT8:
+        rows, scales = zip(*(cpu_gemm_int8.quantize(w) for w in projections))
+        return LayerWeights(*rows, norm1, norm2, scales=tuple(scales))
+    if kind in DENSE:
+        return LayerWeights(*(w.to(DENSE[kind][1]) for w in projections), norm1, norm2)
+    return LayerWeights(*(cpu_gemm_gguf.quantize(w, kind) for w in projections), norm1, norm2)
+
+
 def layers_array(weights: list[LayerWeights], kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
     """The ctypes array the kernel walks; it holds raw pointers, so the caller keeps weights and
     caches alive (and rebuilds it if a cache is reallocated)."""
     arr = (DecodeLayer * len(weights))()
     for a, w, (k, v) in zip(arr, weights, kv_caches):
-        for name in ("qkv", "o", "gate_up", "down"):
+        for i, name in enumerate(PROJECTIONS):
             rows = getattr(w, name)
-            if rows.dtype not in (torch.uint8, torch.float32, torch.bfloat16) or not rows.is_contiguous():
-                raise ValueError(f"{name}: contiguous GGUF blocks (uint8) or fp32 / bf16 rows expected")
+            if rows.dtype not in (torch.uint8, torch.int8, torch.float32, torch.bfloat16) or not rows.is_contiguous():
+                raise ValueError(f"{name}: contiguous GGUF blocks (uint8), int8, fp32 or bf16 rows expected")
+            if (rows.dtype == torch.int8) != (w.scales is not None):
+                raise ValueError(f"{name}: int8 rows come with their scales, and only they")
             setattr(a, name, rows.data_ptr())
             setattr(a, f"ld_{name}", rows.stride(0) * rows.element_size())  # bytes
+            if w.scales is not None:
+                scale = w.scales[i]
+                if scale.dtype != torch.float32 or not scale.is_contiguous() or scale.numel() != rows.shape[0]:
+                    raise ValueError(f"{name}: a contiguous fp32 scale per row expected")
+                setattr(a, f"scale_{name}", scale.data_ptr())
         a.norm1, a.norm2 = w.norm1.data_ptr(), w.norm2.data_ptr()
         a.k_cache, a.v_cache = k.data_ptr(), v.data_ptr()
     return arr
@@ -149,7 +175,9 @@ def reference(weights: list[LayerWeights], shape: Shape, final_norm: torch.Tenso
     def norm(v, w):
         return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + shape.eps) * w.double()
 
-    def mm(v, rows):
+    def mm(v, rows, scale):
+        if shape.kind == INT8:
+            return v @ (rows.double() * scale.double()[:, None]).t()
         if shape.kind in DENSE:
             if bf16_dot and shape.kind == "bf16":
                 v = v.float().bfloat16().double()  # the kernel rounds its fp32 activations
@@ -162,7 +190,8 @@ def reference(weights: list[LayerWeights], shape: Shape, final_norm: torch.Tenso
         return torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2)
 
     for w, (k_cache, v_cache) in zip(weights, kv_caches):
-        qkv = mm(norm(x, w.norm1), w.qkv)
+        sq, so, sgu, sd = w.scales or (None,) * 4
+        qkv = mm(norm(x, w.norm1), w.qkv, sq)
         q = turn(qkv[:, :Hq * D].view(T, Hq, D))
         k = turn(qkv[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D))
         v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
@@ -180,10 +209,10 @@ def reference(weights: list[LayerWeights], shape: Shape, final_norm: torch.Tenso
             vt = v_cache[blocks].reshape(-1, Hkv, D)[:n].double().repeat_interleave(Hq // Hkv, 1)
             p = torch.softmax(torch.einsum("hd,nhd->hn", q[t], kt) * D ** -0.5, -1)
             attn[t] = torch.einsum("hn,nhd->hd", p, vt)
-        x = x + mm(attn.reshape(T, -1), w.o)
-        gu = mm(norm(x, w.norm2), w.gate_up)
+        x = x + mm(attn.reshape(T, -1), w.o, so)
+        gu = mm(norm(x, w.norm2), w.gate_up, sgu)
         gate, up = gu.chunk(2, -1)
-        x = x + mm(torch.nn.functional.silu(gate) * up, w.down)
+        x = x + mm(torch.nn.functional.silu(gate) * up, w.down, sd)
     return norm(x, final_norm)
 
 
@@ -195,11 +224,10 @@ def agrees_with_reference(kind: str = "q4_1") -> bool:
     g = torch.Generator().manual_seed(0)
     shape = Shape(64, 4, 2, 16, 96, 1e-5, kind)
 
-    def blocks(n, k):
-        w = torch.randn(n, k, generator=g) * k ** -0.5
-        return w.to(DENSE[kind][1]) if kind in DENSE else cpu_gemm_gguf.quantize(w, kind)
-    weights = [LayerWeights(blocks(128, 64), blocks(64, 64), blocks(192, 64), blocks(64, 96),
-                            1 + 0.1 * torch.randn(64, generator=g), 1 + 0.1 * torch.randn(64, generator=g))
+    def w(n, k):
+        return torch.randn(n, k, generator=g) * k ** -0.5
+    weights = [layer_weights([w(128, 64), w(64, 64), w(192, 64), w(64, 96)], 1 + 0.1 * torch.randn(64, generator=g),
+                             1 + 0.1 * torch.randn(64, generator=g), kind)
                for _ in range(2)]
     caches = [(torch.randn(4, 16, 2, 16, generator=g), torch.randn(4, 16, 2, 16, generator=g)) for _ in range(2)]
     ref_caches = [(k.clone(), v.clone()) for k, v in caches]

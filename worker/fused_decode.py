@@ -1,5 +1,5 @@
 """A Llama model's decode steps in one C call (kernels/cpu_decode_layer.c) instead of layer by
-layer in torch, for GGUF-quantized weights and for dense fp32 and bf16 ones.
+layer in torch, for GGUF-quantized and int8 weights and for dense fp32 and bf16 ones.
 
 A single stream's Q4_1 step reads about 10 ms of weights; layer by layer it took 19-25 ms, the
 rest being torch's dispatch of some 25 small ops a layer and as many parallel regions
@@ -12,7 +12,7 @@ It takes a step when every token in it is a decode row of the attention plan (on
 a sequence, or a verification's few: kernels/cpu_attention.py MAX_KERNEL_DECODE_ROWS) and there
 are at most max_tokens of them; any other step (a prefill chunk, a wide batch, a cache the C
 attention does not serve) runs layer by layer. The model qualifies when it runs on the CPU with
-GGUF weights (--quantization q8_0 / q4_1, fp32, exact activations) or with dense fp32 / bf16
+GGUF or int8 weights (--quantization q8_0 / q4_1 / int8, fp32, exact activations) or with dense fp32 / bf16
 weights where pagoda's kernels are wanted (--cpu-matmul auto: worker/model.py build_model),
 without biases, tensor parallelism or another attention backend, and the kernel agrees with its
 float64 reference here for that format (checked once; it is turned off, with a log line, if
@@ -53,14 +53,20 @@ class FusedDecode:
         dense = kind in cpu_decode_layer.DENSE
 
         def rows(linear: Linear) -> torch.Tensor:
+            if kind == cpu_decode_layer.INT8:
+                return linear.w8
             return linear.weight.contiguous() if dense else linear.blocks
 
         def norm(weight: torch.Tensor) -> torch.Tensor:  # the kernel's norms are fp32 (a bf16 model's: a copy)
             return weight.float().contiguous()
-        self.weights = [LayerWeights(rows(layer.self_attn.qkv_proj), rows(layer.self_attn.o_proj),
-                                     rows(layer.mlp.gate_up_proj), rows(layer.mlp.down_proj),
-                                     norm(layer.input_layernorm.weight), norm(layer.post_attention_layernorm.weight))
-                        for layer in inner.layers]
+
+        def layer_weights(layer) -> LayerWeights:
+            projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj)
+            scales = tuple(m.scale for m in projections) if kind == cpu_decode_layer.INT8 else None
+            return LayerWeights(*(rows(m) for m in projections), norm(layer.input_layernorm.weight),
+                                norm(layer.post_attention_layernorm.weight), scales=scales)
+        self.weights = [layer_weights(layer) for layer in inner.layers]
         self.final_norm = norm(inner.norm.weight)
         self.cis = inner.rotary.cis
         self.backend = inner.layers[0].self_attn.attn.backend
@@ -114,10 +120,15 @@ class FusedDecode:
 
 
 def _kind(linears: list[Linear], config) -> str | None:
-    """The one weight format every projection has, if the C step takes it: a GGUF kind, or
-    "f32" / "bf16" for dense weights of widths the dense dot products take (multiples of 32)."""
-    if any(m.w8 is not None for m in linears):
-        return None  # int8: computed by its own kernel, layer by layer
+    """The one weight format every projection has, if the C step takes it: a GGUF kind, "int8",
+    or "f32" / "bf16" for dense weights; int8 and dense ones of widths the dense dot products take
+    (multiples of 32)."""
+    widths = (config.hidden_size, config.intermediate_size, config.num_heads * config.head_dim)
+    int8 = {m.w8 is not None for m in linears}
+    if int8 == {True}:
+        return None if any(w % 32 for w in widths) else cpu_decode_layer.INT8
+    if True in int8:
+        return None
     kinds = {m.kind for m in linears}
     if len(kinds) != 1:
         return None
@@ -125,7 +136,6 @@ def _kind(linears: list[Linear], config) -> str | None:
     if kind is not None:
         return kind
     dtypes = {m.weight.dtype for m in linears}
-    widths = (config.hidden_size, config.intermediate_size, config.num_heads * config.head_dim)
     if len(dtypes) != 1 or any(w % 32 for w in widths):
         return None
     return {torch.float32: "f32", torch.bfloat16: "bf16"}.get(dtypes.pop())

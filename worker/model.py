@@ -149,6 +149,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_int8 = cpu_gemm_int8.quantize(head)
         if not self.config.tie_word_embeddings:
             del self.lm_head
+        self.model.fused_decode = FusedDecode.build(self)
         return sum(t.numel() * t.element_size() for t in (*self.state_dict().values(), *self.lm_head_int8)) + \
             sum(m.w8.numel() + 4 * m.scale.numel() for m in self.modules() if isinstance(m, Linear))
 

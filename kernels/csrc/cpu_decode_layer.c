@@ -1,7 +1,8 @@
 // A decode step of a pre-norm transformer (the Llama family's layer: RMSNorm, fused q/k/v with
 // rotary q and k, paged attention, o, RMSNorm, gated SiLU MLP) on the CPU, every layer in one C
-// call and one parallel region, over GGUF Q8_0 / Q4_1 weights (--quantization q8_0 / q4_1) or
-// dense fp32 / bf16 ones (--dtype float32 / bfloat16).
+// call and one parallel region, over GGUF Q8_0 / Q4_1 weights (--quantization q8_0 / q4_1), int8
+// rows with a scale per row (--quantization int8) or dense fp32 / bf16 ones (--dtype float32 /
+// bfloat16).
 //
 // Why: a one-sequence step reads ~85 MB of Q4_1 weights, about 10 ms; layer by layer in torch
 // the same step took 19-25 ms, the difference being some 25 torch ops a layer (each a dispatch
@@ -31,12 +32,13 @@ typedef struct {
     int64_t ld_qkv, ld_o, ld_gate_up, ld_down;    // bytes per weight row
     const float *norm1, *norm2;                   // [H]: input and post-attention RMSNorm
     void *k_cache, *v_cache;                      // kernels/cpu_attention.py's layouts
+    const float *scale_qkv, *scale_o, *scale_gate_up, *scale_down;  // int8 rows' scales [N], else NULL
 } DecodeLayer;
 
 // What changes with each step.
 typedef struct {
     int T, H, Hq, Hkv, D, I, bs;   // tokens; hidden, heads, head dim, MLP width, block size
-    int wtype, cache_dtype;        // ggml type (8 Q8_0, 3 Q4_1, 0 F32, 30 BF16); 0 fp32, 1 bf16 cache
+    int wtype, cache_dtype;        // ggml type (8 Q8_0, 3 Q4_1, 0 F32, 30 BF16, 24 I8); 0 fp32, 1 bf16 cache
     int num_rows, threads, isa;    // decode rows; isa 2 AVX-512F, 1 AVX2 + FMA
     float eps, scale;
     const float *cis;              // [positions, D / 2, 2]: cos, sin
@@ -82,12 +84,15 @@ typedef void (*dots_fn)(const float *, int64_t, int, const uint8_t *, int64_t, i
 
 #define TYPE_F32 0
 #define TYPE_BF16 30
+#define TYPE_I8 24  // --quantization int8: int8 rows, a scale per row applied to each sum (gemv)
 
 // Dense weight rows (K a multiple of 32), in the GGUF bodies' form: rows and type are constants
 // of each compiled case. Two sums per row of x, as the GGUF bodies keep.
 __attribute__((target("avx2,fma"), always_inline))
 static inline __m256 dense8(const uint8_t *w, int64_t k, const int type) {
     if (type == TYPE_F32) return _mm256_loadu_ps((const float *)w + k);
+    if (type == TYPE_I8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)w + k))));
     const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + k)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
 }
@@ -110,6 +115,8 @@ static inline void dense_avx2(const float *x, int64_t ldx, const uint8_t *w, int
 __attribute__((target("avx512f"), always_inline))
 static inline __m512 dense16(const uint8_t *w, int64_t k, const int type) {
     if (type == TYPE_F32) return _mm512_loadu_ps((const float *)w + k);
+    if (type == TYPE_I8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)w + k))));
     const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
 }
@@ -137,6 +144,8 @@ static void layer_dots_avx2(const float *x, int64_t ldx, int rows, const uint8_t
         switch (rows) { ROWS_1_TO_4(dense_avx2, TYPE_F32) }
     } else if (type == TYPE_BF16) {
         switch (rows) { ROWS_1_TO_4(dense_avx2, TYPE_BF16) }
+    } else if (type == TYPE_I8) {
+        switch (rows) { ROWS_1_TO_4(dense_avx2, TYPE_I8) }
     } else {
         dots_avx2(x, ldx, rows, w, K, type, xs, s);
     }
@@ -149,6 +158,8 @@ static void layer_dots_avx512(const float *x, int64_t ldx, int rows, const uint8
         switch (rows) { ROWS_1_TO_4(dense_avx512, TYPE_F32) ROWS_5_TO_8(dense_avx512, TYPE_F32) }
     } else if (type == TYPE_BF16) {
         switch (rows) { ROWS_1_TO_4(dense_avx512, TYPE_BF16) ROWS_5_TO_8(dense_avx512, TYPE_BF16) }
+    } else if (type == TYPE_I8) {
+        switch (rows) { ROWS_1_TO_4(dense_avx512, TYPE_I8) ROWS_5_TO_8(dense_avx512, TYPE_I8) }
     } else {
         dots_avx512(x, ldx, rows, w, K, type, xs, s);
     }
@@ -159,7 +170,8 @@ static void layer_dots_avx512(const float *x, int64_t ldx, int rows, const uint8
 // last row of x alone in its pass takes Q4_1's one-row dot products, which read its block sums
 // (row_sums; each thread sums its own copy, x being complete when gemv is called).
 static void gemv(dots_fn dots, int most, const float *x, int64_t ldx, int T, const uint8_t *w,
-                 int64_t ldw, int type, int64_t N, int64_t K, float *out, int64_t ldo, int add) {
+                 int64_t ldw, int type, const float *scale, int64_t N, int64_t K, float *out, int64_t ldo,
+                 int add) {
     float xs[type == TYPE_Q4_1 && T % most == 1 ? 2 * (K / QK) : 1];
     if (type == TYPE_Q4_1 && T % most == 1) row_sums(x + (int64_t)(T - 1) * ldx, K, xs);
     #pragma omp for schedule(static)
@@ -170,7 +182,8 @@ static void gemv(dots_fn dots, int most, const float *x, int64_t ldx, int T, con
             dots(x + m * ldx, ldx, rows, w + n * ldw, K, type, xs, s);
             for (int r = 0; r < rows; r++) {
                 float *o = out + (m + r) * ldo + n;
-                *o = add ? *o + s[r] : s[r];
+                const float v = scale ? s[r] * scale[n] : s[r];
+                *o = add ? *o + v : v;
             }
         }
     }
@@ -224,9 +237,9 @@ static inline float silu(float x) {
 }
 
 // One projection of the step: bf16 dot products where the step takes them, else gemv.
-#define PROJECT(DOTS, MOST, X, LDX, W, LDW, N, K, OUT, LDO, ADD)                                       \
+#define PROJECT(DOTS, MOST, X, LDX, W, LDW, SCALE, N, K, OUT, LDO, ADD)                                \
     if (p->bf16_dot) gemv_bf16_dot(X, LDX, T, W, LDW, N, K, OUT, LDO, ADD, xb);                         \
-    else gemv(DOTS, MOST, X, LDX, T, W, LDW, p->wtype, N, K, OUT, LDO, ADD)
+    else gemv(DOTS, MOST, X, LDX, T, W, LDW, p->wtype, SCALE, N, K, OUT, LDO, ADD)
 
 #define STEP(ISA, TARGET, DOTS, MOST, WIDE)                                                            \
     __attribute__((target(TARGET)))                                                                    \
@@ -245,7 +258,7 @@ static inline float silu(float x) {
                 _Pragma("omp for schedule(static)")                                                    \
                 for (int t = 0; t < T; t++)                                                            \
                     rms_norm_row(p->h + (int64_t)t * H, L->norm1, p->eps, H, act + (int64_t)t * H);    \
-                PROJECT(DOTS, MOST, act, H, L->qkv, L->ld_qkv, nqkv, H, qkv, nqkv, 0);                 \
+                PROJECT(DOTS, MOST, act, H, L->qkv, L->ld_qkv, L->scale_qkv, nqkv, H, qkv, nqkv, 0);    \
                 /* q and k heads turned; k and v heads written to the cache */                         \
                 _Pragma("omp for schedule(static)")                                                    \
                 for (int64_t task = 0; task < (int64_t)T * (Hq + Hkv); task++) {                       \
@@ -279,19 +292,19 @@ static inline float silu(float x) {
                                     p->tables, p->ldt, Hq, Hkv, D, p->bs, p->scale, attn, (int64_t)Hq * D, \
                                     width, s, 1, WIDE, 0);                                             \
                 }                                                                                      \
-                PROJECT(DOTS, MOST, attn, (int64_t)Hq * D, L->o, L->ld_o, H, (int64_t)Hq * D, p->h, H,  \
+                PROJECT(DOTS, MOST, attn, (int64_t)Hq * D, L->o, L->ld_o, L->scale_o, H, (int64_t)Hq * D, p->h, H, \
                         1);                                                                            \
                 _Pragma("omp for schedule(static)")                                                    \
                 for (int t = 0; t < T; t++)                                                            \
                     rms_norm_row(p->h + (int64_t)t * H, L->norm2, p->eps, H, act + (int64_t)t * H);    \
-                PROJECT(DOTS, MOST, act, H, L->gate_up, L->ld_gate_up, 2 * (int64_t)I, H, gu,          \
+                PROJECT(DOTS, MOST, act, H, L->gate_up, L->ld_gate_up, L->scale_gate_up, 2 * (int64_t)I, H, gu, \
                         2 * (int64_t)I, 0);                                                            \
                 _Pragma("omp for schedule(static)")                                                    \
                 for (int64_t e = 0; e < (int64_t)T * I; e++) {                                         \
                     const int64_t t = e / I, i = e % I;                                                \
                     act[e] = silu(gu[t * 2 * I + i]) * gu[t * 2 * I + I + i];                          \
                 }                                                                                      \
-                PROJECT(DOTS, MOST, act, I, L->down, L->ld_down, H, I, p->h, H, 1);                    \
+                PROJECT(DOTS, MOST, act, I, L->down, L->ld_down, L->scale_down, H, I, p->h, H, 1);      \
             }                                                                                          \
             free(s);                                                                                   \
         }                                                                                              \

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_attention, cpu_decode_layer, cpu_gemm_gguf
-from kernels.cpu_decode_layer import LayerWeights, Shape
+from kernels import cpu_attention, cpu_decode_layer
+from kernels.cpu_decode_layer import Shape
 from worker.layers import RotaryEmbedding
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # tests/conftest.py
@@ -30,15 +30,15 @@ def _model(kind: str, g: torch.Generator):
     s = SHAPE
     qkv_rows = (s["num_heads"] + 2 * s["num_kv_heads"]) * s["head_dim"]
 
-    def blocks(n, k):
-        w = torch.randn(n, k, generator=g) * k ** -0.5
-        return w.to(cpu_decode_layer.DENSE[kind][1]) if kind in cpu_decode_layer.DENSE else cpu_gemm_gguf.quantize(w, kind)
+    def w(n, k):
+        return torch.randn(n, k, generator=g) * k ** -0.5
 
     def norm():
         return 1 + 0.1 * torch.randn(s["hidden"], generator=g)
-    weights = [LayerWeights(blocks(qkv_rows, s["hidden"]), blocks(s["hidden"], s["num_heads"] * s["head_dim"]),
-                            blocks(2 * s["intermediate"], s["hidden"]), blocks(s["hidden"], s["intermediate"]),
-                            norm(), norm()) for _ in range(LAYERS)]
+    weights = [cpu_decode_layer.layer_weights(
+        [w(qkv_rows, s["hidden"]), w(s["hidden"], s["num_heads"] * s["head_dim"]),
+         w(2 * s["intermediate"], s["hidden"]), w(s["hidden"], s["intermediate"])], norm(), norm(), kind)
+        for _ in range(LAYERS)]
     return weights, norm()
 
 
@@ -73,7 +73,7 @@ def _step(seqs, bs, dtype, g):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "f32", "bf16"])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "int8", "f32", "bf16"])
 @pytest.mark.parametrize("step", list(STEPS))
 def test_a_decode_step_equals_float64_on_every_isa_here(step, kind, dtype):
     if not cpu_decode_layer.available():

@@ -1,7 +1,8 @@
 """Dense fp32 and bf16 models take worker/fused_decode.py's one-C-call decode step: their decode
 steps go through kernels/cpu_decode_layer.c, and what comes out is transformers' (fp32: the same
 greedy tokens, logits within 1e-4; bf16: within bf16's rounding of transformers in fp32). A
-model the step does not take (--cpu-matmul torch, int8 weights) runs layer by layer."""
+model the step does not take (--cpu-matmul torch) runs layer by layer (int8 weights:
+tests/unit/worker/test_worker_int8.py)."""
 from __future__ import annotations
 
 import pytest
@@ -62,10 +63,9 @@ def test_a_bf16_model_decodes_in_one_c_step_within_bf16s_rounding(llama, fused_s
     assert len(fused_steps) >= NEW_TOKENS - 1
 
 
-@pytest.mark.parametrize("flags", [("--cpu-matmul", "torch"), ("--quantization", "int8")], ids=str)
-def test_a_model_the_c_step_does_not_take_decodes_layer_by_layer(llama, fused_steps, flags):
+def test_a_model_the_c_step_does_not_take_decodes_layer_by_layer(llama, fused_steps):
     hf, folder = llama
-    runner = ModelRunner(runner_args(folder, *flags))
+    runner = ModelRunner(runner_args(folder, "--cpu-matmul", "torch"))
     assert runner.model.model.fused_decode is None
     PlanDriver(runner).generate(PROMPTS, 3)
     assert fused_steps == []

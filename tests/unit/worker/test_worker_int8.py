@@ -12,7 +12,7 @@ import torch
 
 import worker.layers as layers
 from launch.flag_errors import FlagError
-from kernels import cpu_gemm_int8
+from kernels import cpu_decode_layer, cpu_gemm_int8
 from worker import cpu_matmul
 from tests.worker_tiny_models import (VARIANTS, assert_greedy_equals_reference, make_hf_model,
                                       runner_args, save_model)
@@ -36,12 +36,26 @@ def dequantized_float64(hf):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_int8_greedy_and_logits_equal_float64_on_the_dequantized_weights(variant, tmp_path):
+def test_int8_greedy_and_logits_equal_float64_on_the_dequantized_weights(variant, tmp_path, monkeypatch):
+    """Decode steps in one C call where the model qualifies (no biases), else layer by layer:
+    the same reference either way."""
+    steps = []
+    real = cpu_decode_layer.decode_step
+    monkeypatch.setattr(cpu_decode_layer, "decode_step", lambda *a, **k: steps.append(a[3].shape[0]) or real(*a, **k))
     hf = make_hf_model(variant)
     runner = ModelRunner(runner_args(save_model(hf, tmp_path / variant), "--quantization", "int8"))
     linears = [m for m in runner.model.modules() if getattr(m, "w8", None) is not None]
     assert linears and all(m.weight is None and m.w8.dtype == torch.int8 for m in linears)
+    fused = runner.model.model.fused_decode
+    biases = any(m.bias is not None for m in linears)
+    steps.clear()  # start-up's own (the C step's check against float64)
     assert_greedy_equals_reference(runner, dequantized_float64(hf), PROMPTS, NEW_TOKENS)
+    if biases or not cpu_decode_layer.available():
+        assert fused is None and steps == []
+    else:
+        assert fused.shape.kind == "int8" and all(torch.equal(w.scales[0], layer.self_attn.qkv_proj.scale)
+                                                  for w, layer in zip(fused.weights, runner.model.model.layers))
+        assert len(steps) >= NEW_TOKENS - 1  # the decodes of both prompts, one step each
 
 
 def test_int8_is_refused_where_it_cannot_run(tmp_path):
