@@ -41,7 +41,8 @@ def machine() -> str:
     flags = set(info.get("Flags", "").split())
     have = [f for f in ("avx512f", "avx2", "fma", "f16c", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags]
     return (f"{info.get('Model name', '?').strip()}, {torch.get_num_threads()} threads; flags: "
-            f"{' '.join(have)}; int8 kernel {cpu_gemm_int8.isa()}, q8_0/q4_1 kernel {cpu_gemm_gguf.isa()}")
+            f"{' '.join(have)}; int8 kernel {cpu_gemm_int8.isa()}, q8_0/q4_1 kernel "
+            f"{cpu_gemm_gguf.ISA_NAMES.get(cpu_gemm_gguf.best_isa(), 'none')}")  # the path taken, not the best built
 
 
 def weight_mb(model) -> float:
