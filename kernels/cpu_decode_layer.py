@@ -124,6 +124,7 @@ def layers_array(weights: list[LayerWeights], kv_caches: list[tuple[torch.Tensor
     return arr
 
 
+@functools.cache  # the CPU's, asked once (a bf16 step of 5 or more tokens asked at each step)
 def bf16_dot_here() -> bool:
     """Whether decode steps over bf16 weights take AVX512-BF16 dot products here (else widened
     weights against fp32 activations). Call only after available()."""
