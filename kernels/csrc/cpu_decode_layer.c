@@ -23,6 +23,7 @@
 #include "cpu_gemm_gguf.c"
 #include "cpu_decode_attention.c"
 #include "cpu_bf16_tile.h"
+#include "cpu_dense_rows.h"
 
 #include <math.h>
 
@@ -82,69 +83,6 @@ static inline void store_elem(void *base, int64_t i, float f, int dtype) {
 
 typedef void (*dots_fn)(const float *, int64_t, int, const uint8_t *, int64_t, int, const float *, float *);
 
-#define TYPE_F32 0
-#define TYPE_BF16 30
-#define TYPE_I8 24  // --quantization int8: int8 rows, a scale per row applied to each sum (gemv)
-
-// Dense weight rows (K a multiple of 32), in the GGUF bodies' form: rows and type are constants
-// of each compiled case. Two sums per row of x, as the GGUF bodies keep.
-__attribute__((target("avx2,fma"), always_inline))
-static inline __m256 dense8(const uint8_t *w, int64_t k, const int type) {
-    if (type == TYPE_F32) return _mm256_loadu_ps((const float *)w + k);
-    if (type == TYPE_I8)
-        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)w + k))));
-    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + k)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-}
-
-// One or two rows of x keep four sums each, three or four two: an FMA waits about 5 cycles for
-// its sum, and with two sums one row of int8 weights took 16 weights per 5 cycles (a Zen 2 EPYC).
-__attribute__((target("avx2,fma"), always_inline))
-static inline void dense_avx2(const float *x, int64_t ldx, const uint8_t *w, int64_t K, float *s,
-                              const int rows, const int type) {
-    enum { SUMS = 4 };
-    const int sums = rows <= 2 ? 4 : 2;
-    __m256 a[4][SUMS];
-    for (int m = 0; m < rows; m++)
-        for (int i = 0; i < sums; i++) a[m][i] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        __m256 v[4];
-        for (int i = 0; i < 4; i++) v[i] = dense8(w, k + 8 * i, type);
-        for (int m = 0; m < rows; m++)
-            for (int i = 0; i < 4; i++)
-                a[m][i % sums] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * ldx + k + 8 * i), v[i], a[m][i % sums]);
-    }
-    for (int m = 0; m < rows; m++) {
-        __m256 t0 = a[m][0], t1 = a[m][1];
-        if (sums == 4) t0 = _mm256_add_ps(t0, a[m][2]), t1 = _mm256_add_ps(t1, a[m][3]);
-        s[m] = sum2_avx2(t0, t1);
-    }
-}
-
-__attribute__((target("avx512f"), always_inline))
-static inline __m512 dense16(const uint8_t *w, int64_t k, const int type) {
-    if (type == TYPE_F32) return _mm512_loadu_ps((const float *)w + k);
-    if (type == TYPE_I8)
-        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)w + k))));
-    const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
-}
-
-__attribute__((target("avx512f"), always_inline))
-static inline void dense_avx512(const float *x, int64_t ldx, const uint8_t *w, int64_t K, float *s,
-                                const int rows, const int type) {
-    __m512 a[8][2];
-    for (int m = 0; m < rows; m++) a[m][0] = a[m][1] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        const __m512 w0 = dense16(w, k, type), w1 = dense16(w, k + 16, type);
-        for (int m = 0; m < rows; m++) {
-            a[m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * ldx + k), w0, a[m][0]);
-            a[m][1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * ldx + k + 16), w1, a[m][1]);
-        }
-    }
-    for (int m = 0; m < rows; m++) s[m] = _mm512_reduce_add_ps(_mm512_add_ps(a[m][0], a[m][1]));
-}
-
 // Every weight format a layer may hold, by its ggml type.
 __attribute__((target("avx2,fma,f16c")))
 static void layer_dots_avx2(const float *x, int64_t ldx, int rows, const uint8_t *w, int64_t K,
@@ -175,14 +113,14 @@ static void layer_dots_avx512(const float *x, int64_t ldx, int rows, const uint8
 }
 
 // out[t, n] = (or +=) x[t] . W[n] for every weight row n, split over the team (an orphaned
-// worksharing loop: called from inside the step's parallel region; it ends at a barrier). A
-// last row of x alone in its pass takes Q4_1's one-row dot products, which read its block sums
-// (row_sums; each thread sums its own copy, x being complete when gemv is called).
-static void gemv(dots_fn dots, int most, const float *x, int64_t ldx, int T, const uint8_t *w,
+// worksharing loop: called from inside the step's parallel region; it ends at a barrier). avx2:
+// the dots are AVX2's, whose one-row Q4_1 products read the row's block sums (lone_row_sums; each
+// thread sums its own copy, x being complete when gemv is called).
+static void gemv(dots_fn dots, int most, int avx2, const float *x, int64_t ldx, int T, const uint8_t *w,
                  int64_t ldw, int type, const float *scale, int64_t N, int64_t K, float *out, int64_t ldo,
                  int add) {
-    float xs[type == TYPE_Q4_1 && T % most == 1 ? 2 * (K / QK) : 1];
-    if (type == TYPE_Q4_1 && T % most == 1) row_sums(x + (int64_t)(T - 1) * ldx, K, xs);
+    float xs[2 * (K / QK)];
+    lone_row_sums(x, ldx, T, most, K, type, avx2, xs);
     #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         float s[8];
@@ -245,10 +183,11 @@ static inline float silu(float x) {
     return x >= 0.0f ? x / (1.0f + e) : x * e / (1.0f + e);
 }
 
-// One projection of the step: bf16 dot products where the step takes them, else gemv.
-#define PROJECT(DOTS, MOST, X, LDX, W, LDW, SCALE, N, K, OUT, LDO, ADD)                                \
+// One projection of the step: bf16 dot products where the step takes them, else gemv (WIDE:
+// the AVX-512 step, whose dots read no block sums).
+#define PROJECT(DOTS, MOST, WIDE, X, LDX, W, LDW, SCALE, N, K, OUT, LDO, ADD)                                \
     if (p->bf16_dot) gemv_bf16_dot(X, LDX, T, W, LDW, N, K, OUT, LDO, ADD, xb);                         \
-    else gemv(DOTS, MOST, X, LDX, T, W, LDW, p->wtype, SCALE, N, K, OUT, LDO, ADD)
+    else gemv(DOTS, MOST, !WIDE, X, LDX, T, W, LDW, p->wtype, SCALE, N, K, OUT, LDO, ADD)
 
 #define STEP(ISA, TARGET, DOTS, MOST, WIDE)                                                            \
     __attribute__((target(TARGET)))                                                                    \
@@ -267,7 +206,7 @@ static inline float silu(float x) {
                 _Pragma("omp for schedule(static)")                                                    \
                 for (int t = 0; t < T; t++)                                                            \
                     rms_norm_row(p->h + (int64_t)t * H, L->norm1, p->eps, H, act + (int64_t)t * H);    \
-                PROJECT(DOTS, MOST, act, H, L->qkv, L->ld_qkv, L->scale_qkv, nqkv, H, qkv, nqkv, 0);    \
+                PROJECT(DOTS, MOST, WIDE, act, H, L->qkv, L->ld_qkv, L->scale_qkv, nqkv, H, qkv, nqkv, 0); \
                 /* q and k heads turned; k and v heads written to the cache */                         \
                 _Pragma("omp for schedule(static)")                                                    \
                 for (int64_t task = 0; task < (int64_t)T * (Hq + Hkv); task++) {                       \
@@ -301,19 +240,19 @@ static inline float silu(float x) {
                                     p->tables, p->ldt, Hq, Hkv, D, p->bs, p->scale, attn, (int64_t)Hq * D, \
                                     width, s, 1, WIDE, 0);                                             \
                 }                                                                                      \
-                PROJECT(DOTS, MOST, attn, (int64_t)Hq * D, L->o, L->ld_o, L->scale_o, H, (int64_t)Hq * D, p->h, H, \
+                PROJECT(DOTS, MOST, WIDE, attn, (int64_t)Hq * D, L->o, L->ld_o, L->scale_o, H, (int64_t)Hq * D, p->h, H, \
                         1);                                                                            \
                 _Pragma("omp for schedule(static)")                                                    \
                 for (int t = 0; t < T; t++)                                                            \
                     rms_norm_row(p->h + (int64_t)t * H, L->norm2, p->eps, H, act + (int64_t)t * H);    \
-                PROJECT(DOTS, MOST, act, H, L->gate_up, L->ld_gate_up, L->scale_gate_up, 2 * (int64_t)I, H, gu, \
+                PROJECT(DOTS, MOST, WIDE, act, H, L->gate_up, L->ld_gate_up, L->scale_gate_up, 2 * (int64_t)I, H, gu, \
                         2 * (int64_t)I, 0);                                                            \
                 _Pragma("omp for schedule(static)")                                                    \
                 for (int64_t e = 0; e < (int64_t)T * I; e++) {                                         \
                     const int64_t t = e / I, i = e % I;                                                \
                     act[e] = silu(gu[t * 2 * I + i]) * gu[t * 2 * I + I + i];                          \
                 }                                                                                      \
-                PROJECT(DOTS, MOST, act, I, L->down, L->ld_down, L->scale_down, H, I, p->h, H, 1);      \
+                PROJECT(DOTS, MOST, WIDE, act, I, L->down, L->ld_down, L->scale_down, H, I, p->h, H, 1); \
             }                                                                                          \
             free(s);                                                                                   \
         }                                                                                              \

@@ -191,6 +191,13 @@ static inline void row_sums(const float *x, int64_t K, float *xs) {
     }
 }
 
+// Where x's last row (of M) is alone in its pass of `most` rows and the AVX2 dots read its block
+// sums (Q4_1: row_avx2), its row_sums into xs; else xs is left unread.
+static inline void lone_row_sums(const float *x, int64_t ldx, int M, int most, int64_t K, int type,
+                                 int avx2, float *xs) {
+    if (avx2 && type == TYPE_Q4_1 && M % most == 1) row_sums(x + (int64_t)(M - 1) * ldx, K, xs);
+}
+
 // xs: row_sums of x's row where rows is 1 (row_avx2), else unread.
 __attribute__((target("avx2,fma,f16c")))
 static void dots_avx2(const float *x, int64_t ldx, int rows, const uint8_t *w, int64_t K,
@@ -386,8 +393,8 @@ void pagoda_gguf_xwt(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw,
     void (*dots)(const float *, int64_t, int, const uint8_t *, int64_t, int, const float *, float *) =
         isa == 3 ? dots_avx512 : dots_avx2;
     const int most = isa == 3 ? 8 : 4;  // rows of x a pass over a weight row takes
-    float *xs = malloc((size_t)(K / QK) * 2 * sizeof(float));  // the last row's sums, where it is alone
-    if (M % most == 1) row_sums(x + (int64_t)(M - 1) * ldx, K, xs);
+    float *xs = malloc((size_t)(K / QK) * 2 * sizeof(float));
+    lone_row_sums(x, ldx, M, most, K, type, isa != 3, xs);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wn = w + n * ldw;

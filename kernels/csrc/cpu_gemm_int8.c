@@ -10,6 +10,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "cpu_dense_rows.h"
+
 int pagoda_int8_isa(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f")) return 2;
@@ -33,55 +35,22 @@ static void dots_avx512(const float *x, int64_t ldx, int rows, const int8_t *w, 
     }
 }
 
-// AVX2: 32 weights a pass, the row count a constant of each compiled case, and one or two rows
-// of x keeping four sums each: with one sum a row, each FMA waited about 5 cycles for the last,
-// so one row of x took 8 weights per 5 cycles whatever memory gave (a Zen 2 EPYC: 8.5 GB/s of
-// int8 weights on two cores, where it copies at 23).
-#define SUMS(rows) ((rows) <= 2 ? 4 : 2)
-
-__attribute__((target("avx2,fma"), always_inline))
-static inline __m256 widen8(const int8_t *w) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
-}
-
-__attribute__((target("avx2,fma"), always_inline))
-static inline void body_avx2(const float *x, int64_t ldx, const int8_t *w, int64_t K, float *s, const int rows) {
-    __m256 a[4][4];
-    for (int m = 0; m < rows; m++)
-        for (int i = 0; i < SUMS(rows); i++) a[m][i] = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        __m256 v[4];
-        for (int i = 0; i < 4; i++) v[i] = widen8(w + k + 8 * i);
-        for (int m = 0; m < rows; m++)
-            for (int i = 0; i < 4; i++)
-                a[m][i % SUMS(rows)] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * ldx + k + 8 * i), v[i],
-                                                       a[m][i % SUMS(rows)]);
-    }
-    for (; k + 8 <= K; k += 8) {
-        const __m256 v = widen8(w + k);
-        for (int m = 0; m < rows; m++) a[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * ldx + k), v, a[m][0]);
-    }
-    for (int m = 0; m < rows; m++) {
-        __m256 t = a[m][0];
-        for (int i = 1; i < SUMS(rows); i++) t = _mm256_add_ps(t, a[m][i]);
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_add_ss(h, _mm_movehdup_ps(h));
-        float r = _mm_cvtss_f32(h);
-        for (int64_t j = k; j < K; j++) r += x[m * ldx + j] * (float)w[j];
-        s[m] = r;
-    }
-}
-
+// AVX2: the dense rows' dot products (kernels/csrc/cpu_dense_rows.h: one or two rows of x keep
+// four sums each, as one sum a row made each FMA wait on the last and one row of x read 8.5
+// GB/s of int8 weights on a Zen 2 EPYC that copies at 23) over K's multiple of 32, the rest
+// one weight at a time.
 __attribute__((target("avx2,fma")))
 static void dots_avx2(const float *x, int64_t ldx, int rows, const int8_t *w, int64_t K, float *s) {
+    const int64_t k32 = K / 32 * 32;
+    const uint8_t *wb = (const uint8_t *)w;
     switch (rows) {
-        case 1: body_avx2(x, ldx, w, K, s, 1); return;
-        case 2: body_avx2(x, ldx, w, K, s, 2); return;
-        case 3: body_avx2(x, ldx, w, K, s, 3); return;
-        default: body_avx2(x, ldx, w, K, s, 4); return;
+        case 1: dense_avx2(x, ldx, wb, k32, s, 1, TYPE_I8); break;
+        case 2: dense_avx2(x, ldx, wb, k32, s, 2, TYPE_I8); break;
+        case 3: dense_avx2(x, ldx, wb, k32, s, 3, TYPE_I8); break;
+        default: dense_avx2(x, ldx, wb, k32, s, 4, TYPE_I8); break;
     }
+    for (int m = 0; m < rows; m++)
+        for (int64_t j = k32; j < K; j++) s[m] += x[m * ldx + j] * (float)w[j];
 }
 
 // isa: 2 = AVX-512F, 1 = AVX2 + FMA (the caller asks pagoda_int8_isa which it may use).
