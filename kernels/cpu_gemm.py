@@ -69,18 +69,25 @@ def agrees_with_reference() -> bool:
 _kernel.check = agrees_with_reference
 
 
+# Every C kernel (kernels/<name>.py) and what the worker does where it cannot be built: `make
+# kernels` builds each, and a unit test holds each to building here.
+EVERY_KERNEL = (("cpu_gemm", "the worker uses torch's matmul"),
+                ("cpu_gemm_bf16", "the worker uses torch's bf16 matmul"),
+                ("cpu_gemm_int8", "--quantization int8 multiplies dequantized weights"),
+                ("cpu_gemm_gguf", "--quantization q8_0 / q4_1 multiply dequantized weights"),
+                ("cpu_decode_attention", "the CPU attention decodes with torch ops"),
+                ("cpu_decode_layer", "quantized decode steps run layer by layer in torch"),
+                ("cpu_prefill_attention", "the CPU attention prefills with torch ops"),
+                ("cpu_pointwise", "bf16 norms, rotary and SiLU run as torch ops"),
+                ("grammar_mask", "the worker uses xgrammar's mask kernel"))
+
+
 if __name__ == "__main__":
     if sys.argv[1:] != ["--build"]:
         sys.exit(__doc__)
     # Every kernel builds on any x86-64, whatever it runs (each picks its path at run time).
     import importlib
-    for name, without in (("cpu_gemm", "the worker uses torch's matmul"),
-                          ("cpu_gemm_bf16", "the worker uses torch's bf16 matmul"),
-                          ("cpu_gemm_int8", "--quantization int8 multiplies dequantized weights"),
-                          ("cpu_gemm_gguf", "--quantization q8_0 / q4_1 multiply dequantized weights"),
-                          ("cpu_decode_attention", "the CPU attention decodes with torch ops"),
-                          ("cpu_decode_layer", "quantized decode steps run layer by layer in torch"),
-                          ("grammar_mask", "the worker uses xgrammar's mask kernel")):
+    for name, without in EVERY_KERNEL:
         kernel = importlib.import_module(f"kernels.{name}")
         try:
             print(f"kernels/{name}: {cbuild.build(kernel.SOURCE, kernel.FLAGS)}")

@@ -119,6 +119,10 @@ static void layer_dots_avx512(const float *x, int64_t ldx, int rows, const uint8
 static void gemv(dots_fn dots, int most, int avx2, const float *x, int64_t ldx, int T, const uint8_t *w,
                  int64_t ldw, int type, const float *scale, int64_t N, int64_t K, float *out, int64_t ldo,
                  int add) {
+    if (avx2 && T >= PANEL_MIN_ROWS) {
+        panel_xwt(x, ldx, T, w, ldw, type, scale, N, K, out, ldo, add);
+        return;
+    }
     float xs[2 * (K / QK)];
     lone_row_sums(x, ldx, T, most, K, type, avx2, xs);
     #pragma omp for schedule(static)

@@ -7,6 +7,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "cpu_weight_types.h"
+
 // The 8 lanes of t summed.
 __attribute__((target("avx2,fma"), always_inline))
 static inline float dense_sum8(__m256 t) {
@@ -15,9 +17,6 @@ static inline float dense_sum8(__m256 t) {
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-#define TYPE_F32 0
-#define TYPE_BF16 30
-#define TYPE_I8 24  // --quantization int8: int8 rows, a scale per row applied to each sum (gemv)
 
 __attribute__((target("avx2,fma"), always_inline))
 static inline __m256 dense8(const uint8_t *w, int64_t k, const int type) {

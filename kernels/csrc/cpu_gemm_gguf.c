@@ -27,9 +27,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#define QK 32
-#define TYPE_Q4_1 3
-#define TYPE_Q8_0 8
+#include "cpu_weight_panel.h"
+#include "cpu_weight_types.h"
 
 int pagoda_gguf_isa(void) {
     __builtin_cpu_init();
@@ -388,6 +387,11 @@ void pagoda_gguf_xwt(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw,
                      float *out, int64_t ldo, int M, int64_t N, int64_t K, int threads, int isa) {
     if (isa == 2 || isa == 4) {
         xwt_int8(x, ldx, w, ldw, type, out, ldo, M, N, K, threads, isa);
+        return;
+    }
+    if (isa == 1 && M >= PANEL_MIN_ROWS) {
+        #pragma omp parallel num_threads(threads)
+        panel_xwt(x, ldx, M, w, ldw, type, NULL, N, K, out, ldo, 0);
         return;
     }
     void (*dots)(const float *, int64_t, int, const uint8_t *, int64_t, int, const float *, float *) =

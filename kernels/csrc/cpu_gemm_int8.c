@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "cpu_dense_rows.h"
+#include "cpu_weight_panel.h"
 
 int pagoda_int8_isa(void) {
     __builtin_cpu_init();
@@ -56,6 +57,11 @@ static void dots_avx2(const float *x, int64_t ldx, int rows, const int8_t *w, in
 // isa: 2 = AVX-512F, 1 = AVX2 + FMA (the caller asks pagoda_int8_isa which it may use).
 void pagoda_int8_xwt(const float *x, int64_t ldx, const int8_t *w, int64_t ldw, const float *scale,
                      float *out, int64_t ldo, int M, int64_t N, int64_t K, int threads, int isa) {
+    if (isa == 1 && M >= PANEL_MIN_ROWS) {
+        #pragma omp parallel num_threads(threads)
+        panel_xwt(x, ldx, M, (const uint8_t *)w, ldw, TYPE_I8, scale, N, K, out, ldo, 0);
+        return;
+    }
     void (*dots)(const float *, int64_t, int, const int8_t *, int64_t, float *) =
         isa == 2 ? dots_avx512 : dots_avx2;
     #pragma omp parallel for num_threads(threads) schedule(static)

@@ -16,12 +16,14 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # tests/conftest.py
 
 # A head dim of 32: the smallest a bf16 cache attends in groups (kernels/csrc/cpu_decode_attention.c).
 SHAPE = dict(hidden=64, num_heads=4, num_kv_heads=2, head_dim=32, intermediate=96, eps=1e-5)
-LAYERS, NUM_BLOCKS = 3, 16
+LAYERS, NUM_BLOCKS = 3, 24
 # Steps: (context before the step's tokens, new tokens) per sequence, and the block size.
 STEPS = {
     "three_sequences": ([(0, 1), (17, 1), (40, 1)], 16),
     "verification_of_4": ([(23, 5)], 16),
     "mixed_block_5": ([(9, 1), (3, 4)], 5),
+    # 17 rows: the AVX2 projections' weight panels (kernels/csrc/cpu_weight_panel.h), from 16 on
+    "batch_of_17": ([(7 * i % 15, 1) for i in range(17)], 16),
 }
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 

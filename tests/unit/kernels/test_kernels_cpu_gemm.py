@@ -2,6 +2,8 @@
 rows, any thread count, and the build that refuses to load a stale or missing library."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -74,6 +76,8 @@ def test_any_shape_equals_float64(M, N, K, threads):
 
 def test_library_is_named_by_its_source(tmp_path, monkeypatch):
     """An edited source gets a new library name, so a stale build is never loaded."""
+    for header in cpu_gemm.SOURCE.parent.glob("*.h"):  # what it includes
+        (tmp_path / header.name).write_bytes(header.read_bytes())
     source = tmp_path / "cpu_gemm.c"
     source.write_bytes(cpu_gemm.SOURCE.read_bytes())
     monkeypatch.setattr(cpu_gemm, "SOURCE", source)
@@ -95,3 +99,15 @@ def test_the_built_library_is_readable_by_every_user(tmp_path, monkeypatch):
     monkeypatch.setattr(cbuild, "BUILD_DIR", tmp_path)
     path = cpu_gemm.build()
     assert path.stat().st_mode & 0o777 == 0o755
+
+
+@pytest.mark.parametrize("name", [name for name, _ in cpu_gemm.EVERY_KERNEL])
+def test_every_kernel_builds_here(name):
+    """A kernel that fails to compile is only a warning to the worker (it falls back to torch),
+    and its tests would skip as on a CPU it cannot run on: the build itself must pass."""
+    import importlib
+    import shutil
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler here")
+    kernel = importlib.import_module(f"kernels.{name}")
+    assert cbuild.build(kernel.SOURCE, kernel.FLAGS).exists()
