@@ -14,6 +14,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The workers' kept start-up measurements (worker/kept.py: row bounds, the decode step's bound, the
+# prefill rate) go to a folder of the suite's own, which its processes inherit: timed while tests
+# load the machine, they would otherwise steer a later `make run` from the user's cache folder.
+# Kept across runs all the same, so that a run does not time every configuration again.
+os.environ.setdefault("PAGODA_MEASUREMENTS", os.path.join(os.path.expanduser("~"), ".cache", "pagoda-tests"))
+
 import grpc  # noqa: E402
 import pytest  # noqa: E402
 import uvloop  # noqa: E402

@@ -1,7 +1,9 @@
 """Measurements a worker makes of its machine at start-up, kept for the next start: the CPU
 kernels' row bounds (worker/cpu_matmul.py), the one-C-call decode step's bound and the prefill
-rate the scheduler's deadlines use (worker/startup_measurements.py). Each kind is one JSON file in the cache folder (PAGODA_CACHE, else
-~/.cache/pagoda), keyed by what the figure depends on; delete the file to measure again.
+rate the scheduler's deadlines use (worker/startup_measurements.py). Each kind is one JSON file in
+PAGODA_MEASUREMENTS, else the cache folder (PAGODA_CACHE, else ~/.cache/pagoda), keyed by what
+the figure depends on; delete the file to measure again. The test suite keeps its own
+(tests/conftest.py): a figure timed while tests load the machine must not steer a later `make run`.
 
 Workers starting together on a machine take turns (a lock beside the file): one measures, the
 others read its answer, and nobody times the others' load. A folder that cannot be written
@@ -51,12 +53,18 @@ def how(was_kept: bool, started: float) -> str:
             else f"measured in {time.perf_counter() - started:.1f} s")
 
 
+def measurements_root() -> Path:
+    """Where the kept measurements live: PAGODA_MEASUREMENTS, else the cache folder."""
+    folder = os.environ.get("PAGODA_MEASUREMENTS")
+    return Path(folder) if folder else cache_root()
+
+
 def kept(name: str, key: str, measure: Callable[[], dict], fields: set[str],
          again: bool = False) -> tuple[dict, bool]:
     """(the figures kept under `key` in `name`.json, True), or (measure()'s, False) after keeping
     them. An entry without exactly `fields` (a garbled file, another version's) is measured again,
     and so is every entry with `again` (--measure-again), the new figures replacing it."""
-    path = cache_root() / f"{name}.json"
+    path = measurements_root() / f"{name}.json"
     with _one_at_a_time(path):
         found = None if again else _read(path).get(key)
         if isinstance(found, dict) and set(found) == fields:

@@ -87,7 +87,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="time the CPU kernels' row bounds (the GGUF kernel's too), the decode step's bound "
                         "and the prefill rate again at this start and keep the new figures, in place of "
                         "those a machine's first start kept in "
-                        "PAGODA_CACHE (a first start under load keeps skewed ones)")
+                        "PAGODA_MEASUREMENTS, else PAGODA_CACHE (a first start under load keeps skewed ones)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="the largest batch, used to profile activation memory")
     g.add_argument("--scheduler-worker-address", default="tcp://127.0.0.1:5556")

@@ -19,7 +19,7 @@ BF16 = torch.bfloat16
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("PAGODA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PAGODA_MEASUREMENTS", str(tmp_path / "cache"))
     return tmp_path / "cache" / f"{cpu_matmul.CACHE_NAME}.json"
 
 
@@ -119,7 +119,7 @@ def test_an_unwritable_cache_still_gives_the_choice(tmp_path, monkeypatch, measu
     calls, choice = measured
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    monkeypatch.setenv("PAGODA_CACHE", str(blocker))  # a file where the folder should be
+    monkeypatch.setenv("PAGODA_MEASUREMENTS", str(blocker))  # a file where the folder should be
     assert cpu_matmul.choose(True, SHAPE, BF16) == choice
     assert cpu_matmul.choose(True, SHAPE, BF16) == choice and len(calls) == 2
 
@@ -334,3 +334,16 @@ def test_the_vocabulary_race_times_the_kernel_against_the_dequantized_gemm_on_it
     assert cpu_matmul.choose_quantized(True, (320, 64), kind, vocab=True) == 128
     assert raced == [(m, 320, cpu_matmul.VOCAB_PAIRS, 2) for m in cpu_matmul.VOCAB_ROWS]
     assert cpu_matmul.choose_quantized(True, (320, 64), kind, vocab=True) == 128 and len(raced) == len(cpu_matmul.VOCAB_ROWS)
+
+
+def test_measurements_are_kept_apart_from_the_cache_where_asked(tmp_path, monkeypatch, measured):
+    """PAGODA_MEASUREMENTS holds the kept figures (the suite points it at its own folder); without
+    it they sit in the cache folder, PAGODA_CACHE, beside the model's derived files."""
+    calls, choice = measured
+    monkeypatch.delenv("PAGODA_MEASUREMENTS", raising=False)
+    monkeypatch.setenv("PAGODA_CACHE", str(tmp_path / "cache"))
+    assert cpu_matmul.choose(True, SHAPE, BF16) == choice
+    assert (tmp_path / "cache" / f"{cpu_matmul.CACHE_NAME}.json").exists()
+    monkeypatch.setenv("PAGODA_MEASUREMENTS", str(tmp_path / "apart"))
+    assert cpu_matmul.choose(True, SHAPE, BF16) == choice and len(calls) == 2  # not read from the cache
+    assert (tmp_path / "apart" / f"{cpu_matmul.CACHE_NAME}.json").exists()

@@ -89,7 +89,7 @@ def test_the_decode_step_bound_is_measured_at_a_machines_first_start_kept_and_ob
     the C call, one of 3 the layers, the answers stay transformers'. The next start reads the kept
     bound without timing; --cpu-decode-step-tokens sets it without timing."""
     hf, folder = llama
-    monkeypatch.setenv("PAGODA_CACHE", str(tmp_path))
+    monkeypatch.setenv("PAGODA_MEASUREMENTS", str(tmp_path))
     timed = []
 
     def pick_two(counts, ratio_at):

@@ -69,7 +69,7 @@ def test_int8_is_refused_where_it_cannot_run(tmp_path):
 def test_an_int8_runner_bounds_its_layers_and_its_vocabulary_projection_apart(tmp_path, monkeypatch):
     """Its layers' bound is raced on the MLP's shape and the vocabulary projection's on its own
     (worker/cpu_matmul.py choose_quantized); the logits' projection obeys its own bound."""
-    monkeypatch.setenv("PAGODA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PAGODA_MEASUREMENTS", str(tmp_path / "cache"))
     raced = []
     monkeypatch.setattr(cpu_matmul, "measure_quantized",
                         lambda shape, kind, vocab=False: raced.append((shape, kind, vocab)) or (3 if vocab else 1))

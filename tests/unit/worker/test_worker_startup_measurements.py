@@ -16,7 +16,7 @@ from worker import startup_measurements
 
 @pytest.fixture
 def forwards(tmp_path, monkeypatch):
-    monkeypatch.setenv("PAGODA_CACHE", str(tmp_path))
+    monkeypatch.setenv("PAGODA_MEASUREMENTS", str(tmp_path))
     calls = []
 
     def fake(runner, num_tokens, kv_caches, num_blocks):
