@@ -47,9 +47,12 @@ class Gateway:
                  max_concurrent_rpcs: int | None = None, max_request_bytes: int | None = None,
                  keys_dir: str | None = None, api_keys: tuple[str, ...] = (),
                  ssl: tuple[str, str] | None = None, max_response_bytes: int | None = None,
-                 edge: EdgeConfig = EdgeConfig()):
+                 edge: EdgeConfig = EdgeConfig(), warm_grammar: bool = False):
         self.tokenizer = tokenizer
         self.host = host
+        # Start the structured-output check's compiler once a worker is up (gateway.main does,
+        # unless --structured-outputs-lazy): in-process test gateways do without its child.
+        self.warm_grammar = warm_grammar
         self.port = port
         self.client = client or SchedulerClient(scheduler_address, max_message_bytes,
                                                 keys_dir=keys_dir, model=tokenizer.name)
@@ -124,6 +127,8 @@ class Gateway:
             self._warned_model = info.model  # once per model, not on every keepalive answer
             log.warning("the scheduler serves %r but this gateway tokenizes for %r",
                         info.model, self.tokenizer.name)
+        if workers >= 1 and self.warm_grammar:
+            self.servicer.warm_grammar()
         await self._set_health(workers >= 1)
 
     async def _set_health(self, serving: bool) -> None:

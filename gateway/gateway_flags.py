@@ -112,6 +112,11 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="let JSON answers put whitespace anywhere (HTTP requests; gRPC sets "
                         "structured_output.any_whitespace itself); off by default, since small "
                         "models loop on free whitespace")
+    g.add_argument("--structured-outputs-lazy", action="store_true",
+                   help="start the structured-output check's compiler (a child process of about "
+                        "300 MB that takes seconds to load the vocabulary) on the first structured "
+                        "request, which then waits for it; by default it starts once the first "
+                        "worker is up")
     g.add_argument("--chat-template", default=None, metavar="FILE", type=_chat_template,
                    help="a Jinja chat template that replaces the model's: a file, or the template "
                         "itself inline (vLLM's flag); requests with tools use the shipped "

@@ -55,6 +55,15 @@ class GrammarChecker:
             self._answers.popitem(last=False)
         return answer
 
+    async def warm(self) -> None:
+        """Starts the child ahead of the first check; a child that cannot start is only logged
+        here (the first check tries again and answers UNAVAILABLE)."""
+        async with self._lock:
+            try:
+                await self._started()
+            except RuntimeError as e:
+                log.warning("%s", e)
+
     async def _compile(self, spec: Spec):
         await self._started()
         self._next_id += 1

@@ -57,7 +57,7 @@ async def run(args) -> None:
                       http_port=args.http_port, max_http_body_bytes=args.max_http_body_bytes,
                       keys_dir=args.zmq_keys_dir, api_keys=api_keys_from(args),
                       ssl=(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None,
-                      edge=EdgeConfig.from_args(args))
+                      edge=EdgeConfig.from_args(args), warm_grammar=not args.structured_outputs_lazy)
     log.info("largest gRPC request accepted: %d bytes, response sent: %d bytes; largest "
              "scheduler message: %d bytes", max_request_bytes, max_response_bytes, zmq_bytes)
     await gateway.start()

@@ -104,7 +104,8 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         self.default_priority = (parse_range(edge.default_tenant_priority)
                                  if edge.default_tenant_priority and api_keys else None)
         self.grammar_timeout = edge.max_grammar_compile_seconds
-        self._grammar: GrammarChecker | None = None  # started on the first structured request
+        self._grammar: GrammarChecker | None = None  # started by warm_grammar, else on first use
+        self._warming: asyncio.Task | None = None
         # The flags' bounds; max_model_len and vocab_size come from the scheduler per request.
         self.base_limits = limits or Limits(max_model_len=0, vocab_size=0)
 
@@ -185,15 +186,25 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         finally:
             _record_end("Generate", code, started)
 
-    async def grammar_error(self, spec) -> str | None:
-        """Why the spec does not compile (or within --max-grammar-compile-seconds); None if it
-        does. RpcFailed UNAVAILABLE when the compiler cannot start."""
+    def _checker(self) -> GrammarChecker:
         if self._grammar is None:
             self._grammar = GrammarChecker(self.tokenizer.source or _tokenizer_file(self.tokenizer),
                                            self._vocab_size, self.tokenizer.eos_token_ids or [0],
                                            self.grammar_timeout)
+        return self._grammar
+
+    def warm_grammar(self) -> None:
+        """Starts the grammar compiler's child in the background, once the scheduler has said
+        the vocabulary's size: loading the vocabulary takes seconds (2.7 s for SmolLM2 on a Zen 2
+        EPYC), which the first structured request would otherwise wait."""
+        if self._warming is None and self.client.info is not None:
+            self._warming = asyncio.create_task(self._checker().warm())
+
+    async def grammar_error(self, spec) -> str | None:
+        """Why the spec does not compile (or within --max-grammar-compile-seconds); None if it
+        does. RpcFailed UNAVAILABLE when the compiler cannot start."""
         try:
-            return await self._grammar.check(spec)
+            return await self._checker().check(spec)
         except RuntimeError as e:  # its compiler did not start: not the request's fault
             raise RpcFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
 
@@ -204,6 +215,8 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
             raise RpcFailed(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {why}", name)
 
     async def close(self) -> None:
+        if self._warming is not None:
+            self._warming.cancel()
         if self._grammar is not None:
             await self._grammar.close()
 

@@ -27,8 +27,11 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 class FakeCluster(LoopbackStack):
     def __init__(self, log_dir: Path, scheduler_flags=(), gateway_flags=(), worker_flags=(),
                  http: bool = False, gateway_address_space: int | None = None,
-                 worker_module: str = "tests.fake_worker_main"):
+                 worker_module: str = "tests.fake_worker_main", lazy_grammar: bool = True):
         self.log_dir = log_dir
+        # --structured-outputs-lazy: the gateway's grammar check's child (seconds of CPU at each
+        # of the many starts of fault tests) starts only when a structured request needs it
+        self.lazy_grammar = lazy_grammar
         self.worker_module = worker_module  # e.g. tests.fake_worker_canned
         self.http_port = free_port() if http else 0
         # RLIMIT_AS of the gateway: a test of bounded memory fails with MemoryError in the gateway
@@ -71,6 +74,7 @@ class FakeCluster(LoopbackStack):
         self.gateway = self._spawn(
             "gateway", "gateway.main", "--port", str(self.grpc_port), "--gateway-metrics-port", "0",
             "--http-port", str(self.http_port), "--scheduler-gateway-address", self.gateway_address,
+            *(["--structured-outputs-lazy"] if self.lazy_grammar else []),
             *self.keys_flags, *self.gateway_flags, address_space=self.gateway_address_space)
 
     def start_worker(self, *flags: str) -> subprocess.Popen:
@@ -153,3 +157,19 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def children(pid: int, module: str) -> list[int]:
+    """The processes whose parent is pid and whose command line runs `module`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == pid and module.encode() in cmdline:
+            found.append(int(entry.name))
+    return found

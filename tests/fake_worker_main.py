@@ -68,6 +68,9 @@ class FakeRunner:
     def forget_all(self) -> None:
         self.fake.forget_all()
 
+    def warm_grammars(self) -> None:  # no vocabulary to load
+        pass
+
     def compile_grammars(self, msg: pb.CompileGrammars) -> None:
         for g in msg.grammars:
             self._compiling.setdefault(g.key, (time.monotonic() + self.compile_s, str(g.structured_output)))

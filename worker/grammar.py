@@ -49,15 +49,24 @@ class GrammarRows:
 
     # ---------------------------------------------------------------- compiling, off the loop
 
+    def warm(self) -> Future:
+        """Builds the cache on the compile thread now, so that the first structured request does
+        not wait for the vocabulary to load (about 0.8 s for SmolLM2 on a Zen 2 EPYC). A cache
+        that fails to build is built again, and its error reported, by the first compile."""
+        return self._thread().submit(lambda: self.cache)
+
+    def _thread(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        return self._pool
+
     def compile(self, grammars: Sequence[internal_pb2.GrammarSpec]) -> None:
         """Start compiling what the scheduler asks for (each key once)."""
         for g in grammars:
             if g.key in self._compiling:
                 continue
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
             spec = Spec.from_proto(g.structured_output)
-            self._compiling[g.key] = self._pool.submit(self._compile_one, spec)
+            self._compiling[g.key] = self._thread().submit(self._compile_one, spec)
 
     def _compile_one(self, spec: Spec | None) -> None:
         if spec is None:

@@ -172,6 +172,10 @@ class ModelRunner:
         self.batch = InputBatch(self.max_model_len, self.block_size)
         self.grammar.drop(list(self.grammar.matchers) + list(self.grammar.failed))
 
+    def warm_grammars(self) -> None:
+        """Loads the vocabulary for structured outputs in the background, ahead of the first."""
+        self.grammar.warm()
+
     def compile_grammars(self, msg: internal_pb2.CompileGrammars) -> None:
         """Start compiling, in the background, the grammars of sequences the scheduler holds
         back until grammars_finished() says they are ready (worker/grammar.py)."""

@@ -197,3 +197,24 @@ def test_compiling_happens_off_the_loop_and_is_answered_once_done(cache):
     before = len(cache)
     rows.add(0, config(good, stop=()), [])
     assert 0 in rows.matchers and len(cache) == before
+
+
+def test_warm_builds_the_cache_once_on_the_compile_thread_before_any_request(cache):
+    """A worker warms at start (worker/main.py): the vocabulary loads off its loop, once, and the
+    first compile then uses that cache instead of loading it again."""
+    import threading
+    import time
+    built = []
+
+    def make():
+        built.append(threading.current_thread().name)
+        return cache
+    rows = GrammarRows(make)
+    rows.warm().result(timeout=60)
+    assert len(built) == 1 and built[0].startswith("grammar")
+    spec = Spec("regex", "[a-z]{1,4}")
+    rows.compile([internal_pb2.GrammarSpec(key=spec.key(), structured_output=config(spec).structured_output)])
+    deadline = time.monotonic() + 60
+    while (done := rows.finished()) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert done is not None and list(done.ready) == [spec.key()] and len(built) == 1
