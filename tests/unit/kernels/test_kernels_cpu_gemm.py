@@ -111,3 +111,16 @@ def test_every_kernel_builds_here(name):
         pytest.skip("no C compiler here")
     kernel = importlib.import_module(f"kernels.{name}")
     assert cbuild.build(kernel.SOURCE, kernel.FLAGS).exists()
+
+
+def test_an_installed_package_ships_every_kernel_source():
+    """The kernels are built from their sources on first use, headers included: a wheel that
+    left one out would turn its kernels off wherever pagoda is pip-installed."""
+    import fnmatch
+    import tomllib
+    globs = tomllib.loads((cpu_gemm.SOURCE.parents[2] / "pyproject.toml").read_text())[
+        "tool"]["setuptools"]["package-data"]["kernels"]
+    sources = [p.relative_to(cpu_gemm.SOURCE.parents[1]).as_posix()
+               for p in cpu_gemm.SOURCE.parent.iterdir() if p.suffix in (".c", ".h")]
+    assert len(sources) > 10
+    assert [s for s in sources if not any(fnmatch.fnmatch(s, g) for g in globs)] == []
