@@ -91,7 +91,7 @@ AVX2 static void panel_xwt(const float *x, int64_t ldx, int M, const uint8_t *w,
             const int nr = N - n < 4 ? (int)(N - n) : 4;
             const float *p = (const float *)(w + n * ldw);
             int64_t ldp = ldw / (int64_t)sizeof(float);
-            if (panel) {
+            if (type != TYPE_F32) {
                 for (int r = 0; r < nr; r++) widen_row(w + (n + r) * ldw, K, type, panel + r * K);
                 p = panel, ldp = K;
             }
