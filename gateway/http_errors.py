@@ -34,14 +34,17 @@ def from_rpc(e: RpcFailed, chat: bool) -> HttpError:
     return HttpError(status, message, type_, param, e.code.name.lower())
 
 
+# Two names a client may send for one pagoda field; from_rpc names the first.
+_ALIASES = {"response_format": "structured_outputs",   # OpenAI's, vLLM's
+            "max_completion_tokens": "max_tokens"}      # chat's, its older name
+
+
 def as_sent(e: HttpError, body) -> HttpError:
-    """e naming the field the client sent: OpenAI's response_format and vLLM's structured_outputs
-    become one pagoda field, whose errors from_rpc names response_format."""
-    if e.param != "response_format" or getattr(body, "response_format", None) is not None \
-            or getattr(body, "structured_outputs", None) is None:
+    """e naming the field the client sent, where it sent the other of two names (_ALIASES)."""
+    other = _ALIASES.get(e.param)
+    if other is None or getattr(body, e.param, None) is not None or getattr(body, other, None) is None:
         return e
-    return HttpError(e.status, str(e).replace("response_format", "structured_outputs"), e.type,
-                     "structured_outputs", e.code)
+    return HttpError(e.status, str(e).replace(e.param, other), e.type, other, e.code)
 
 
 def bad_request(message: str, param: str | None = None) -> HttpError:

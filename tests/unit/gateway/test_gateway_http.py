@@ -98,6 +98,7 @@ def test_logprobs_in_both_shapes(run):
     ({"top_logprobs": 3}, 400, "top_logprobs"),           # without logprobs: true
     ({"logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
     ({"max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ({"max_tokens": -5}, 400, "max_tokens"),              # the name the client sent
     ({"stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ({"bogus": 1, "tools": []}, 400, "bogus"),             # unknown fields are named
     ({"n": "two"}, 400, "n"),
