@@ -21,7 +21,7 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-DECODE_STEP_TOKENS = (1, 2, 4, 8, 16)  # the counts --cpu-decode-step-tokens's measurement times
+DECODE_STEP_TOKENS = (1, 2, 4, 8, 16, 32, 64)  # the counts --cpu-decode-step-tokens's measurement times
 MAX_DECODE_STEP_TOKENS = 64  # the C step's most (worker/fused_decode.py MAX_TOKENS)
 
 

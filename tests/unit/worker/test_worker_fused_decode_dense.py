@@ -96,7 +96,7 @@ def test_the_decode_step_bound_is_measured_at_a_machines_first_start_kept_and_ob
         timed.extend((n, ratio_at(n)) for n in counts)
         return 2
     monkeypatch.setattr(startup_measurements, "bound", pick_two)
-    runner = ModelRunner(runner_args(folder, num_blocks=256))
+    runner = ModelRunner(runner_args(folder, num_blocks=1024))
     assert [n for n, _ in timed] == list(DECODE_STEP_TOKENS) and all(r > 0 for _, r in timed)
     assert runner.model.model.fused_decode.max_tokens == 2 and fused_decode.enabled
     assert "decode-step.json" in {p.name for p in tmp_path.iterdir()}
@@ -108,7 +108,7 @@ def test_the_decode_step_bound_is_measured_at_a_machines_first_start_kept_and_ob
     assert fused_steps == []
 
     timed.clear()
-    assert ModelRunner(runner_args(folder, num_blocks=256)).model.model.fused_decode.max_tokens == 2
+    assert ModelRunner(runner_args(folder, num_blocks=1024)).model.model.fused_decode.max_tokens == 2
     assert timed == []
-    pinned = ModelRunner(runner_args(folder, "--cpu-decode-step-tokens", "1", num_blocks=256))
+    pinned = ModelRunner(runner_args(folder, "--cpu-decode-step-tokens", "1", num_blocks=1024))
     assert pinned.model.model.fused_decode.max_tokens == 1 and timed == []
