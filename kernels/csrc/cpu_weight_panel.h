@@ -22,7 +22,7 @@
 // --quantization int8 / q4_1) they tie with the dot products at 16 rows, lose at 8 (33 against
 // 24 ms for the model's projections: widening every weight costs about 10 ms) and win from 32 on
 // (84 against 98 ms at 32 rows, 300 against 430 at 128).
-#define PANEL_MIN_ROWS 16
+#define PANEL_MIN_ROWS 12
 
 // One weight row of K values of `type` as fp32 (K a multiple of 32 for the GGUF formats).
 __attribute__((target("avx2,fma,f16c")))
@@ -77,7 +77,7 @@ static void widen_row(const uint8_t *w, int64_t K, int type, float *out) {
 // share; dense fp32 rows are read in place.
 AVX2 static void panel_xwt(const float *x, int64_t ldx, int M, const uint8_t *w, int64_t ldw, int type,
                            const float *scale, int64_t N, int64_t K, float *out, int64_t ldo, int add) {
-    const Blocks *b = &AVX2_BLOCKS;
+    const Blocks *b = &AVX2_RESIDENT_BLOCKS;
     float *panel = type == TYPE_F32 ? NULL : malloc((size_t)(4 * K) * sizeof(float));
     const int64_t groups = (N + 3) / 4;
     const int chunks = (M + MAX_ROW_CHUNK - 1) / MAX_ROW_CHUNK;
