@@ -37,7 +37,7 @@ from worker.layers import Linear
 # Zen 5 it lost from 4 in fp32 and 6 in bf16 (bench/profile_cpu.py --fused-ab, docs/benchmarks.md)
 # until bf16 steps of 5 or more tokens took AVX512-BF16 dot products (kernels/cpu_decode_layer.py
 # BF16_DOT_MIN_TOKENS): 8 decodes 13 against 15 ms, 12 15 against 17, 16 even; measured 16.
-# Since the weight panels (kernels/csrc/cpu_weight_panel.h) take steps of 16 or more tokens on
+# Since the weight panels (kernels/csrc/cpu_weight_panel.h) take steps of 12 or more tokens on
 # AVX2, the C step also wins at 32 and 64 fp32 decodes on a Zen 2 EPYC (143 against 154 ms, 272
 # against 284), so the measurement times those counts too (worker_flags.py DECODE_STEP_TOKENS).
 MAX_TOKENS = 64  # the C step's most for GGUF weights (worker_flags.py MAX_DECODE_STEP_TOKENS)

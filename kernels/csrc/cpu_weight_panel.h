@@ -19,9 +19,9 @@
 #include "cpu_weight_types.h"
 
 // Rows of x from which the AVX2 projections take the panels: on a Zen 2 EPYC (bench/bench_gemm.py
-// --quantization int8 / q4_1) they tie with the dot products at 16 rows, lose at 8 (33 against
-// 24 ms for the model's projections: widening every weight costs about 10 ms) and win from 32 on
-// (84 against 98 ms at 32 rows, 300 against 430 at 128).
+// --quantization int8 / q4_1, the model's projections) they win from 12 rows (int8 31 against 34
+// ms, Q4_1 29 against 35), lose at 8 (int8 29 against 23; widening every weight costs some ms)
+// and at 32 rows take 60 ms where the dot products take 98.
 #define PANEL_MIN_ROWS 12
 
 // One weight row of K values of `type` as fp32 (K a multiple of 32 for the GGUF formats).

@@ -22,7 +22,7 @@ STEPS = {
     "three_sequences": ([(0, 1), (17, 1), (40, 1)], 16),
     "verification_of_4": ([(23, 5)], 16),
     "mixed_block_5": ([(9, 1), (3, 4)], 5),
-    # 17 rows: the AVX2 projections' weight panels (kernels/csrc/cpu_weight_panel.h), from 16 on
+    # 17 rows: the AVX2 projections' weight panels (kernels/csrc/cpu_weight_panel.h), from 12 on
     "batch_of_17": ([(7 * i % 15, 1) for i in range(17)], 16),
 }
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}

@@ -49,7 +49,7 @@ def test_quantize_is_ggufs_and_dequantize_is_exact(kind):
         cpu_gemm_gguf.quantize(torch.ones(2, 40), kind)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 5, 9, 16, 64, 100])
+@pytest.mark.parametrize("rows", [1, 3, 5, 9, 12, 16, 64, 100])
 @pytest.mark.parametrize("k", [576, 1536, 32, 96])
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_kernel_equals_float64_on_every_isa_here(kind, rows, k):

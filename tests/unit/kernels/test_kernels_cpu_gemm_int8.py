@@ -20,7 +20,7 @@ def test_quantize_round_trips_within_half_a_step():
     assert int(w8.abs().max()) == 127
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 64, 100])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 12, 16, 64, 100])
 @pytest.mark.parametrize("k", [576, 1536, 200, 205, 7])
 def test_the_kernel_equals_float64_on_every_isa_here(rows, k):
     if not cpu_gemm_int8.available():
