@@ -39,6 +39,9 @@ class GrammarRows:
         self._compiling: dict[str, Future] = {}  # key -> its compile, until finished() says
         self.matchers: dict[int, object] = {}  # slot -> xgrammar GrammarMatcher
         self.failed: dict[int, str] = {}       # slot -> why it cannot go on
+        # Slots whose matcher ends at a stop token (the request has some); without, it ends when
+        # the grammar is complete and its mask then allows nothing: a conflict, not an end.
+        self.stoppable: set[int] = set()
 
     @property
     def cache(self):
@@ -119,11 +122,18 @@ class GrammarRows:
                 self.failed[slot] = "its output so far does not match structured_output"
                 return
         self.matchers[slot] = matcher
+        if stops:
+            self.stoppable.add(slot)
 
     def drop(self, slots) -> None:
         for slot in slots:
             self.matchers.pop(int(slot), None)
             self.failed.pop(int(slot), None)
+            self.stoppable.discard(int(slot))
+
+    def _past_stop_token(self, slot: int) -> bool:
+        matcher = self.matchers.get(slot)
+        return slot in self.stoppable and matcher is not None and matcher.is_terminated()
 
     def constrained(self, slots: Sequence[int]) -> list[int]:
         """Rows (indices into slots) that have a matcher."""
@@ -135,9 +145,14 @@ class GrammarRows:
         """xgrammar's int32 bitmask [len(rows), ceil(V / 32)]: bit j of word w set when the
         row's grammar allows token 32w + j next."""
         import xgrammar as xgr
-        bitmask = xgr.allocate_token_bitmask(len(rows), vocab_size)
+        bitmask = xgr.allocate_token_bitmask(len(rows), vocab_size)  # every token allowed
         for j, i in enumerate(rows):
-            self.matchers[slots[i]].fill_next_token_bitmask(bitmask, j)
+            matcher = self.matchers[slots[i]]
+            # A stop token ended it in the last step, and the plan ahead was made before the
+            # scheduler knew: the row's token is thrown away, so any will do (xgrammar refuses
+            # to fill a mask after its stop token, which failed the whole step).
+            if not self._past_stop_token(slots[i]):
+                matcher.fill_next_token_bitmask(bitmask, j)
         return bitmask
 
     def draft_masks(self, slot: int, draft: Sequence[int], vocab_size: int):
@@ -178,7 +193,9 @@ class GrammarRows:
             return
         for slot, token in zip(slots.tolist(), tokens.tolist()):
             matcher = self.matchers.get(slot)
-            if matcher is not None and not matcher.accept_token(int(token)):
+            if matcher is None or self._past_stop_token(slot):  # a plan ahead's row: thrown away
+                continue
+            if not matcher.accept_token(int(token)):
                 # Only a bug gets here: the token was sampled under this matcher's mask.
                 self.matchers.pop(slot)
                 self.failed[slot] = f"token {token} does not match structured_output"

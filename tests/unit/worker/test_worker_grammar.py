@@ -218,3 +218,21 @@ def test_warm_builds_the_cache_once_on_the_compile_thread_before_any_request(cac
     while (done := rows.finished()) is None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert done is not None and list(done.ready) == [spec.key()] and len(built) == 1
+
+
+def test_a_row_past_its_stop_token_gets_a_mask_and_its_token_is_ignored(tok, cache):
+    """The plan ahead was made before the scheduler saw the stop token: the next step still has
+    the row. Its mask and its (thrown away) token must not fail the step, as xgrammar's refusal to
+    fill a mask after a stop token did for every json_object answer that ended at EOS."""
+    rows = GrammarRows(lambda: cache)
+    rows.add(0, config(Spec("regex", "ab")), [])
+    rows.add(1, config(Spec("regex", "[a-z]+")), [])
+    a, b = (tok.encode(t, add_special_tokens=False)[0] for t in ("a", "b"))
+    for token in (a, b, 2):  # "ab", then the stop token
+        rows.accept(np.array([0]), np.array([token]))
+    assert rows.matchers[0].is_terminated()
+    mask = rows.mask([0, 1], [0, 1], VOCAB)  # row 1 still constrained, row 0 anything
+    assert bool(allowed_tokens(mask)[0].all())
+    assert not bool(allowed_tokens(mask)[1].all()) and bool(allowed_tokens(mask)[1][a])
+    rows.accept(np.array([0, 1]), np.array([a, a]))
+    assert rows.failed == {} and rows.matchers[0].is_terminated()
