@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_dense_rows.h"
 #include "cpu_gemm_blocks.h"
 #include "cpu_weight_types.h"
 
@@ -24,7 +25,8 @@
 // and at 32 rows take 60 ms where the dot products take 98.
 #define PANEL_MIN_ROWS 12
 
-// One weight row of K values of `type` as fp32 (K a multiple of 32 for the GGUF formats).
+// One weight row of K values of `type` (not fp32, read in place) as fp32; K a multiple of 32
+// for the GGUF formats.
 __attribute__((target("avx2,fma,f16c")))
 static void widen_row(const uint8_t *w, int64_t K, int type, float *out) {
     int64_t k = 0;
@@ -51,22 +53,16 @@ static void widen_row(const uint8_t *w, int64_t K, int type, float *out) {
                 }
             }
         }
-    } else if (type == TYPE_I8) {
-        const int8_t *q = (const int8_t *)w;
-        for (; k + 8 <= K; k += 8)
-            _mm256_storeu_ps(out + k, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + k)))));
-        for (; k < K; k++) out[k] = (float)q[k];
-    } else if (type == TYPE_BF16) {  // an fp32's top half
-        const uint16_t *h = (const uint16_t *)w;
-        for (; k + 8 <= K; k += 8)
-            _mm256_storeu_si256((__m256i *)(out + k), _mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + k))), 16));
+    } else {  // int8 or bf16 (widened as the step's dense rows widen them), then the tail
+        for (; k + 8 <= K; k += 8) _mm256_storeu_ps(out + k, dense8(w, k, type));
         for (; k < K; k++) {
-            const uint32_t v = (uint32_t)h[k] << 16;
-            memcpy(out + k, &v, 4);
+            if (type == TYPE_I8) {
+                out[k] = (float)((const int8_t *)w)[k];
+            } else {
+                const uint32_t v = (uint32_t)((const uint16_t *)w)[k] << 16;  // an fp32's top half
+                memcpy(out + k, &v, 4);
+            }
         }
-    } else {
-        memcpy(out, w, (size_t)K * sizeof(float));
     }
 }
 
