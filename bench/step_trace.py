@@ -2,7 +2,7 @@
 process (no sockets), the default offline workload, every step timed and bucketed by its number of
 sequences (a step with more tokens than sequences holds a prefill chunk).
 
-    .venv/bin/python bench/step_trace.py [--requests 16] [--threads 2] [--dtype float32]
+    .venv/bin/python bench/step_trace.py [--requests 16] [--threads 2] [--dtype float32] [-- worker flags]
 """
 from __future__ import annotations
 
@@ -30,11 +30,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("worker_flags", nargs="*", help="after --, e.g. -- --quantization q4_1")
     opts = ap.parse_args()
     torch.set_num_threads(opts.threads)
     budget = str(opts.max_num_batched_tokens)
     runner = ModelRunner(add_worker_args(argparse.ArgumentParser()).parse_args(
-        ["--dtype", opts.dtype, "--max-num-batched-tokens", budget]))
+        ["--dtype", opts.dtype, "--max-num-batched-tokens", budget, *opts.worker_flags]))
     router = Router(RouterConfig(max_num_seqs=256, max_num_batched_tokens=opts.max_num_batched_tokens,
                                  max_waiting_requests=opts.requests + 1))
     router.register(b"w", runner.hello())

@@ -37,6 +37,12 @@ POOL_BYTES = 64 << 20  # distinct weights beyond a server CPU's last-level cache
 MAX_POOL = 64  # weights at most (a tiny model's would be thousands)
 STREAM_ROWS = 64  # products of up to this many rows stream the whole pool
 CACHE_NAME = "cpu-matmul"  # PAGODA_CACHE/cpu-matmul.json (worker/kept.py)
+# A bound that means every product: the kernel won at the largest row count timed. Past a few
+# hundred rows both paths are bound by arithmetic and their rates no longer move with the rows
+# (bench/bench_gemm.py: 160-163 against MKL's 112-132 GFLOP/s from 256 to 2048 rows on a Zen 2
+# EPYC), so the winner there wins beyond; else a 2048-token prefill chunk went to the slower one.
+ALL_ROWS = 2**31 - 1
+BOUND_RULE = "rule=beyond-last"  # in the keys: bounds kept before ALL_ROWS existed are measured again
 
 
 @dataclass(frozen=True)
@@ -62,12 +68,12 @@ def choose(wanted: bool, shape: tuple[int, int], dtype: torch.dtype, again: bool
               for k, on in ((cpu_gemm, fp32), (cpu_gemm_bf16, bf16))]
     started = time.perf_counter()
     found, was_kept = kept(CACHE_NAME, machine_key(f"shape={shape[0]}x{shape[1]}", *builds,
-                                                   timed(FP32_ROWS, BF16_ROWS)),
+                                                   timed(FP32_ROWS, BF16_ROWS), BOUND_RULE),
                            lambda: asdict(measure(fp32, bf16, shape)), set(asdict(CpuMatmul())), again)
     choice = CpuMatmul(**found)
-    said = f"fp32 projections of up to {choice.fp32_kernel_rows} rows run through kernels/cpu_gemm.c"
+    said = f"fp32 projections of {up_to(choice.fp32_kernel_rows)} rows run through kernels/cpu_gemm.c"
     if bf16:
-        said += (f", bf16 ones of up to {choice.bf16_kernel_rows} through kernels/cpu_gemm_bf16.c"
+        said += (f", bf16 ones of {up_to(choice.bf16_kernel_rows)} through kernels/cpu_gemm_bf16.c"
                  + (" and larger ones in fp32 on widened operands" if choice.bf16_widen else ""))
     logger.info("%s (%s)", said, how(was_kept, started))
     return choice
@@ -77,14 +83,12 @@ def measure(fp32: bool, bf16: bool, shape: tuple[int, int]) -> CpuMatmul:
     g = torch.Generator().manual_seed(0)
     pool = [torch.randn(*shape, generator=g) for _ in range(_pool_size(shape, 4))]
     x = torch.randn(max(FP32_ROWS), shape[1], generator=g)
-    fp32_rows = bound(FP32_ROWS, lambda m: ratio(cpu_gemm.xwt, F.linear, x[:m], pool)) if fp32 else 0
+    fp32_rows = bound(FP32_ROWS, lambda m: ratio(cpu_gemm.xwt, F.linear, x[:m], pool), beyond=True) if fp32 else 0
     if not bf16:
         return CpuMatmul(fp32_rows)
 
     def widened(xb, wb):  # what worker.layers.linear does with a widened bf16 product
-        xf, wf = xb.float(), wb.float()
-        out = cpu_gemm.xwt(xf, wf) if xf.shape[0] <= fp32_rows else F.linear(xf, wf)
-        return out.to(torch.bfloat16)
+        return fp32_product(fp32_rows)(xb.float(), wb.float()).to(torch.bfloat16)
 
     xb = x.bfloat16()
     pool = [torch.randn(*shape, generator=g).bfloat16() for _ in range(_pool_size(shape, 2))]
@@ -94,11 +98,21 @@ def measure(fp32: bool, bf16: bool, shape: tuple[int, int]) -> CpuMatmul:
     return CpuMatmul(fp32_rows, bf16_rows, widen)
 
 
+def fp32_product(fp32_rows: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """x @ w^T in fp32 as worker.layers.linear computes it under an fp32 bound of fp32_rows."""
+    return lambda x, w: cpu_gemm.xwt(x, w) if 0 < x.shape[0] <= fp32_rows else F.linear(x, w)
+
+
+def up_to(rows: int) -> str:
+    return "any number of" if rows >= ALL_ROWS else f"up to {rows}"
+
+
 def choose_quantized(wanted: bool, shape: tuple[int, int], kind: str, again: bool = False,
-                     vocab: bool = False) -> int:
+                     vocab: bool = False, fp32_rows: int = 0) -> int:
     """The rows up to which projections of a [shape] weight quantized as `kind` ("int8", "q8_0"
     or "q4_1") run through their kernel (kernels/cpu_gemm_int8.c, cpu_gemm_gguf.c) on this
-    machine; larger products dequantize the weights for torch's GEMM. Measured at a machine's
+    machine; larger products dequantize the weights for an fp32 product (fp32_rows: choose()'s
+    bound for it, which the race uses too). Measured at a machine's
     first start and kept, as choose()'s bounds are (where they cross is the machine's: about 64
     rows on an AVX-512 Xeon by bench/bench_gemm.py; 128 for Q4_1 and 64 for Q8_0 on a Zen 5 EPYC
     at stop 42, 16 for Q4_1 at stop 43); QUANTIZED_DEFAULT_ROWS with --cpu-matmul torch.
@@ -114,10 +128,11 @@ def choose_quantized(wanted: bool, shape: tuple[int, int], kind: str, again: boo
     name, rows, field = (("vocab", VOCAB_ROWS, "vocab_kernel_rows") if vocab
                          else ("shape", QUANTIZED_ROWS, "kernel_rows"))
     started = time.perf_counter()
-    found, was_kept = kept(CACHE_NAME, machine_key(f"{name}={shape[0]}x{shape[1]}", kind, build, timed(rows)),
-                           lambda: {field: measure_quantized(shape, kind, vocab)}, {field}, again)
-    logger.info("%s %sprojections of up to %d rows run through %s (%s)", kind,
-                "vocabulary " if vocab else "", found[field], Path(module.SOURCE).name, how(was_kept, started))
+    found, was_kept = kept(CACHE_NAME, machine_key(f"{name}={shape[0]}x{shape[1]}", kind, build,
+                                                   f"fp32_rows={fp32_rows}", timed(rows), BOUND_RULE),
+                           lambda: {field: measure_quantized(shape, kind, vocab, fp32_rows)}, {field}, again)
+    logger.info("%s %sprojections of %s rows run through %s (%s)", kind, "vocabulary " if vocab else "",
+                up_to(found[field]), Path(module.SOURCE).name, how(was_kept, started))
     return found[field]
 
 
@@ -132,43 +147,45 @@ class _Format:
     nbytes: Callable[[Any], int]
 
 
-def _format(kind: str) -> _Format:
+def _format(kind: str, fp32_rows: int) -> _Format:
+    dense = fp32_product(fp32_rows)
     if kind == "int8":  # (int8 rows, a scale per row)
         return _Format(cpu_gemm_int8.quantize, lambda q, order: (q[0][order], q[1][order]),
                        lambda a, q: cpu_gemm_int8.xwt(a, *q),
-                       lambda a, q: F.linear(a, cpu_gemm_int8.dequantize(*q)),
+                       lambda a, q: dense(a, cpu_gemm_int8.dequantize(*q)),
                        lambda q: q[0].numel())
     return _Format(lambda w: cpu_gemm_gguf.quantize(w, kind), lambda q, order: q[order],
                    lambda a, q: cpu_gemm_gguf.xwt(a, q, kind),
-                   lambda a, q: F.linear(a, cpu_gemm_gguf.dequantize(q, kind)),
+                   lambda a, q: dense(a, cpu_gemm_gguf.dequantize(q, kind)),
                    lambda q: q.numel())
 
 
-def measure_quantized(shape: tuple[int, int], kind: str, vocab: bool = False) -> int:
-    """The kernel against torch's GEMM on the dequantized weights (what a projection past the
+def measure_quantized(shape: tuple[int, int], kind: str, vocab: bool = False, fp32_rows: int = 0) -> int:
+    """The kernel against an fp32 product on the dequantized weights (what a projection past the
     bound does), on a pool of one quantized weight's rows in other orders (two for a vocabulary,
     whose dequantized copy alone is far past any cache, timed over fewer pairs)."""
     rows, pairs, most = (VOCAB_ROWS, VOCAB_PAIRS, 2) if vocab else (QUANTIZED_ROWS, PAIRS, MAX_POOL)
-    fmt = _format(kind)
+    fmt = _format(kind, fp32_rows)
     g = torch.Generator().manual_seed(0)
     packed = fmt.pack(torch.randn(*shape, generator=g))
     count = max(2, min(most, POOL_BYTES // fmt.nbytes(packed)))
     pool = [packed] + [fmt.reorder(packed, torch.randperm(shape[0], generator=g)) for _ in range(count - 1)]
     x = torch.randn(max(rows), shape[1], generator=g)
-    return bound(rows, lambda m: ratio(fmt.kernel, fmt.dequantized, x[:m], pool, pairs))
+    return bound(rows, lambda m: ratio(fmt.kernel, fmt.dequantized, x[:m], pool, pairs), beyond=not vocab)
 
 
-def bound(rows: tuple[int, ...], ratio_at) -> int:
+def bound(rows: tuple[int, ...], ratio_at, beyond: bool = False) -> int:
     """The bound over `rows` (ascending) that saves the most: the kernel takes every row count up
     to it, where each saves 1 - ratio_at(m) (the kernel's time over BLAS's; negative where BLAS
     is faster), BLAS the rest; 0 where no prefix saves anything. A prefix sum rather than the
-    first loss: one noisy tie among wins must not hand the larger products to BLAS."""
+    first loss: one noisy tie among wins must not hand the larger products to BLAS. beyond: where
+    the kernel won at the last row count, it takes larger products too (ALL_ROWS)."""
     best, best_saving, saving = 0, 0.0, 0.0
     for m in rows:
         saving += 1.0 - ratio_at(m)
         if saving > best_saving:
             best, best_saving = m, saving
-    return best
+    return ALL_ROWS if beyond and best == rows[-1] else best
 
 
 def ratio(kernel, other, x: torch.Tensor, pool: list[torch.Tensor], pairs: int = PAIRS) -> float:

@@ -62,7 +62,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 # Rows up to which an int8, Q8_0 or Q4_1 projection runs through its kernel
 # (kernels/cpu_gemm_int8.c, cpu_gemm_gguf.c); above, the weights are dequantized (in C, one pass)
-# for torch's matmul, as a prefill chunk is bound by arithmetic, not by weight bytes. The
+# for an fp32 product (linear above), as a prefill chunk is bound by arithmetic, not by weight bytes. The
 # machine's, for the model's format, measured at start-up (use_quantized_kernel): on an AVX-512
 # Xeon, one thread, SmolLM2's projections in Q4_1 took 97 ms through the kernel against 316
 # dequantized into MKL with 16 rows, 446 against 463 with 64, 746 against 528 with 128; on a Zen
@@ -77,9 +77,11 @@ def use_quantized_kernel(wanted: bool, shape: tuple[int, int], kind: str, again:
     """Sets QUANTIZED_KERNEL_ROWS for a model quantized as `kind` whose MLP weight is [shape],
     and QUANTIZED_VOCAB_KERNEL_ROWS for its [vocab_shape] vocabulary projection."""
     global QUANTIZED_KERNEL_ROWS, QUANTIZED_VOCAB_KERNEL_ROWS
-    QUANTIZED_KERNEL_ROWS = cpu_matmul.choose_quantized(wanted, shape, kind, again)
+    fp32_rows = CPU.fp32_kernel_rows  # use_cpu_kernel's, which products past the bound use
+    QUANTIZED_KERNEL_ROWS = cpu_matmul.choose_quantized(wanted, shape, kind, again, fp32_rows=fp32_rows)
     if vocab_shape is not None:
-        QUANTIZED_VOCAB_KERNEL_ROWS = cpu_matmul.choose_quantized(wanted, vocab_shape, kind, again, vocab=True)
+        QUANTIZED_VOCAB_KERNEL_ROWS = cpu_matmul.choose_quantized(wanted, vocab_shape, kind, again, vocab=True,
+                                                                  fp32_rows=fp32_rows)
     return QUANTIZED_KERNEL_ROWS
 
 
@@ -95,7 +97,7 @@ def int8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
     if _quantized_kernel_fits(x, vocab) and cpu_gemm_int8.available():
         out = cpu_gemm_int8.xwt(x, w8, scale)
         return out if bias is None else out.add_(bias)
-    return F.linear(x, cpu_gemm_int8.dequantize(w8, scale, x.dtype), bias)
+    return linear(x, cpu_gemm_int8.dequantize(w8, scale, x.dtype), bias)
 
 
 def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str,
@@ -105,7 +107,7 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str,
     if _quantized_kernel_fits(x, vocab) and cpu_gemm_gguf.available():
         out = cpu_gemm_gguf.xwt(x, blocks, kind)
         return out if bias is None else out.add_(bias)
-    return F.linear(x, cpu_gemm_gguf.dequantize(blocks, kind, x.dtype), bias)
+    return linear(x, cpu_gemm_gguf.dequantize(blocks, kind, x.dtype), bias)
 
 
 class Linear(nn.Linear):

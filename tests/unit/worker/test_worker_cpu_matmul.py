@@ -48,6 +48,31 @@ def test_the_bound_is_the_prefix_of_row_counts_that_saves_the_most():
     assert cpu_matmul.bound(rows, ratios(dict(zip(rows, (0.9, 1.3, 1.3, 0.8, 1.2, 1.2))))) == 16
 
 
+def test_a_kernel_that_wins_at_the_last_count_takes_every_larger_product_where_asked():
+    """beyond: a win at the largest count timed stands for every larger product (both paths are
+    bound by arithmetic there), so a 2048-token prefill chunk is not handed to the slower BLAS."""
+    rows = (16, 64, 128, 256, 512, 1024)
+    wins = dict(zip(rows, (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)))
+    assert cpu_matmul.bound(rows, wins.get, beyond=True) == cpu_matmul.ALL_ROWS
+    assert cpu_matmul.bound(rows, wins.get) == 1024
+    # A loss at the last count keeps the bound where the saving peaked.
+    assert cpu_matmul.bound(rows, dict(zip(rows, (0.5, 0.6, 0.7, 0.8, 0.9, 1.05))).get, beyond=True) == 512
+    # A tie among wins up to the last still counts as winning there.
+    assert cpu_matmul.bound(rows, dict(zip(rows, (0.5, 0.6, 1.05, 0.8, 0.9, 0.95))).get, beyond=True) \
+        == cpu_matmul.ALL_ROWS
+
+
+@pytest.mark.skipif(not cpu_gemm.available(), reason="no fp32 kernel on this CPU")
+def test_with_every_row_count_the_kernel_takes_products_larger_than_any_timed(monkeypatch):
+    calls = []
+    real = cpu_gemm.xwt
+    monkeypatch.setattr(layers, "CPU", CpuMatmul(cpu_matmul.ALL_ROWS))
+    monkeypatch.setattr(cpu_gemm, "xwt", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    x, w = torch.randn(2 * max(FP32_ROWS), 64), torch.randn(48, 64)
+    torch.testing.assert_close(layers.linear(x, w).double(), x.double() @ w.double().t(), rtol=1e-4, atol=1e-4)
+    assert calls == [2 * max(FP32_ROWS)]
+
+
 def test_the_ratio_is_the_median_of_pairs_timed_back_to_back_on_weights_apart(monkeypatch):
     """Each pair: the kernel on one weight, then the other path on the weight half the pool away;
     every weight of the pool for few rows, a share of it for many; a median, so one slow pair
@@ -260,10 +285,44 @@ def test_a_quantized_bound_races_the_kernel_against_the_dequantized_gemm_and_is_
     assert len(raced) == len(cpu_matmul.QUANTIZED_ROWS)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_past_its_bound_a_quantized_projection_is_an_fp32_product_as_fp32_projections_are(cache, monkeypatch, kind):
+    """Dequantized weights go through linear(): the fp32 kernel up to its bound (kernels/cpu_gemm.c
+    outruns MKL on some machines at every size), BLAS past it; and the quantized race times that
+    same path, under the fp32 bound it is given (kept apart from another fp32 bound's)."""
+    if not (_module(kind).available() and cpu_gemm.available()):
+        pytest.skip(f"no {kind} or fp32 kernel on this CPU")
+    fp32_calls = []
+    real = cpu_gemm.xwt
+    monkeypatch.setattr(cpu_gemm, "xwt", lambda x, w: fp32_calls.append(x.shape[0]) or real(x, w))
+    monkeypatch.setattr(layers, "CPU", CpuMatmul(8))
+    _keep_bounds(monkeypatch)
+    monkeypatch.setattr(cpu_matmul, "measure_quantized",
+                        lambda shape, kind, vocab=False, fp32_rows=0: fp32_calls.append(("raced", fp32_rows)) or 2)
+    assert layers.use_quantized_kernel(True, QUANT_SHAPE, kind) == 2
+    assert fp32_calls == [("raced", 8)]
+    fp32_calls.clear()
+    want_weight, project = _quantized(QUANT_SHAPE, kind)
+    for rows in (2, 5, 9):
+        x = torch.randn(rows, QUANT_SHAPE[1])
+        torch.testing.assert_close(project(x).double(), x.double() @ want_weight.t(), rtol=1e-4, atol=1e-3)
+    assert fp32_calls == [5]  # 2: the quantized kernel; 9: past the fp32 bound too, BLAS
+    monkeypatch.undo()  # the real race, under two fp32 bounds: the dequantized side is linear()'s path
+    seen = []
+    monkeypatch.setattr(cpu_gemm, "xwt", lambda x, w: seen.append(x.shape[0]) or real(x, w))
+    monkeypatch.setattr(cpu_matmul, "ratio", lambda kernel, other, x, pool, pairs=0: other(x, pool[0]) is None or 0.5)
+    monkeypatch.setattr(cpu_matmul, "QUANTIZED_ROWS", (1, 16))
+    monkeypatch.setenv("PAGODA_MEASUREMENTS", str(cache.parent))
+    assert cpu_matmul.choose_quantized(True, QUANT_SHAPE, kind, fp32_rows=8) == cpu_matmul.ALL_ROWS
+    assert seen == [1]
+    assert cpu_matmul.choose_quantized(True, QUANT_SHAPE, kind, fp32_rows=cpu_matmul.ALL_ROWS) == cpu_matmul.ALL_ROWS
+    assert seen == [1, 1, 16]  # measured again: another fp32 bound is another key
+
+
 def test_each_format_keeps_its_own_bound(cache, monkeypatch):
     """A machine's int8 bound is not its Q4_1 one: kept under the kind, each read back as raced."""
     bounds = {"int8": 16, "q8_0": 32, "q4_1": 256}
-    monkeypatch.setattr(cpu_matmul, "measure_quantized", lambda shape, kind, vocab=False: bounds[kind])
+    monkeypatch.setattr(cpu_matmul, "measure_quantized", lambda shape, kind, vocab=False, fp32_rows=0: bounds[kind])
     for module in (cpu_gemm_int8, cpu_gemm_gguf):
         monkeypatch.setattr(module, "available", lambda: True)
     assert {k: cpu_matmul.choose_quantized(True, QUANT_SHAPE, k) for k in KINDS} == bounds
@@ -275,7 +334,7 @@ def test_each_format_keeps_its_own_bound(cache, monkeypatch):
 def test_quantized_projections_take_the_kernel_up_to_the_bound_and_dequantize_past_it(cache, monkeypatch, kind):
     if not _module(kind).available():
         pytest.skip(f"no {kind} kernel on this CPU")
-    monkeypatch.setattr(cpu_matmul, "measure_quantized", lambda shape, kind, vocab=False: 4)
+    monkeypatch.setattr(cpu_matmul, "measure_quantized", lambda shape, kind, vocab=False, fp32_rows=0: 4)
     _keep_bounds(monkeypatch)
     assert layers.use_quantized_kernel(True, QUANT_SHAPE, kind) == 4 == layers.QUANTIZED_KERNEL_ROWS
     want_weight, project = _quantized(QUANT_SHAPE, kind)
@@ -301,7 +360,7 @@ def test_the_vocabulary_projection_races_on_its_own_shape_and_keeps_its_own_boun
 
     vocab_shape = (256, 64)
     monkeypatch.setattr(cpu_matmul, "ratio", ratio)
-    monkeypatch.setattr(cpu_matmul, "measure_quantized", lambda shape, kind, vocab=False: 4 if not vocab
+    monkeypatch.setattr(cpu_matmul, "measure_quantized", lambda shape, kind, vocab=False, fp32_rows=0: 4 if not vocab
                         else cpu_matmul.bound(cpu_matmul.VOCAB_ROWS, lambda m: ratio(None, None, torch.empty(m, 1),
                                                                                      [torch.empty(shape)])))
     _keep_bounds(monkeypatch)

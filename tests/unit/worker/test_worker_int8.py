@@ -72,7 +72,7 @@ def test_an_int8_runner_bounds_its_layers_and_its_vocabulary_projection_apart(tm
     monkeypatch.setenv("PAGODA_MEASUREMENTS", str(tmp_path / "cache"))
     raced = []
     monkeypatch.setattr(cpu_matmul, "measure_quantized",
-                        lambda shape, kind, vocab=False: raced.append((shape, kind, vocab)) or (3 if vocab else 1))
+                        lambda shape, kind, vocab=False, fp32_rows=0: raced.append((shape, kind, vocab)) or (3 if vocab else 1))
     for name in ("QUANTIZED_KERNEL_ROWS", "QUANTIZED_VOCAB_KERNEL_ROWS"):  # put back afterwards
         monkeypatch.setattr(layers, name, getattr(layers, name))
     hf = make_hf_model("llama")
