@@ -12,9 +12,10 @@ tokens after C cached ones; the table gives each path's milliseconds and GFLOP/s
 Hq * D * T * (C + (T + 1) / 2) per sequence).
 
 --decode: kernels/cpu_decode_attention.c for --rows decode rows with contexts of 200-600, over 30
-layers' caches (as a step reads them: 600 MB in bf16 at 64 rows, far past any cache), block
-tables scattered (shuffled blocks) and contiguous; milliseconds a step (30 layers) and the GB/s
-of keys and values read. Run it in two trees to compare kernels.
+layers' caches (as a step reads them: 600 MB in bf16 at 64 rows, far past any cache, in huge
+pages as the worker's cache lies), block tables scattered (shuffled blocks) and contiguous;
+milliseconds a step (30 layers) and the GB/s of keys and values read. Run it in two trees to
+compare kernels.
 
 --paths: kernels/cpu_attention.py's paths for sequences of m new tokens (decode rows, the short
 path, SDPA, and the C prefill kernel where it runs), batches of 1 and 16, contexts of 128-2048:
@@ -90,6 +91,13 @@ def paths(runs: int) -> None:
                   + " / ".join(f"{x:.2f}" for x in t[n:]) + " |", flush=True)
 
 
+def _in_huge_pages(x: torch.Tensor) -> torch.Tensor:
+    """x copied into memory laid out as the worker's KV cache is (worker/cache.py zeroed_host:
+    huge pages where the kernel gives them), so that TLB misses are the worker's, not torch's."""
+    from worker.cache import zeroed_host
+    return zeroed_host(tuple(x.shape), x.dtype).copy_(x)
+
+
 def decode(rows: int, repeats: int) -> None:
     from kernels import cpu_decode_attention
     g = torch.Generator().manual_seed(0)
@@ -106,8 +114,8 @@ def decode(rows: int, repeats: int) -> None:
             tables[i, :n] = order[used:used + n].int()
             used += n
         for dtype in (torch.float32, torch.bfloat16):
-            caches = [(torch.randn(total, BS, HKV, D, generator=g).to(dtype),
-                       torch.randn(total, BS, HKV, D, generator=g).to(dtype)) for _ in range(30)]
+            caches = [(_in_huge_pages(torch.randn(total, BS, HKV, D, generator=g).to(dtype)),
+                       _in_huge_pages(torch.randn(total, BS, HKV, D, generator=g).to(dtype))) for _ in range(30)]
             q = torch.randn(rows, HQ, D, generator=g)
             out, which = torch.empty_like(q), torch.arange(rows)
 
