@@ -14,7 +14,8 @@ Hq * D * T * (C + (T + 1) / 2) per sequence).
 --decode: kernels/cpu_decode_attention.c for --rows decode rows with contexts of 200-600, over 30
 layers' caches (as a step reads them: 600 MB in bf16 at 64 rows, far past any cache, in huge
 pages as the worker's cache lies), block tables scattered (shuffled blocks) and contiguous;
-milliseconds a step (30 layers) and the GB/s of keys and values read. Run it in two trees to
+milliseconds a step (30 layers) and the GB/s of keys and values read, with the kernel's prefetch
+on and off (worker/startup_measurements.py chooses one per machine). Run it in two trees to
 compare kernels.
 
 --paths: kernels/cpu_attention.py's paths for sequences of m new tokens (decode rows, the short
@@ -105,7 +106,7 @@ def decode(rows: int, repeats: int) -> None:
     blocks = [-(-int(n) // BS) for n in lens]
     total = sum(blocks)
     print(f"threads {torch.get_num_threads()}, kernel {cpu_decode_attention.isa()}, {rows} rows\n")
-    print("| tables | dtype | ms a step (30 layers) | GB/s of K and V |\n|---|---|---|---|")
+    print("| tables | dtype | prefetch | ms a step (30 layers) | GB/s of K and V |\n|---|---|---|---|---|")
     for layout in ("scattered", "contiguous"):
         order = torch.randperm(total, generator=g) if layout == "scattered" else torch.arange(total)
         tables = torch.zeros(rows, max(blocks), dtype=torch.int32)
@@ -119,12 +120,14 @@ def decode(rows: int, repeats: int) -> None:
             q = torch.randn(rows, HQ, D, generator=g)
             out, which = torch.empty_like(q), torch.arange(rows)
 
-            def step():
+            def step(ahead):
                 for k, v in caches:
-                    cpu_decode_attention.decode(q, k, v, which, lens, tables, D ** -0.5, out)
-            ms = _median_ms(step, repeats)
+                    cpu_decode_attention.decode(q, k, v, which, lens, tables, D ** -0.5, out, ahead=ahead)
             read = 30 * 2 * int(lens.sum()) * HKV * D * caches[0][0].element_size()
-            print(f"| {layout} | {str(dtype)[6:]} | {ms:.1f} | {read / ms / 1e6:.1f} |")
+            for ahead in (True, False):
+                ms = _median_ms(lambda: step(ahead), repeats)
+                print(f"| {layout} | {str(dtype)[6:]} | {'on' if ahead else 'off'} | {ms:.1f} | "
+                      f"{read / ms / 1e6:.1f} |")
 
 
 def main() -> int:

@@ -25,9 +25,14 @@ _kernel = cbuild.IsaKernel(
     SOURCE, FLAGS, "pagoda_decode_attention_isa", "pagoda_decode_attention",
     [_c.c_void_p, _c.c_int64, _c.c_void_p, _c.c_void_p, _c.c_int, _c.c_void_p, _c.c_void_p, _c.c_void_p,
      _c.c_int64, _c.c_int, _c.c_int, _c.c_int, _c.c_int, _c.c_int, _c.c_float, _c.c_void_p, _c.c_int64,
-     _c.c_int, _c.c_int, _c.c_int, _c.c_int, _c.c_int],
+     _c.c_int, _c.c_int, _c.c_int, _c.c_int, _c.c_int, _c.c_int],
     ISA_NAMES, "attending with torch ops")
 available, isa, supported_isas = _kernel.available, _kernel.isa, _kernel.supported_isas
+
+# Whether the kernel requests the blocks ahead of the one it reads (its own prefetch) or leaves
+# them to the hardware: the machine's (worker/attention_prefetch.py measures it at start-up and
+# sets this; the one-C-call decode step reads it too).
+prefetch = True
 
 
 def runs_on(k_cache: torch.Tensor) -> bool:
@@ -38,13 +43,14 @@ def runs_on(k_cache: torch.Tensor) -> bool:
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
            lens: torch.Tensor, tables: torch.Tensor, scale: float, out: torch.Tensor,
-           isa: int | None = None, grouping: int = -1) -> None:
+           isa: int | None = None, grouping: int = -1, ahead: bool | None = None) -> None:
     """out[rows[i]] = attention of q[rows[i]] over the first lens[i] positions of block table
     tables[i] (int32 [rows, blocks]), for every head; other rows of out are left alone. q and
     out [tokens, Hq, D]; the caches [num_blocks, bs, Hkv, D] as allocated (K in key_blocks'
     layout). grouping: the query heads of a kv head attended together (1), one by one (0), or as
     the kernel decides for the step's size (-1; both ways give the same sums, in another order).
-    Call only where runs_on(k_cache)."""
+    ahead: the kernel's prefetch on or off (default: the module's `prefetch`). Call only where
+    runs_on(k_cache)."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     num_q_heads = q.shape[1]
     num_rows = rows.numel()
@@ -62,7 +68,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: 
                DTYPES[k_cache.dtype], rows32.data_ptr(), lens32.data_ptr(), tables.data_ptr(),
                tables.shape[1], num_rows, num_q_heads, num_kv_heads, head_dim, block_size, scale,
                target.data_ptr(), target.stride(0), width, torch.get_num_threads(),
-               isa or _kernel.best, grouping, io)
+               isa or _kernel.best, grouping, io, int(prefetch if ahead is None else ahead))
     if target is not out:
         out.index_copy_(0, rows, target.index_select(0, rows).to(out.dtype))
 

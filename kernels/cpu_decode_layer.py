@@ -55,7 +55,7 @@ class DecodeStep(ctypes.Structure):
                 ("wtype", _i), ("cache_dtype", _i), ("num_rows", _i), ("threads", _i), ("isa", _i),
                 ("eps", _f), ("scale", _f), ("cis", _p), ("positions", _p), ("slots", _p),
                 ("rows", _p), ("lens", _p), ("tables", _p), ("ldt", ctypes.c_int64),
-                ("final_norm", _p), ("h", _p), ("out", _p), ("bf16_dot", _i)]
+                ("final_norm", _p), ("h", _p), ("out", _p), ("bf16_dot", _i), ("prefetch", _i)]
 
 
 _kernel = cbuild.IsaKernel(SOURCE, FLAGS, "pagoda_decode_layer_isa", "pagoda_decode_step",
@@ -154,7 +154,8 @@ def decode_step(layers, shape: Shape, final_norm: torch.Tensor, h: torch.Tensor,
                    scale=shape.head_dim ** -0.5, cis=cis.data_ptr(), positions=positions.data_ptr(),
                    slots=slots.data_ptr(), rows=rows.data_ptr(), lens=lens.data_ptr(),
                    tables=tables.data_ptr(), ldt=tables.stride(0), final_norm=final_norm.data_ptr(),
-                   h=h.data_ptr(), out=out.data_ptr(), bf16_dot=int(bf16_dot and shape.kind == "bf16"))
+                   h=h.data_ptr(), out=out.data_ptr(), bf16_dot=int(bf16_dot and shape.kind == "bf16"),
+                   prefetch=int(cpu_decode_attention.prefetch))
     _kernel.fn(ctypes.addressof(layers), len(layers), ctypes.byref(p))
     return out
 

@@ -34,7 +34,8 @@ from worker.plan_checks import check_compile, check_plan
 from worker.device import resolve_device, resolve_dtype
 from worker.sampler import Sampler
 from worker.speculative import build_speculator, result_columns
-from worker.startup_measurements import measure_decode_step_bound, measure_prefill, profile_peak_memory
+from worker.startup_measurements import (measure_attention_prefetch, measure_decode_step_bound, measure_prefill,
+                                         profile_peak_memory)
 from worker.step_logprobs import prompt_logprobs, sampled_logprobs
 from worker.worker_flags import default_worker_id
 
@@ -126,6 +127,7 @@ class ModelRunner:
         progress.update()
         stage("warming up (one prefill)")
         self.prefill_tokens_per_s = measure_prefill(self)
+        measure_attention_prefetch(self)
         measure_decode_step_bound(self)
         progress.update()
         progress.close()

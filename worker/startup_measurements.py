@@ -1,7 +1,8 @@
 """What a worker measures of itself at start-up, through its real step path: a CUDA worker's
 peak memory for the largest batch (the KV cache gets the rest), the prefill rate the
-scheduler's deadlines use, and how many decodes a step may have for the one-C-call step to pay
-(the last two kept per machine and configuration, worker/kept.py). Each reads the
+scheduler's deadlines use, whether the CPU decode attention should prefetch its blocks, and how
+many decodes a step may have for the one-C-call step to pay (the last three kept per machine
+and configuration, worker/kept.py). Each reads the
 runner's model, cache and flags and runs dummy forwards; none changes what the runner holds."""
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 import numpy as np
 import torch
 
-from kernels import cbuild, cpu_decode_layer
+from kernels import cbuild, cpu_decode_attention, cpu_decode_layer
 from proto import internal_pb2
 from worker import fused_decode, layers
 from worker.cpu_matmul import bound
@@ -89,6 +90,60 @@ def measure_prefill(runner) -> float:
     return kept("prefill", key, timed, {"tokens_per_s"}, runner.args.measure_again)[0]["tokens_per_s"]
 
 
+PREFETCH_ROWS = 32  # decode rows of the timed attention: a batch's step
+PREFETCH_CONTEXTS = (200, 600)  # their contexts, drawn in this range (bench/bench_cpu_attention.py --decode)
+PREFETCH_PAIRS = 7  # timed pairs of calls (prefetch off, on) over every layer's cache
+PREFETCH_MARGIN = 0.03  # off must save this share to be chosen: a tie keeps the kernel's prefetch
+
+
+@torch.inference_mode()
+def measure_attention_prefetch(runner) -> None:
+    """Sets whether kernels/csrc/cpu_decode_attention.c (and the one-C-call step's attention)
+    requests the blocks ahead of the one it reads or leaves them to the hardware prefetchers: the
+    machine's. On a Zen 5 EPYC the prefetch sped 64 rows up (fp32 56 -> 50 ms a step, bf16 48 ->
+    26); on a Zen 2 EPYC, with the cache in huge pages, it slows fp32 by a tenth (32 rows: 52 against
+    46 ms) while bf16 needs it (35 against 46; docs/benchmarks.md, "Stop 46"). Timed on the real
+    cache (its huge pages, every layer's blocks, scattered tables), PREFETCH_ROWS rows, off and on
+    back to back; kept per machine, model, cache dtype and kernel build."""
+    k_cache = runner.cache.kv_caches[0][0]
+    if runner.device.type != "cpu" or not cpu_decode_attention.runs_on(k_cache):
+        return
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(*PREFETCH_CONTEXTS, (PREFETCH_ROWS,), generator=g, dtype=torch.int32)
+    need = [-(-int(n) // runner.block_size) for n in lens]
+    started = time.perf_counter()
+    if sum(need) > runner.cache.num_blocks:
+        said = "the default: the KV cache is too small to time it in"
+    else:
+        def timings() -> dict:
+            order = torch.randperm(runner.cache.num_blocks, generator=g)[:sum(need)].to(torch.int32)
+            tables = torch.zeros(PREFETCH_ROWS, max(need), dtype=torch.int32)
+            for i, (at, n) in enumerate(zip(np.cumsum([0] + need[:-1]), need)):
+                tables[i, :n] = order[at:at + n]
+            _, _, kv_heads, head_dim = k_cache.shape  # this rank's
+            q_heads = kv_heads * (runner.config.num_heads // runner.config.num_kv_heads)
+            q = torch.randn(PREFETCH_ROWS, q_heads, head_dim, generator=g)
+            out, rows, scale = torch.empty_like(q), torch.arange(PREFETCH_ROWS), head_dim ** -0.5
+
+            def attend(ahead: bool) -> float:
+                start = time.perf_counter()
+                for k, v in runner.cache.kv_caches:
+                    cpu_decode_attention.decode(q, k, v, rows, lens, tables, scale, out, ahead=ahead)
+                return time.perf_counter() - start
+
+            attend(False), attend(True)  # one-time costs
+            ratios = [attend(False) / max(attend(True), 1e-9) for _ in range(PREFETCH_PAIRS)]
+            return {"prefetch": statistics.median(ratios) > 1 - PREFETCH_MARGIN}
+
+        build = cbuild.library_path(cpu_decode_attention.SOURCE, cpu_decode_attention.FLAGS).name
+        key = machine_key(runner.config, k_cache.dtype, runner.block_size, build,
+                          f"rows={PREFETCH_ROWS}", f"contexts={PREFETCH_CONTEXTS}")
+        found, was_kept = kept("attention-prefetch", key, timings, {"prefetch"}, runner.args.measure_again)
+        cpu_decode_attention.prefetch, said = found["prefetch"], how(was_kept, started)
+    fused_decode.log.info("decode attention %s the blocks ahead (%s)",
+                          "prefetches" if cpu_decode_attention.prefetch else "leaves to the hardware", said)
+
+
 DECODE_CONTEXT = 128  # tokens each timed sequence has in the cache (zeros)
 DECODE_PAIRS = 7  # timed pairs of steps (one C call, layer by layer) per sequence count
 
@@ -140,7 +195,7 @@ def measure_decode_step_bound(runner) -> None:
     else:
         build = cbuild.library_path(cpu_decode_layer.SOURCE, cpu_decode_layer.FLAGS).name
         key = machine_key(runner.config, runner.dtype, step.shape.kind, DECODE_CONTEXT, layers.CPU, build,
-                          timed(DECODE_STEP_TOKENS))
+                          f"prefetch={cpu_decode_attention.prefetch}", timed(DECODE_STEP_TOKENS))
         found, was_kept = kept("decode-step", key, timings, {"max_tokens"}, runner.args.measure_again)
         step.max_tokens, said = found["max_tokens"], how(was_kept, started)
     fused_decode.log.info("decode steps of up to %d tokens run as one C call (%s)", step.max_tokens, said)

@@ -28,24 +28,26 @@ int pagoda_decode_attention_isa(void) {
 }
 
 // Blocks lie anywhere in the cache, so the hardware prefetchers lose the stream at each block's
-// end: the next blocks' keys (or values) are requested PREFETCH_BLOCKS ahead.
+// end: the next blocks' keys (or values) can be requested `ahead` blocks ahead (PREFETCH_BLOCKS;
+// 0: not at all). Whether that pays is the machine's: on a Zen 5 it sped fp32 and bf16 up, on a
+// Zen 2 it slows fp32 by a tenth and bf16 needs it (worker/attention_prefetch.py measures it).
 #define PREFETCH_BLOCKS 2
 
 __attribute__((always_inline))
 static inline void prefetch_keys(const void *k_cache, const int32_t *table, int j, int nblocks, int h, int Hkv,
-                                 int D, int bs, const int dtype) {
-    if (j + PREFETCH_BLOCKS >= nblocks) return;
+                                 int D, int bs, const int dtype, const int ahead) {
+    if (!ahead || j + ahead >= nblocks) return;
     const int64_t elem = dtype == 0 ? 4 : 2, bytes = (int64_t)D * bs * elem;
-    const char *at = (const char *)k_cache + ((int64_t)table[j + PREFETCH_BLOCKS] * Hkv + h) * bytes;
+    const char *at = (const char *)k_cache + ((int64_t)table[j + ahead] * Hkv + h) * bytes;
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(at + b, 0, 3);
 }
 
 __attribute__((always_inline))
 static inline void prefetch_values(const void *v_cache, const int32_t *table, int j, int nblocks, int h, int Hkv,
-                                   int D, int bs, const int dtype) {
-    if (j + PREFETCH_BLOCKS >= nblocks) return;
+                                   int D, int bs, const int dtype, const int ahead) {
+    if (!ahead || j + ahead >= nblocks) return;
     const int64_t elem = dtype == 0 ? 4 : 2, row = (int64_t)D * elem;
-    const char *at = (const char *)v_cache + ((int64_t)table[j + PREFETCH_BLOCKS] * bs * Hkv + h) * row;
+    const char *at = (const char *)v_cache + ((int64_t)table[j + ahead] * bs * Hkv + h) * row;
     for (int o = 0; o < bs; o++)
         for (int64_t b = 0; b < row; b += 64) __builtin_prefetch(at + o * Hkv * row + b, 0, 3);
 }
@@ -53,9 +55,9 @@ static inline void prefetch_values(const void *v_cache, const int32_t *table, in
 // The scores s[0, nblocks * bs) of one query head (q pre-scaled) over its kv head's K blocks.
 __attribute__((always_inline))
 static inline void scores(const float *restrict q, const void *k_cache, const int32_t *table, int nblocks,
-                          int h, int Hkv, int D, int bs, float *restrict s, const int dtype) {
+                          int h, int Hkv, int D, int bs, float *restrict s, const int dtype, const int ahead) {
     for (int j = 0; j < nblocks; j++) {
-        prefetch_keys(k_cache, table, j, nblocks, h, Hkv, D, bs, dtype);
+        prefetch_keys(k_cache, table, j, nblocks, h, Hkv, D, bs, dtype, ahead);
         const int64_t kb = ((int64_t)table[j] * Hkv + h) * D * bs;  // this head's [D, bs] in block j
         float *restrict sj = s + (int64_t)j * bs;
         if (bs % 16 == 0) {  // whole vectors of positions: accumulate in registers over d
@@ -81,7 +83,7 @@ static inline void scores(const float *restrict q, const void *k_cache, const in
 // Positions go block by block (no division per position: it cost more than the FMAs).
 #define FOR_EACH_POSITION(body)                                                              \
     for (int j = 0, p = 0; p < len; j++) {                                                   \
-        prefetch_values(v_cache, table, j, (len + bs - 1) / bs, h, Hkv, D, bs, dtype);       \
+        prefetch_values(v_cache, table, j, (len + bs - 1) / bs, h, Hkv, D, bs, dtype, ahead);\
         const int64_t first = (int64_t)table[j] * bs;                                        \
         for (int o = 0; o < bs && p < len; o++, p++) {                                       \
             const int64_t vrow = ((first + o) * Hkv + h) * D;                                \
@@ -91,7 +93,8 @@ static inline void scores(const float *restrict q, const void *k_cache, const in
 
 __attribute__((always_inline))
 static inline void weighted_values(const float *restrict w, const void *v_cache, const int32_t *table, int len,
-                                   int h, int Hkv, int D, int bs, float inv, float *restrict out, const int dtype) {
+                                   int h, int Hkv, int D, int bs, float inv, float *restrict out, const int dtype,
+                                   const int ahead) {
     if (D == 64) {  // SmolLM2's and most small models': the row in 8 registers
         v8 acc[8] = {{0}};
         FOR_EACH_POSITION(for (int c = 0; c < 8; c++) acc[c] += w[p] * load8(v_cache, vrow + 8 * c, dtype);)
@@ -124,10 +127,10 @@ __attribute__((always_inline)) static inline float softmax(float *restrict s, in
 __attribute__((always_inline))
 static inline void attend(const float *q, const void *k_cache, const void *v_cache, const int32_t *table,
                           int len, int h, int Hkv, int D, int bs, float scale, float *restrict s,
-                          float *restrict qs, float *out, const int dtype) {
+                          float *restrict qs, float *out, const int dtype, const int ahead) {
     for (int d = 0; d < D; d++) qs[d] = q[d] * scale;
-    scores(qs, k_cache, table, (len + bs - 1) / bs, h, Hkv, D, bs, s, dtype);
-    weighted_values(s, v_cache, table, len, h, Hkv, D, bs, softmax(s, len), out, dtype);
+    scores(qs, k_cache, table, (len + bs - 1) / bs, h, Hkv, D, bs, s, dtype, ahead);
+    weighted_values(s, v_cache, table, len, h, Hkv, D, bs, softmax(s, len), out, dtype, ahead);
 }
 
 // The G (up to 4) query heads that share kv head h (GQA), together: q and out hold them D apart.
@@ -138,11 +141,12 @@ static inline void attend(const float *q, const void *k_cache, const void *v_cac
 __attribute__((always_inline))
 static inline void attend_group(const float *q, const void *k_cache, const void *v_cache, const int32_t *table,
                                 int len, int h, int Hkv, int D, int bs, float scale, int width,
-                                float *restrict s, float *restrict qs, float *out, const int dtype, const int G) {
+                                float *restrict s, float *restrict qs, float *out, const int dtype, const int G,
+                                const int ahead) {
     for (int i = 0; i < G * D; i++) qs[i] = q[i] * scale;
     const int nblocks = (len + bs - 1) / bs;
     for (int j = 0; j < nblocks; j++) {
-        prefetch_keys(k_cache, table, j, nblocks, h, Hkv, D, bs, dtype);
+        prefetch_keys(k_cache, table, j, nblocks, h, Hkv, D, bs, dtype, ahead);
         const int64_t kb = ((int64_t)table[j] * Hkv + h) * D * bs;
         for (int p = 0; p < bs; p += 16) {
             v8 a[4][2];
@@ -186,11 +190,12 @@ static inline void attend_group(const float *q, const void *k_cache, const void 
 __attribute__((always_inline))
 static inline void attend_group16(const float *q, const void *k_cache, const void *v_cache, const int32_t *table,
                                   int len, int h, int Hkv, int D, int bs, float scale, int width,
-                                  float *restrict s, float *restrict qs, float *out, const int dtype, const int G) {
+                                  float *restrict s, float *restrict qs, float *out, const int dtype, const int G,
+                                  const int ahead) {
     for (int i = 0; i < G * D; i++) qs[i] = q[i] * scale;
     const int nblocks = (len + bs - 1) / bs;
     for (int j = 0; j < nblocks; j++) {
-        prefetch_keys(k_cache, table, j, nblocks, h, Hkv, D, bs, dtype);
+        prefetch_keys(k_cache, table, j, nblocks, h, Hkv, D, bs, dtype, ahead);
         const int64_t kb = ((int64_t)table[j] * Hkv + h) * D * bs;
         for (int p = 0; p < bs; p += 16) {
             v16 a[4][2];
@@ -236,10 +241,11 @@ static inline int groups_fit(int G, int D, int bs) { return G >= 2 && G <= 4 && 
 __attribute__((always_inline))
 static inline void attend_grouped(const float *q, const void *k_cache, const void *v_cache, const int32_t *table,
                                   int len, int h, int Hkv, int D, int bs, float scale, int width,
-                                  float *s, float *qs, float *out, const int dtype, int G, const int wide) {
-#define GROUP(FN, N) FN(q, k_cache, v_cache, table, len, h, Hkv, D, bs, scale, width, s, qs, out, dtype, N)
+                                  float *s, float *qs, float *out, const int dtype, int G, const int wide,
+                                  const int ahead) {
+#define GROUP(FN, N) FN(q, k_cache, v_cache, table, len, h, Hkv, D, bs, scale, width, s, qs, out, dtype, N, ahead)
     if (wide && dtype == 1 && bf16_pairs_fit(D, bs)) {
-#define PAIRS(N) attend_group16_bf16(q, k_cache, v_cache, table, len, h, Hkv, D, scale, width, s, qs, out, N)
+#define PAIRS(N) attend_group16_bf16(q, k_cache, v_cache, table, len, h, Hkv, D, scale, width, s, qs, out, N, ahead)
         if (G == 2) PAIRS(2);
         else if (G == 3) PAIRS(3);
         else PAIRS(4);
@@ -273,7 +279,7 @@ static inline void attend_task(int64_t task, int grouped, const void *q, int64_t
                                const void *v_cache, const int32_t *rows, const int32_t *lens,
                                const int32_t *tables, int64_t ldt, int Hq, int Hkv, int D, int bs,
                                float scale, void *out, int64_t ldo, int width, float *s, const int dtype,
-                               const int wide, const int io) {
+                               const int wide, const int io, const int ahead) {
     const int G = Hq / Hkv, per_row = grouped ? Hkv : Hq, n = (grouped ? G : 1) * D;
     const int r = (int)(task / per_row), head = (int)(task % per_row);
     const int hq = grouped ? head * G : head;
@@ -288,10 +294,10 @@ static inline void attend_task(int64_t task, int grouped, const void *q, int64_t
     }
     if (grouped)
         attend_grouped(qh, k_cache, v_cache, tables + r * ldt, lens[r], head, Hkv, D, bs, scale, width,
-                       s, s + (int64_t)G * width, oh, dtype, G, wide);
+                       s, s + (int64_t)G * width, oh, dtype, G, wide, ahead);
     else
         attend(qh, k_cache, v_cache, tables + r * ldt, lens[r], hq / G, Hkv, D, bs, scale, s, s + width,
-               oh, dtype);
+               oh, dtype, ahead);
     if (io == 1)
         for (int i = 0; i < n; i++) ((uint16_t *)out)[at_out + i] = to_bf16(oh[i]);
 }
@@ -305,13 +311,14 @@ static inline int attend_grouped_here(int num_rows, int Hq, int Hkv, int D, int 
 }
 
 #define TASK(DTYPE, IO, WIDE) attend_task(t, grouped, q, ldq, k_cache, v_cache, rows, lens, tables, ldt, Hq, Hkv, \
-                                    D, bs, scale, out, ldo, width, s, DTYPE, WIDE, IO)
+                                    D, bs, scale, out, ldo, width, s, DTYPE, WIDE, IO, ahead)
 #define RUN(ISA, TARGET, WIDE)                                                                        \
     __attribute__((target(TARGET)))                                                                   \
     static void run_##ISA(const void *q, int64_t ldq, const void *k_cache, const void *v_cache,       \
                           int dtype, const int32_t *rows, const int32_t *lens, const int32_t *tables, \
                           int64_t ldt, int num_rows, int Hq, int Hkv, int D, int bs, float scale,     \
-                          void *out, int64_t ldo, int width, int threads, int grouped, int io) {      \
+                          void *out, int64_t ldo, int width, int threads, int grouped, int io,        \
+                          int ahead) {                                                                \
         const int64_t tasks = (int64_t)num_rows * (grouped ? Hkv : Hq);                               \
         _Pragma("omp parallel num_threads(threads)")                                                  \
         {                                                                                             \
@@ -336,15 +343,18 @@ RUN(avx2, "avx2,fma", 0)
 // (io 1); rows[i]: decode row i's token in q and out; lens[i] >= 1 its visible positions; tables
 // [num_rows, ldt] its blocks. width: at least the largest ceil(len / bs) * bs (the scores'
 // scratch). isa: 2 AVX-512F, 1 AVX2. grouping: 1 query heads grouped by kv head where the shapes
-// fit, 0 never, -1 as attend_grouped_here decides (the tests run both).
+// fit, 0 never, -1 as attend_grouped_here decides (the tests run both). prefetch: the next blocks
+// requested PREFETCH_BLOCKS ahead (1) or left to the hardware (0).
 void pagoda_decode_attention(const void *q, int64_t ldq, const void *k_cache, const void *v_cache,
                              int dtype, const int32_t *rows, const int32_t *lens, const int32_t *tables,
                              int64_t ldt, int num_rows, int Hq, int Hkv, int D, int bs, float scale,
-                             void *out, int64_t ldo, int width, int threads, int isa, int grouping, int io) {
+                             void *out, int64_t ldo, int width, int threads, int isa, int grouping, int io,
+                             int prefetch) {
     const int grouped = grouping < 0 ? attend_grouped_here(num_rows, Hq, Hkv, D, bs, dtype, threads)
                                      : grouping && groups_fit(Hq / Hkv, D, bs);
     (isa == 2 ? run_avx512 : run_avx2)(q, ldq, k_cache, v_cache, dtype, rows, lens, tables, ldt, num_rows,
-                                       Hq, Hkv, D, bs, scale, out, ldo, width, threads, grouped, io);
+                                       Hq, Hkv, D, bs, scale, out, ldo, width, threads, grouped, io,
+                                       prefetch ? PREFETCH_BLOCKS : 0);
 }
 
 // Keys of n tokens (rows [n, row], the cache's elements) into positions o..o+n-1 of one block's

@@ -32,7 +32,7 @@ __attribute__((always_inline))
 static inline void attend_group16_bf16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
                                        const int32_t *table, int len, int h, int Hkv, int D, float scale,
                                        int width, float *restrict s, float *restrict qq, float *out,
-                                       const int G) {
+                                       const int G, const int ahead) {
     const int bs = 16, pairs = D / 2;
     for (int g = 0; g < G; g++)
         for (int d = 0; d < D; d += 2)
@@ -40,7 +40,7 @@ static inline void attend_group16_bf16(const float *q, const uint16_t *k_cache, 
                 qq[((int64_t)g * pairs + d / 2) * 16 + l] = q[g * D + d + (l >= 8)] * scale;
     const int nblocks = (len + bs - 1) / bs;
     for (int j = 0; j < nblocks; j++) {
-        prefetch_keys(k_cache, table, j, nblocks, h, Hkv, D, bs, 1);
+        prefetch_keys(k_cache, table, j, nblocks, h, Hkv, D, bs, 1, ahead);
         const uint16_t *kb = k_cache + ((int64_t)table[j] * Hkv + h) * D * bs;
         v16 e[4], o[4];
         for (int g = 0; g < G; g++) e[g] = o[g] = (v16){0};

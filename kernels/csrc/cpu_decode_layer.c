@@ -51,6 +51,7 @@ typedef struct {
     float *out;                    // [T, H]: the final norm of the last layer's stream
     int bf16_dot;                  // bf16 weights: 1 AVX512-BF16 dot products on activations
                                    // rounded to bf16 (pagoda_decode_layer_bf16_dot), 0 widened, fp32
+    int prefetch;                  // attention: pagoda_decode_attention's prefetch
 } DecodeStep;
 
 int pagoda_decode_layer_isa(void) {
@@ -238,11 +239,11 @@ static inline float silu(float x) {
                     if (p->cache_dtype == 0)                                                           \
                         attend_task(task, grouped, qkv, nqkv, L->k_cache, L->v_cache, p->rows, p->lens, \
                                     p->tables, p->ldt, Hq, Hkv, D, p->bs, p->scale, attn, (int64_t)Hq * D, \
-                                    width, s, 0, WIDE, 0);                                             \
+                                    width, s, 0, WIDE, 0, p->prefetch ? PREFETCH_BLOCKS : 0);          \
                     else                                                                               \
                         attend_task(task, grouped, qkv, nqkv, L->k_cache, L->v_cache, p->rows, p->lens, \
                                     p->tables, p->ldt, Hq, Hkv, D, p->bs, p->scale, attn, (int64_t)Hq * D, \
-                                    width, s, 1, WIDE, 0);                                             \
+                                    width, s, 1, WIDE, 0, p->prefetch ? PREFETCH_BLOCKS : 0);          \
                 }                                                                                      \
                 PROJECT(DOTS, MOST, WIDE, attn, (int64_t)Hq * D, L->o, L->ld_o, L->scale_o, H, (int64_t)Hq * D, p->h, H, \
                         1);                                                                            \

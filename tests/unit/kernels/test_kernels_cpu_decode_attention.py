@@ -1,7 +1,8 @@
 """kernels/cpu_decode_attention.c against float64 (kernels/reference.py) on a poisoned cache (NaN
 in every slot no sequence owns, table entries past each sequence's last block pointing at a NaN
 block), on every instruction set this CPU has (the test names them), fp32 and bf16 caches, with the
-query heads of a kv head attended one by one and together (where the shapes allow)."""
+query heads of a kv head attended one by one and together (where the shapes allow), the kernel's
+prefetch on and off."""
 from __future__ import annotations
 
 import pytest
@@ -49,13 +50,18 @@ def test_the_decode_kernel_equals_float64_on_every_isa_here(case, dtype, peaked)
     _, want = batch.expected()
     for isa in isas:
         for grouping in (0, 1):
-            out = torch.full(batch.q.shape, float("nan"), dtype=dtype)
-            cpu_decode_attention.decode(batch.q, k_cache, batch.v_cache, rows, batch.seq_lens,
-                                        batch.block_tables, batch.scale, out, isa=isa, grouping=grouping)
-            said = (cpu_decode_attention.ISA_NAMES[isa], f"grouping {grouping}")
-            assert not out.isnan().any(), said
-            err = (out.double() - want).abs().max().item()
-            assert err <= TOL[dtype], (*said, err)
+            outs = []
+            for ahead in (False, True):  # the kernel's own prefetch off and on: the same sums
+                out = torch.full(batch.q.shape, float("nan"), dtype=dtype)
+                cpu_decode_attention.decode(batch.q, k_cache, batch.v_cache, rows, batch.seq_lens,
+                                            batch.block_tables, batch.scale, out, isa=isa, grouping=grouping,
+                                            ahead=ahead)
+                said = (cpu_decode_attention.ISA_NAMES[isa], f"grouping {grouping}", f"prefetch {ahead}")
+                assert not out.isnan().any(), said
+                err = (out.double() - want).abs().max().item()
+                assert err <= TOL[dtype], (*said, err)
+                outs.append(out)
+            assert torch.equal(*outs)
 
 
 def test_rows_it_is_not_given_are_left_alone_and_rows_map_to_their_tokens():

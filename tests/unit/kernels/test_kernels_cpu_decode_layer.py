@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_attention, cpu_decode_layer
+from kernels import cpu_attention, cpu_decode_attention, cpu_decode_layer
 from kernels.cpu_decode_layer import Shape
 from worker.layers import RotaryEmbedding
 
@@ -111,6 +111,34 @@ def test_a_decode_step_equals_float64_on_every_isa_here(step, kind, dtype):
                 held = ~want_cache.isnan()
                 err = (got_cache[held].double() - want_cache[held].double()).abs().max().item()
                 assert err <= 4 * TOL[dtype], (name, err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_steps_attention_prefetch_setting_changes_no_number(monkeypatch, dtype):
+    """The one-call step passes cpu_decode_attention.prefetch to its attention: off and on, the
+    same stream and caches, bit for bit (the float64 test above runs it on)."""
+    if not cpu_decode_layer.available():
+        pytest.skip(f"no decode layer kernel on this CPU ({torch.backends.cpu.get_cpu_capability()})")
+    g = torch.Generator().manual_seed(7)
+    weights, final_norm = _model("f32", g)
+    seqs, bs = max(STEPS.values(), key=lambda s: len(s[0]))
+    caches, positions, slots, lens, tables = _step(seqs, bs, dtype, g)
+    T = positions.numel()
+    h = torch.randn(T, SHAPE["hidden"], generator=g)
+    cis = RotaryEmbedding(SHAPE["head_dim"], 128, 10000.0).cis
+    results = []
+    for ahead in (False, True):
+        monkeypatch.setattr(cpu_decode_attention, "prefetch", ahead)
+        run_caches = [(k.clone(), v.clone()) for k, v in caches]
+        layers = cpu_decode_layer.layers_array(weights, run_caches)
+        got = cpu_decode_layer.decode_step(layers, Shape(**SHAPE, kind="f32"), final_norm, h.clone(), cis,
+                                           positions, slots, torch.arange(T, dtype=torch.int32), lens, tables,
+                                           run_caches[0][0])
+        results.append((got, run_caches))
+    (a, caches_a), (b, caches_b) = results
+    assert not a.isnan().any() and torch.equal(a, b)
+    for (ka, va), (kb, vb) in zip(caches_a, caches_b):
+        assert torch.equal(ka.nan_to_num(), kb.nan_to_num()) and torch.equal(va.nan_to_num(), vb.nan_to_num())
 
 
 def test_the_stream_is_summed_in_place_and_a_negative_slot_is_not_written():
