@@ -107,16 +107,19 @@ def up_to(rows: int) -> str:
     return "any number of" if rows >= ALL_ROWS else f"up to {rows}"
 
 
-def choose_quantized(wanted: bool, shape: tuple[int, int], kind: str, again: bool = False,
+def choose_quantized(wanted: bool, shapes: tuple[tuple[int, int], ...], kind: str, again: bool = False,
                      vocab: bool = False, fp32_rows: int = 0) -> int:
-    """The rows up to which projections of a [shape] weight quantized as `kind` ("int8", "q8_0"
-    or "q4_1") run through their kernel (kernels/cpu_gemm_int8.c, cpu_gemm_gguf.c) on this
-    machine; larger products dequantize the weights for an fp32 product (fp32_rows: choose()'s
-    bound for it, which the race uses too). Measured at a machine's
+    """The rows up to which a layer's projections, weights of `shapes` quantized as `kind`
+    ("int8", "q8_0" or "q4_1"), run through their kernel (kernels/cpu_gemm_int8.c,
+    cpu_gemm_gguf.c) on this machine; larger products dequantize the weights for an fp32 product
+    (fp32_rows: choose()'s bound for it, which the race uses too). The race multiplies by every
+    shape of the layer, as a step does: on a Zen 2 EPYC the Q4_1 panels lost 5-15% to the fp32
+    kernel from 128 rows on the MLP's [1536, 576] alone and won on the layer's four (300 rows: 413
+    against 434 ms). Measured at a machine's
     first start and kept, as choose()'s bounds are (where they cross is the machine's: about 64
     rows on an AVX-512 Xeon by bench/bench_gemm.py; 128 for Q4_1 and 64 for Q8_0 on a Zen 5 EPYC
     at stop 42, 16 for Q4_1 at stop 43); QUANTIZED_DEFAULT_ROWS with --cpu-matmul torch.
-    vocab: the vocabulary projection ([vocab, hidden]), raced on its own shape over VOCAB_ROWS:
+    vocab: the vocabulary projection (shapes: its one [vocab, hidden]), raced over VOCAB_ROWS:
     past its bound every call dequantizes the whole vocabulary, 28M weights for SmolLM2, about
     50 ms on a Zen 5 EPYC where the GGUF kernel takes 4 ms for 17 rows and 59 for 128, while a
     layer's small dequantized copy stays in cache (whose bound, 16 there, would send a step of
@@ -128,9 +131,9 @@ def choose_quantized(wanted: bool, shape: tuple[int, int], kind: str, again: boo
     name, rows, field = (("vocab", VOCAB_ROWS, "vocab_kernel_rows") if vocab
                          else ("shape", QUANTIZED_ROWS, "kernel_rows"))
     started = time.perf_counter()
-    found, was_kept = kept(CACHE_NAME, machine_key(f"{name}={shape[0]}x{shape[1]}", kind, build,
-                                                   f"fp32_rows={fp32_rows}", timed(rows), BOUND_RULE),
-                           lambda: {field: measure_quantized(shape, kind, vocab, fp32_rows)}, {field}, again)
+    found, was_kept = kept(CACHE_NAME, machine_key(f"{name}=" + ",".join(f"{n}x{k}" for n, k in shapes), kind,
+                                                   build, f"fp32_rows={fp32_rows}", timed(rows), BOUND_RULE),
+                           lambda: {field: measure_quantized(shapes, kind, vocab, fp32_rows)}, {field}, again)
     logger.info("%s %sprojections of %s rows run through %s (%s)", kind, "vocabulary " if vocab else "",
                 up_to(found[field]), Path(module.SOURCE).name, how(was_kept, started))
     return found[field]
@@ -160,18 +163,26 @@ def _format(kind: str, fp32_rows: int) -> _Format:
                    lambda q: q.numel())
 
 
-def measure_quantized(shape: tuple[int, int], kind: str, vocab: bool = False, fp32_rows: int = 0) -> int:
+def measure_quantized(shapes: tuple[tuple[int, int], ...], kind: str, vocab: bool = False,
+                      fp32_rows: int = 0) -> int:
     """The kernel against an fp32 product on the dequantized weights (what a projection past the
-    bound does), on a pool of one quantized weight's rows in other orders (two for a vocabulary,
-    whose dequantized copy alone is far past any cache, timed over fewer pairs)."""
+    bound does), each call a product by every weight of a layer (`shapes`), on a pool of such
+    layers, the first's rows in other orders (two for a vocabulary, whose dequantized copy alone
+    is far past any cache, timed over fewer pairs)."""
     rows, pairs, most = (VOCAB_ROWS, VOCAB_PAIRS, 2) if vocab else (QUANTIZED_ROWS, PAIRS, MAX_POOL)
     fmt = _format(kind, fp32_rows)
     g = torch.Generator().manual_seed(0)
-    packed = fmt.pack(torch.randn(*shape, generator=g))
-    count = max(2, min(most, POOL_BYTES // fmt.nbytes(packed)))
-    pool = [packed] + [fmt.reorder(packed, torch.randperm(shape[0], generator=g)) for _ in range(count - 1)]
-    x = torch.randn(max(rows), shape[1], generator=g)
-    return bound(rows, lambda m: ratio(fmt.kernel, fmt.dequantized, x[:m], pool, pairs), beyond=not vocab)
+    first = [fmt.pack(torch.randn(*shape, generator=g)) for shape in shapes]
+    count = max(2, min(most, POOL_BYTES // sum(fmt.nbytes(w) for w in first)))
+    pool = [first] + [[fmt.reorder(w, torch.randperm(shape[0], generator=g)) for w, shape in zip(first, shapes)]
+                      for _ in range(count - 1)]
+    xs = {k: torch.randn(max(rows), k, generator=g) for _, k in shapes}  # x by in-features
+
+    def layer(product):
+        return lambda x, weights: [product(xs[k][:x.shape[0]], w) for (_, k), w in zip(shapes, weights)]
+
+    return bound(rows, lambda m: ratio(layer(fmt.kernel), layer(fmt.dequantized), xs[shapes[0][1]][:m], pool, pairs),
+                 beyond=not vocab)
 
 
 def bound(rows: tuple[int, ...], ratio_at, beyond: bool = False) -> int:

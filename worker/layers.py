@@ -72,15 +72,16 @@ QUANTIZED_KERNEL_ROWS = cpu_matmul.QUANTIZED_DEFAULT_ROWS
 QUANTIZED_VOCAB_KERNEL_ROWS = cpu_matmul.QUANTIZED_DEFAULT_ROWS
 
 
-def use_quantized_kernel(wanted: bool, shape: tuple[int, int], kind: str, again: bool = False,
+def use_quantized_kernel(wanted: bool, shapes: tuple[tuple[int, int], ...], kind: str, again: bool = False,
                          vocab_shape: tuple[int, int] | None = None) -> int:
-    """Sets QUANTIZED_KERNEL_ROWS for a model quantized as `kind` whose MLP weight is [shape],
-    and QUANTIZED_VOCAB_KERNEL_ROWS for its [vocab_shape] vocabulary projection."""
+    """Sets QUANTIZED_KERNEL_ROWS for a model quantized as `kind` whose layer's weights have
+    `shapes` (out, in features), and QUANTIZED_VOCAB_KERNEL_ROWS for its [vocab_shape]
+    vocabulary projection."""
     global QUANTIZED_KERNEL_ROWS, QUANTIZED_VOCAB_KERNEL_ROWS
     fp32_rows = CPU.fp32_kernel_rows  # use_cpu_kernel's, which products past the bound use
-    QUANTIZED_KERNEL_ROWS = cpu_matmul.choose_quantized(wanted, shape, kind, again, fp32_rows=fp32_rows)
+    QUANTIZED_KERNEL_ROWS = cpu_matmul.choose_quantized(wanted, shapes, kind, again, fp32_rows=fp32_rows)
     if vocab_shape is not None:
-        QUANTIZED_VOCAB_KERNEL_ROWS = cpu_matmul.choose_quantized(wanted, vocab_shape, kind, again, vocab=True,
+        QUANTIZED_VOCAB_KERNEL_ROWS = cpu_matmul.choose_quantized(wanted, (vocab_shape,), kind, again, vocab=True,
                                                                   fp32_rows=fp32_rows)
     return QUANTIZED_KERNEL_ROWS
 

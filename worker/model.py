@@ -62,6 +62,14 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(T, self.q_size))
 
 
+def projection_shapes(config: ModelConfig) -> tuple[tuple[int, int], ...]:
+    """A layer's projection weights (out, in features) as built here: q|k|v fused, o, gate|up
+    fused, down (worker/cpu_matmul.py races the quantized kernels on them)."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    h, i = config.hidden_size, config.intermediate_size
+    return (q + 2 * kv, h), (h, q), (2 * i, h), (h, i)
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()

@@ -28,7 +28,7 @@ from worker.host_memory import keep_freed_memory
 from worker.input_batch import InputBatch, StepInputs
 from worker.layers import use_cpu_kernel, use_quantized_kernel
 from worker.loader import load_weights
-from worker.model import build_model
+from worker.model import build_model, projection_shapes
 from worker.parallel import FORGET, PLAN, TensorParallel, shard_config
 from worker.plan_checks import check_compile, check_plan
 from worker.device import resolve_device, resolve_dtype
@@ -83,7 +83,7 @@ class ModelRunner:
             use_cpu_kernel(args.cpu_matmul == "auto", (shard.intermediate_size, shard.hidden_size), self.dtype,
                            args.measure_again)
             if args.quantization:
-                use_quantized_kernel(args.cpu_matmul == "auto", (shard.intermediate_size, shard.hidden_size),
+                use_quantized_kernel(args.cpu_matmul == "auto", projection_shapes(shard),
                                      args.quantization, args.measure_again,
                                      vocab_shape=(self.config.vocab_size, shard.hidden_size))
         self.model = build_model(shard, weights, self.backend, self.max_model_len, self.device,

@@ -229,6 +229,7 @@ def test_workers_starting_together_measure_once(cache, measured, monkeypatch):
 
 
 QUANT_SHAPE = (96, 64)  # GGUF rows are whole blocks of 32
+QUANT_LAYER = ((128, 64), (64, 64), (192, 64), (64, 96))  # a layer's q|k|v, o, gate|up, down
 KINDS = ["int8", "q8_0", "q4_1"]
 
 
@@ -268,21 +269,31 @@ def test_a_quantized_bound_races_the_kernel_against_the_dequantized_gemm_and_is_
     read back by the next start; --cpu-matmul torch keeps the default without measuring."""
     if not _module(kind).available():
         pytest.skip(f"no {kind} kernel on this CPU")
-    raced = []
+    raced, layer = [], [QUANT_LAYER]
 
     def ratio(kernel, other, x, pool, pairs=cpu_matmul.PAIRS):
-        a, b = kernel(x, pool[0]), other(x, pool[0])
-        assert a.shape == b.shape == (x.shape[0], QUANT_SHAPE[0]) and len(pool) > 1
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
+        a, b = kernel(x, pool[0]), other(x, pool[0])  # every weight of the layer, in order
+        assert [t.shape for t in a] == [t.shape for t in b] == [(x.shape[0], n) for n, _ in layer[0]]
+        assert len(pool) > 1 and [tuple(w.shape) for w in _weights(pool[1])] == [tuple(w.shape) for w in _weights(pool[0])]
+        for got, want in zip(a, b):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
         raced.append(x.shape[0])
         return 0.5 if x.shape[0] <= 128 else 2.0
 
     monkeypatch.setattr(cpu_matmul, "ratio", ratio)
-    assert cpu_matmul.choose_quantized(True, QUANT_SHAPE, kind) == 128 and raced == list(cpu_matmul.QUANTIZED_ROWS)
-    assert cpu_matmul.choose_quantized(True, QUANT_SHAPE, kind) == 128 and len(raced) == len(cpu_matmul.QUANTIZED_ROWS)
+    assert cpu_matmul.choose_quantized(True, QUANT_LAYER, kind) == 128 and raced == list(cpu_matmul.QUANTIZED_ROWS)
+    assert cpu_matmul.choose_quantized(True, QUANT_LAYER, kind) == 128 and len(raced) == len(cpu_matmul.QUANTIZED_ROWS)
     assert {"kernel_rows": 128} in json.loads(cache.read_text()).values()
-    assert cpu_matmul.choose_quantized(False, QUANT_SHAPE, kind) == cpu_matmul.QUANTIZED_DEFAULT_ROWS
-    assert len(raced) == len(cpu_matmul.QUANTIZED_ROWS)
+    layer[0] = QUANT_LAYER[:2]
+    cpu_matmul.choose_quantized(True, QUANT_LAYER[:2], kind)  # another layer is another race
+    assert len(raced) == 2 * len(cpu_matmul.QUANTIZED_ROWS)
+    assert cpu_matmul.choose_quantized(False, QUANT_LAYER, kind) == cpu_matmul.QUANTIZED_DEFAULT_ROWS
+    assert len(raced) == 2 * len(cpu_matmul.QUANTIZED_ROWS)
+
+
+def _weights(packed):
+    """The tensors of a layer's packed weights (int8: rows and scales; GGUF: blocks)."""
+    return [w[0] if isinstance(w, tuple) else w for w in packed]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -298,8 +309,8 @@ def test_past_its_bound_a_quantized_projection_is_an_fp32_product_as_fp32_projec
     monkeypatch.setattr(layers, "CPU", CpuMatmul(8))
     _keep_bounds(monkeypatch)
     monkeypatch.setattr(cpu_matmul, "measure_quantized",
-                        lambda shape, kind, vocab=False, fp32_rows=0: fp32_calls.append(("raced", fp32_rows)) or 2)
-    assert layers.use_quantized_kernel(True, QUANT_SHAPE, kind) == 2
+                        lambda shapes, kind, vocab=False, fp32_rows=0: fp32_calls.append(("raced", fp32_rows)) or 2)
+    assert layers.use_quantized_kernel(True, (QUANT_SHAPE,), kind) == 2
     assert fp32_calls == [("raced", 8)]
     fp32_calls.clear()
     want_weight, project = _quantized(QUANT_SHAPE, kind)
@@ -313,30 +324,30 @@ def test_past_its_bound_a_quantized_projection_is_an_fp32_product_as_fp32_projec
     monkeypatch.setattr(cpu_matmul, "ratio", lambda kernel, other, x, pool, pairs=0: other(x, pool[0]) is None or 0.5)
     monkeypatch.setattr(cpu_matmul, "QUANTIZED_ROWS", (1, 16))
     monkeypatch.setenv("PAGODA_MEASUREMENTS", str(cache.parent))
-    assert cpu_matmul.choose_quantized(True, QUANT_SHAPE, kind, fp32_rows=8) == cpu_matmul.ALL_ROWS
+    assert cpu_matmul.choose_quantized(True, (QUANT_SHAPE,), kind, fp32_rows=8) == cpu_matmul.ALL_ROWS
     assert seen == [1]
-    assert cpu_matmul.choose_quantized(True, QUANT_SHAPE, kind, fp32_rows=cpu_matmul.ALL_ROWS) == cpu_matmul.ALL_ROWS
+    assert cpu_matmul.choose_quantized(True, (QUANT_SHAPE,), kind, fp32_rows=cpu_matmul.ALL_ROWS) == cpu_matmul.ALL_ROWS
     assert seen == [1, 1, 16]  # measured again: another fp32 bound is another key
 
 
 def test_each_format_keeps_its_own_bound(cache, monkeypatch):
     """A machine's int8 bound is not its Q4_1 one: kept under the kind, each read back as raced."""
     bounds = {"int8": 16, "q8_0": 32, "q4_1": 256}
-    monkeypatch.setattr(cpu_matmul, "measure_quantized", lambda shape, kind, vocab=False, fp32_rows=0: bounds[kind])
+    monkeypatch.setattr(cpu_matmul, "measure_quantized", lambda shapes, kind, vocab=False, fp32_rows=0: bounds[kind])
     for module in (cpu_gemm_int8, cpu_gemm_gguf):
         monkeypatch.setattr(module, "available", lambda: True)
-    assert {k: cpu_matmul.choose_quantized(True, QUANT_SHAPE, k) for k in KINDS} == bounds
+    assert {k: cpu_matmul.choose_quantized(True, (QUANT_SHAPE,), k) for k in KINDS} == bounds
     monkeypatch.setattr(cpu_matmul, "measure_quantized", lambda *a, **k: pytest.fail("measured again"))
-    assert {k: cpu_matmul.choose_quantized(True, QUANT_SHAPE, k) for k in KINDS} == bounds
+    assert {k: cpu_matmul.choose_quantized(True, (QUANT_SHAPE,), k) for k in KINDS} == bounds
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_quantized_projections_take_the_kernel_up_to_the_bound_and_dequantize_past_it(cache, monkeypatch, kind):
     if not _module(kind).available():
         pytest.skip(f"no {kind} kernel on this CPU")
-    monkeypatch.setattr(cpu_matmul, "measure_quantized", lambda shape, kind, vocab=False, fp32_rows=0: 4)
+    monkeypatch.setattr(cpu_matmul, "measure_quantized", lambda shapes, kind, vocab=False, fp32_rows=0: 4)
     _keep_bounds(monkeypatch)
-    assert layers.use_quantized_kernel(True, QUANT_SHAPE, kind) == 4 == layers.QUANTIZED_KERNEL_ROWS
+    assert layers.use_quantized_kernel(True, (QUANT_SHAPE,), kind) == 4 == layers.QUANTIZED_KERNEL_ROWS
     want_weight, project = _quantized(QUANT_SHAPE, kind)
     kernel = _counting_kernel(monkeypatch, kind)
     for rows in (1, 4, 5, 64):
@@ -360,11 +371,11 @@ def test_the_vocabulary_projection_races_on_its_own_shape_and_keeps_its_own_boun
 
     vocab_shape = (256, 64)
     monkeypatch.setattr(cpu_matmul, "ratio", ratio)
-    monkeypatch.setattr(cpu_matmul, "measure_quantized", lambda shape, kind, vocab=False, fp32_rows=0: 4 if not vocab
+    monkeypatch.setattr(cpu_matmul, "measure_quantized", lambda shapes, kind, vocab=False, fp32_rows=0: 4 if not vocab
                         else cpu_matmul.bound(cpu_matmul.VOCAB_ROWS, lambda m: ratio(None, None, torch.empty(m, 1),
-                                                                                     [torch.empty(shape)])))
+                                                                                     [torch.empty(shapes[0])])))
     _keep_bounds(monkeypatch)
-    assert layers.use_quantized_kernel(True, QUANT_SHAPE, kind, vocab_shape=vocab_shape) == 4
+    assert layers.use_quantized_kernel(True, (QUANT_SHAPE,), kind, vocab_shape=vocab_shape) == 4
     assert (layers.QUANTIZED_KERNEL_ROWS, layers.QUANTIZED_VOCAB_KERNEL_ROWS) == (4, 64)
     assert [m for m, _ in raced] == list(cpu_matmul.VOCAB_ROWS)
     assert {"vocab_kernel_rows": 64} in json.loads(cache.read_text()).values()
@@ -384,15 +395,15 @@ def test_the_vocabulary_race_times_the_kernel_against_the_dequantized_gemm_on_it
     raced = []
 
     def ratio(kernel, other, x, pool, pairs=cpu_matmul.PAIRS):
-        a, b = kernel(x, pool[0]), other(x, pool[0])
+        (a,), (b,) = kernel(x, pool[0]), other(x, pool[0])
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
         raced.append((x.shape[0], a.shape[1], pairs, len(pool)))
         return 0.5 if x.shape[0] <= 128 else 2.0
 
     monkeypatch.setattr(cpu_matmul, "ratio", ratio)
-    assert cpu_matmul.choose_quantized(True, (320, 64), kind, vocab=True) == 128
+    assert cpu_matmul.choose_quantized(True, ((320, 64),), kind, vocab=True) == 128
     assert raced == [(m, 320, cpu_matmul.VOCAB_PAIRS, 2) for m in cpu_matmul.VOCAB_ROWS]
-    assert cpu_matmul.choose_quantized(True, (320, 64), kind, vocab=True) == 128 and len(raced) == len(cpu_matmul.VOCAB_ROWS)
+    assert cpu_matmul.choose_quantized(True, ((320, 64),), kind, vocab=True) == 128 and len(raced) == len(cpu_matmul.VOCAB_ROWS)
 
 
 def test_measurements_are_kept_apart_from_the_cache_where_asked(tmp_path, monkeypatch, measured):

@@ -67,19 +67,22 @@ def test_int8_is_refused_where_it_cannot_run(tmp_path):
 
 @pytest.mark.skipif(not cpu_gemm_int8.available(), reason="no int8 kernel on this CPU")
 def test_an_int8_runner_bounds_its_layers_and_its_vocabulary_projection_apart(tmp_path, monkeypatch):
-    """Its layers' bound is raced on the MLP's shape and the vocabulary projection's on its own
-    (worker/cpu_matmul.py choose_quantized); the logits' projection obeys its own bound."""
+    """Its layers' bound is raced on a layer's four projections and the vocabulary projection's on
+    its own shape (worker/cpu_matmul.py choose_quantized); the logits' projection obeys its own bound."""
     monkeypatch.setenv("PAGODA_MEASUREMENTS", str(tmp_path / "cache"))
     raced = []
     monkeypatch.setattr(cpu_matmul, "measure_quantized",
-                        lambda shape, kind, vocab=False, fp32_rows=0: raced.append((shape, kind, vocab)) or (3 if vocab else 1))
+                        lambda shapes, kind, vocab=False, fp32_rows=0: raced.append((shapes, kind, vocab)) or (3 if vocab else 1))
     for name in ("QUANTIZED_KERNEL_ROWS", "QUANTIZED_VOCAB_KERNEL_ROWS"):  # put back afterwards
         monkeypatch.setattr(layers, name, getattr(layers, name))
     hf = make_hf_model("llama")
     runner = ModelRunner(runner_args(save_model(hf, tmp_path / "m"), "--quantization", "int8"))
     config = hf.config
-    assert raced == [((config.intermediate_size, config.hidden_size), "int8", False),
-                     ((config.vocab_size, config.hidden_size), "int8", True)]
+    h, i = config.hidden_size, config.intermediate_size
+    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    assert raced == [(((q + 2 * kv, h), (h, q), (2 * i, h), (h, i)), "int8", False),
+                     (((config.vocab_size, h),), "int8", True)]
     kernel = []
     real = cpu_gemm_int8.xwt
     monkeypatch.setattr(cpu_gemm_int8, "xwt", lambda x, w8, *a, **k: kernel.append((x.shape[0], w8.shape[0]))
