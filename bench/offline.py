@@ -155,7 +155,8 @@ def progress(reqs: list[Request], peer: str) -> tqdm:
 
 
 def run_pagoda(reqs: list[Request], dtype: str, flags: list[str]) -> tuple[list[list[int]], float]:
-    cluster = Cluster("--dtype", dtype, *flags, log_path=Path("/tmp/pagoda-offline.log")).start(timeout=600)
+    cluster = Cluster("--dtype", dtype, *flags, log_path=Path("/tmp/pagoda-offline.log"),
+                      lazy_grammar=False).start(timeout=600)
     try:
         return asyncio.run(_pagoda_all(cluster.target, reqs))
     finally:

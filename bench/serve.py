@@ -243,7 +243,8 @@ def main() -> None:
     cluster = None
     if opts.start:
         from tests.cluster import Cluster
-        cluster = Cluster(*shlex.split(opts.pagoda_flags), log_path=Path("/tmp/pagoda-serve.log")).start(timeout=600)
+        cluster = Cluster(*shlex.split(opts.pagoda_flags), log_path=Path("/tmp/pagoda-serve.log"),
+                          lazy_grammar=False).start(timeout=600)
         print(f"started pagoda on {cluster.target} (log /tmp/pagoda-serve.log)", flush=True)
     target = cluster.target if cluster else opts.target
     runs = []

@@ -72,7 +72,7 @@ class Pagoda:
         self.name = name
         flags = ["--dtype", dtype, "--no-enable-prefix-caching"]
         flags += ["--quantization", quantization] if quantization else []
-        self.cluster = Cluster(*flags, log_path=Path(f"/tmp/pagoda-single-stream-{name}.log"))
+        self.cluster = Cluster(*flags, log_path=Path(f"/tmp/pagoda-single-stream-{name}.log"), lazy_grammar=False)
 
     def start(self) -> None:
         self.cluster.start(timeout=600)

@@ -151,7 +151,8 @@ def start(dtype: str, quantization: str | None, spec: str | None, name: str) -> 
         flags += ["--quantization", quantization]
     if spec:
         flags += ["--speculative-config", spec]
-    cluster = Cluster(*flags, log_path=Path(f"/tmp/pagoda-speculative-{name}.log")).start(timeout=600)
+    cluster = Cluster(*flags, log_path=Path(f"/tmp/pagoda-speculative-{name}.log"),
+                      lazy_grammar=False).start(timeout=600)
     with grpc.insecure_channel(cluster.target) as ch:
         pagoda_pb2_grpc.GenerationStub(ch).Generate(request("Hello", 8), timeout=600)  # warm-up
     return cluster

@@ -116,7 +116,7 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="start the structured-output check's compiler (a child process of about "
                         "300 MB that takes seconds to load the vocabulary) on the first structured "
                         "request, which then waits for it; by default it starts once the first "
-                        "worker is up")
+                        "worker is up, and the gateway is ready (health SERVING) once it has")
     g.add_argument("--chat-template", default=None, metavar="FILE", type=_chat_template,
                    help="a Jinja chat template that replaces the model's: a file, or the template "
                         "itself inline (vLLM's flag); requests with tools use the shipped "

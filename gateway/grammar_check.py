@@ -14,6 +14,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -59,10 +60,13 @@ class GrammarChecker:
         """Starts the child ahead of the first check; a child that cannot start is only logged
         here (the first check tries again and answers UNAVAILABLE)."""
         async with self._lock:
+            started = time.perf_counter()
             try:
                 await self._started()
             except RuntimeError as e:
                 log.warning("%s", e)
+                return
+            log.info("the structured-output check's compiler is ready (%.1f s)", time.perf_counter() - started)
 
     async def _compile(self, spec: Spec):
         await self._started()

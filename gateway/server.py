@@ -193,12 +193,14 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
                                            self.grammar_timeout)
         return self._grammar
 
-    def warm_grammar(self) -> None:
+    def warm_grammar(self) -> asyncio.Task | None:
         """Starts the grammar compiler's child in the background, once the scheduler has said
         the vocabulary's size: loading the vocabulary takes seconds (2.7 s for SmolLM2 on a Zen 2
-        EPYC), which the first structured request would otherwise wait."""
+        EPYC), which the first structured request would otherwise wait. The task that does it
+        (None before the scheduler has said), done once the child is ready or failed to start."""
         if self._warming is None and self.client.info is not None:
             self._warming = asyncio.create_task(self._checker().warm())
+        return self._warming
 
     async def grammar_error(self, spec) -> str | None:
         """Why the spec does not compile (or within --max-grammar-compile-seconds); None if it

@@ -92,7 +92,8 @@ class LoopbackStack:
 
 
 class Cluster(LoopbackStack):
-    def __init__(self, *flags: str, num_workers: int = 1, log_path: Path | None = None) -> None:
+    def __init__(self, *flags: str, num_workers: int = 1, log_path: Path | None = None,
+                 lazy_grammar: bool = True) -> None:
         self.grpc_port = free_port()
         self.metrics_port = free_port()
         self.gateway_metrics_port = free_port()
@@ -111,6 +112,10 @@ class Cluster(LoopbackStack):
             *(["--zmq-keys-dir", str(self.keys_dir)] if self.keys_dir else []),
             "--scheduler-metrics-port", str(self.metrics_port),
             "--gateway-metrics-port", str(self.gateway_metrics_port),
+            # The gateway's grammar check starts its child (seconds of CPU, which readiness waits
+            # for) only when a structured request needs it: tests start many stacks, and only a
+            # few send one. Benchmarks pass lazy_grammar=False, as a user runs it.
+            *(["--structured-outputs-lazy"] if lazy_grammar else []),
             *flags,
         ]
         self.log_path = log_path

@@ -119,8 +119,8 @@ def serve(runner, link: Link, busy_poll_us: float = 0.0, ranks=None) -> int:
 
 def _serve(runner, link, send, goodbye, stop, busy_poll_us, ranks) -> int:
     sock = link.sock
+    runner.warm_grammars()  # before the hello: the first request's step gets the CPU to itself
     send(internal_pb2.WorkerMessage(hello=runner.hello()))
-    runner.warm_grammars()
     last_sent = time.monotonic()
     busy_us = 0.0  # spin only while the next plan is due: right after a result
     while True:

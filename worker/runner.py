@@ -175,8 +175,14 @@ class ModelRunner:
         self.grammar.drop(list(self.grammar.matchers) + list(self.grammar.failed))
 
     def warm_grammars(self) -> None:
-        """Loads the vocabulary for structured outputs in the background, ahead of the first."""
-        self.grammar.warm()
+        """Loads the vocabulary for structured outputs now (0.8 s for SmolLM2 on a Zen 2 EPYC),
+        before the worker says hello: in the background after it, the load took the CPU from the
+        first request's prefill. A load that fails is logged; the first compile tries again and
+        reports its error with the request."""
+        try:
+            self.grammar.warm().result()
+        except Exception as e:  # noqa: BLE001 (xgrammar's errors have no common base)
+            logger.warning("the vocabulary for structured outputs did not load: %s", e)
 
     def compile_grammars(self, msg: internal_pb2.CompileGrammars) -> None:
         """Start compiling, in the background, the grammars of sequences the scheduler holds

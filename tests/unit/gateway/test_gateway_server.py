@@ -247,6 +247,25 @@ def test_liveness_stays_serving_while_readiness_follows_the_scheduler(run):
     run(body())
 
 
+def test_readiness_waits_for_the_grammar_checks_compiler_to_be_warm(run):
+    """With the warm-up on (gateway.main unless --structured-outputs-lazy), a worker is not
+    enough: ready only once the check's child has started (or failed to), so that the first
+    request does not share the CPU with its seconds of loading; liveness is SERVING throughout."""
+    async def body():
+        client = SchedulerClient("", keepalive_interval=0.05, lost_after=5.0)
+        async with harness(client=client) as h:
+            warming = asyncio.get_running_loop().create_future()
+            started = []
+            h.gateway.servicer.warm_grammar = lambda: started.append(1) or warming
+            h.gateway.warm_grammar = True
+            await until(lambda: len(started) >= 3)  # three keepalive answers with a worker
+            assert (await h.health_of(""), await h.health_of("liveness")) == (NOT_SERVING, SERVING)
+            warming.set_result(None)
+            await until(lambda: len(started) >= 4)
+            assert await h.health_of("") == SERVING
+    run(body())
+
+
 def test_tokenize(run):
     async def body():
         async with harness() as h:
