@@ -140,8 +140,8 @@ def measure_attention_prefetch(runner) -> None:
                           f"rows={PREFETCH_ROWS}", f"contexts={PREFETCH_CONTEXTS}")
         found, was_kept = kept("attention-prefetch", key, timings, {"prefetch"}, runner.args.measure_again)
         cpu_decode_attention.prefetch, said = found["prefetch"], how(was_kept, started)
-    fused_decode.log.info("decode attention %s the blocks ahead (%s)",
-                          "prefetches" if cpu_decode_attention.prefetch else "leaves to the hardware", said)
+    fused_decode.log.info("decode attention %s (%s)", "prefetches the blocks ahead" if cpu_decode_attention.prefetch
+                          else "leaves the blocks ahead to the hardware prefetchers", said)
 
 
 DECODE_CONTEXT = 128  # tokens each timed sequence has in the cache (zeros)
