@@ -30,7 +30,7 @@ int pagoda_decode_attention_isa(void) {
 // Blocks lie anywhere in the cache, so the hardware prefetchers lose the stream at each block's
 // end: the next blocks' keys (or values) can be requested `ahead` blocks ahead (PREFETCH_BLOCKS;
 // 0: not at all). Whether that pays is the machine's: on a Zen 5 it sped fp32 and bf16 up, on a
-// Zen 2 it slows fp32 by a tenth and bf16 needs it (worker/attention_prefetch.py measures it).
+// Zen 2 it slows fp32 by a tenth and bf16 needs it (worker/startup_measurements.py measures it).
 #define PREFETCH_BLOCKS 2
 
 __attribute__((always_inline))
