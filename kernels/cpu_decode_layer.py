@@ -22,7 +22,7 @@ import torch
 from kernels import cbuild, cpu_decode_attention, cpu_gemm_gguf, cpu_gemm_int8
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_decode_layer.c"
-FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = cbuild.EXP_KERNEL_FLAGS
 ISA_NAMES = {2: "AVX-512F", 1: "AVX2+FMA"}
 # Weight formats by their ggml type: GGUF blocks, or dense rows.
 DENSE = {"f32": (0, torch.float32), "bf16": (30, torch.bfloat16)}

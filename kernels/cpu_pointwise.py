@@ -16,7 +16,7 @@ import torch
 from kernels import cbuild
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_pointwise.c"
-FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = cbuild.EXP_KERNEL_FLAGS
 ISA_NAMES = {2: "AVX-512F", 1: "AVX2+FMA"}
 
 _c = ctypes

@@ -15,7 +15,8 @@ __attribute__((always_inline)) static inline float load_elem(const void *base, i
     return f;
 }
 
-// e^x for x <= 0 (a softmax's shifted scores); below -87 it is 0, as e^x is in fp32.
+// e^x for x <= 0 (a softmax's shifted scores); below -87 it is 0, as e^x is in fp32. Loops of
+// it vectorize for AVX2 only without trapping math (kernels/cbuild.py EXP_KERNEL_FLAGS).
 __attribute__((always_inline)) static inline float exp_poly(float x) {
     x = x < -87.0f ? -87.0f : x;
     const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // rounded to nearest: 1.5 * 2^23
