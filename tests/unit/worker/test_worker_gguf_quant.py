@@ -126,6 +126,29 @@ def test_a_gguf_files_own_blocks_are_used_as_they_are(tmp_path, monkeypatch, exa
     assert_equals_reference(runner, dequantized_float64(hf, "q4_1", stored), PROMPTS[:1])
 
 
+def test_a_gguf_files_blocks_are_read_once_then_from_the_cache(tmp_path, monkeypatch):
+    """The second start reads the blocks from the cache, equal byte for byte, without parsing the
+    GGUF (its metadata takes seconds on a real vocabulary); a file with no tensors of the format
+    caches that too; a rewritten file is read again."""
+    import gguf
+    import os
+
+    monkeypatch.setenv("PAGODA_CACHE", str(tmp_path / "cache"))
+    Q4_1 = gguf.GGMLQuantizationType.Q4_1
+    path = write_gguf(make_hf_model("llama"), tmp_path / "tiny.gguf", {".self_attn.": Q4_1})
+    first, none = gguf_blocks(path, "q4_1"), gguf_blocks(path, "q8_0")
+    assert len(first) == 8 and none == {}
+    with monkeypatch.context() as spy:
+        spy.setattr(gguf, "GGUFReader", lambda *a: pytest.fail("the GGUF was parsed again"))
+        again, none_again = gguf_blocks(path, "q4_1"), gguf_blocks(path, "q8_0")
+    assert set(again) == set(first) and all(torch.equal(again[k], v) for k, v in first.items())
+    assert none_again == {}
+    write_gguf(make_hf_model("llama"), path, {".mlp.": Q4_1})
+    os.utime(path, ns=(1, 1))  # another mtime, whatever the clock's resolution
+    rewritten = gguf_blocks(path, "q4_1")
+    assert len(rewritten) == 6 and all(".mlp." in name for name in rewritten)
+
+
 def test_refused_where_it_cannot_run(tmp_path):
     hf = make_hf_model("llama")
     with pytest.raises(FlagError, match="--quantization q4_1 runs on the CPU, with --dtype float32"):
