@@ -98,6 +98,8 @@ class Gateway:
         self.port = bound
         await self._set_health(False)
         await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        if self.warm_grammar:
+            self.servicer.spawn_grammar()
         await self.client.start()
         await self.server.start()
         if self.http is not None:

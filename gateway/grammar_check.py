@@ -2,7 +2,8 @@
 request reaches the scheduler. Compiling runs in a child process (structured/check_process.py),
 one spec at a time; past --max-grammar-compile-seconds the child is killed (and started again for
 the next spec), so a pathological pattern costs its own request a bounded wait and nobody else
-anything. Answers are cached by spec: the same schema is compiled once.
+anything. Answers are cached by spec: the same schema is compiled once. The child can be spawned
+before the vocabulary's size is known (spawn()), so that its imports overlap the workers' start.
 
 The child is started by subprocess (vfork), not by the loop: uvloop's subprocess_exec fork()s
 the gateway, which runs gRPC, and gRPC's fork handlers can abort the child before it execs (CI
@@ -17,6 +18,7 @@ import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
+from typing import Callable
 
 from structured.spec import Spec
 
@@ -27,12 +29,14 @@ TOO_SLOW = "compiling it took longer than"  # how a timeout's answer starts
 
 
 class GrammarChecker:
-    def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_ids: list[int],
+    def __init__(self, tokenizer_json: Path, vocabulary: Callable[[], tuple[int, list[int]]],
                  timeout_s: float = 5.0) -> None:
-        self.args = [sys.executable, "-m", "structured.check_process", str(tokenizer_json),
-                     str(vocab_size), ",".join(str(i) for i in eos_token_ids)]
+        self.args = [sys.executable, "-m", "structured.check_process", str(tokenizer_json)]
+        # (vocabulary size, EOS ids), asked when a child is told them: the size is the workers'.
+        self.vocabulary = vocabulary
         self.timeout_s = timeout_s
         self._proc: subprocess.Popen | None = None
+        self._ready = False  # whether this child has its vocabulary and said so
         self._stdout: asyncio.StreamReader | None = None
         self._stdin: asyncio.StreamWriter | None = None
         self._read_transport: asyncio.ReadTransport | None = None
@@ -55,6 +59,16 @@ class GrammarChecker:
         if len(self._answers) > _CACHED:
             self._answers.popitem(last=False)
         return answer
+
+    async def spawn(self) -> None:
+        """Starts a child's imports now, without waiting for them or for the vocabulary."""
+        async with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                await self.close()
+                try:
+                    await self._spawn()
+                except OSError as e:  # the first check tries again, and answers UNAVAILABLE
+                    log.warning("the structured-output check's compiler did not start: %s", e)
 
     async def warm(self) -> None:
         """Starts the child ahead of the first check; a child that cannot start is only logged
@@ -90,18 +104,20 @@ class GrammarChecker:
         return answer.get("error")
 
     async def _started(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
+        alive = self._proc is not None and self._proc.poll() is None
+        if alive and self._ready:
             return
-        await self.close()
-        loop = asyncio.get_running_loop()
-        self._proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self._stdout = asyncio.StreamReader(limit=1 << 20)
-        self._read_transport, _ = await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(self._stdout), self._proc.stdout)
-        transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin,
-                                                            self._proc.stdin)
-        self._stdin = asyncio.StreamWriter(transport, protocol, None, loop)
+        if not alive:
+            await self.close()
+            await self._spawn()
         proc = self._proc
+        vocab_size, eos_token_ids = self.vocabulary()
+        told = json.dumps({"vocab_size": vocab_size, "eos_token_ids": eos_token_ids}).encode() + b"\n"
+        try:
+            self._stdin.write(told)
+            await self._stdin.drain()
+        except OSError:  # a child that died already: its silence below says so
+            pass
         try:
             ready = await asyncio.wait_for(self._stdout.readline(), _START_TIMEOUT_S)
             if not json.loads(ready or b"{}").get("ready"):
@@ -110,9 +126,21 @@ class GrammarChecker:
             await self.close()
             raise RuntimeError(f"the grammar compiler did not start: {e} "
                                f"(exit status {proc.returncode})") from None
+        self._ready = True
+
+    async def _spawn(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._stdout = asyncio.StreamReader(limit=1 << 20)
+        self._read_transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(self._stdout), self._proc.stdout)
+        transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin,
+                                                            self._proc.stdin)
+        self._stdin = asyncio.StreamWriter(transport, protocol, None, loop)
 
     async def close(self) -> None:
         proc, self._proc = self._proc, None
+        self._ready = False
         stdin, self._stdin = self._stdin, None
         read, self._read_transport = self._read_transport, None
         self._stdout = None

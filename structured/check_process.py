@@ -2,11 +2,14 @@
 is stopped by killing the process (a thread cannot be stopped), and torch and xgrammar stay out
 of the gateway's own memory.
 
-    python -m structured.check_process TOKENIZER_JSON VOCAB_SIZE EOS_ID[,EOS_ID...]
+    python -m structured.check_process TOKENIZER_JSON
 
-Reads one JSON object a line on stdin, {"id": n, "kind", "value", "choices", "any_whitespace"},
-and answers each with {"id": n, "error": null or the compiler's reason, "seconds": s}. It says
-{"ready": true} once the vocabulary is loaded. Its stdin is its parent's pipe, never a socket."""
+It imports its compiler (seconds: torch and xgrammar) before it needs the model's vocabulary, so
+the gateway starts it before any worker has said the vocabulary's size. Its first line on stdin
+is {"vocab_size": n, "eos_token_ids": [...]}; it says {"ready": true} once that vocabulary is
+loaded. Then it reads one JSON object a line, {"id": n, "kind", "value", "choices",
+"any_whitespace"}, and answers each with {"id": n, "error": null or the compiler's reason,
+"seconds": s}. Its stdin is its parent's pipe, never a socket."""
 from __future__ import annotations
 
 import json
@@ -16,10 +19,12 @@ from pathlib import Path
 
 
 def main() -> None:
-    path, vocab, eos = sys.argv[1], int(sys.argv[2]), [int(x) for x in sys.argv[3].split(",") if x]
-    from structured.compiler import GrammarCache, tokenizer_info
+    from structured.compiler import GrammarCache, fast_tokenizer, vocabulary_info
     from structured.spec import Spec, SpecError
-    cache = GrammarCache(tokenizer_info(Path(path), vocab, eos))
+    tokenizer = fast_tokenizer(Path(sys.argv[1]))
+    vocabulary = json.loads(sys.stdin.readline() or "{}")
+    cache = GrammarCache(vocabulary_info(tokenizer, int(vocabulary["vocab_size"]),
+                                         [int(i) for i in vocabulary["eos_token_ids"]]))
     out = sys.stdout
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()

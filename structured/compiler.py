@@ -13,13 +13,23 @@ from structured.spec import Spec
 def tokenizer_info(tokenizer_json: Path, vocab_size: int, eos_token_ids: list[int]):
     """xgrammar's view of a tokenizer.json: every token's bytes, for a vocabulary of vocab_size
     rows (the model's, which may be padded past the tokenizer's)."""
-    import xgrammar as xgr
+    return vocabulary_info(fast_tokenizer(tokenizer_json), vocab_size, eos_token_ids)
+
+
+def fast_tokenizer(tokenizer_json: Path):
+    """The tokenizer.json as transformers' fast tokenizer, with xgrammar imported: the seconds of
+    a grammar compiler's start (torch included) that need not know the model's vocabulary size."""
+    import xgrammar  # noqa: F401
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
-    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(tokenizer_json)))
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(tokenizer_json)))
+
+
+def vocabulary_info(tokenizer, vocab_size: int, eos_token_ids: list[int]):
+    import xgrammar as xgr
     # Each matcher takes its request's stop tokens instead (worker/grammar.py); these are only
     # xgrammar's default.
-    return xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size,
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                               stop_token_ids=list(eos_token_ids))
 
 

@@ -12,9 +12,11 @@ import uvloop
 from gateway.grammar_check import TOO_SLOW, GrammarChecker
 from structured.spec import Spec
 
-# Answers every spec but the regex "slow" (never answered) and "die" (the child exits).
+# Ready once told its vocabulary (the first line); answers every spec but the regex "slow" (never
+# answered) and "die" (the child exits); "told" is answered with the vocabulary and its pid.
 STAND_IN = """
-import json, sys, time
+import json, os, sys, time
+told = json.loads(sys.stdin.readline())
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     msg = json.loads(line)
@@ -22,15 +24,36 @@ for line in sys.stdin:
         sys.exit(3)
     if msg["value"] == "slow":
         time.sleep(60)
-    error = "bad" if msg["value"] == "bad" else None
+    error = {"bad": "bad", "told": f"{told} {os.getpid()}"}.get(msg["value"])
     print(json.dumps({"id": msg["id"], "error": error}), flush=True)
 """
 
 
-def checker(program: str, timeout_s: float = 5.0) -> GrammarChecker:
-    c = GrammarChecker(tokenizer_json=None, vocab_size=0, eos_token_ids=[], timeout_s=timeout_s)
+def checker(program: str, timeout_s: float = 5.0, vocabulary=lambda: (0, [])) -> GrammarChecker:
+    c = GrammarChecker(tokenizer_json=None, vocabulary=vocabulary, timeout_s=timeout_s)
     c.args = [sys.executable, "-c", program]
     return c
+
+
+def test_a_child_spawned_early_is_told_the_vocabulary_when_warmed():
+    """The gateway spawns the child at its start, before any worker has said the vocabulary's
+    size, so that its imports overlap the workers' load: that same child is used, told the size
+    known when it is warmed."""
+    vocabulary = [(0, [])]
+
+    async def main():
+        c = checker(STAND_IN, vocabulary=lambda: vocabulary[-1])
+        try:
+            await c.spawn()
+            spawned = c._proc.pid
+            vocabulary.append((49152, [2, 7]))
+            await c.warm()
+            return spawned, await c.check(Spec("regex", "told"))
+        finally:
+            await c.close()
+
+    spawned, told = uvloop.run(main())
+    assert told == f"{{'vocab_size': 49152, 'eos_token_ids': [2, 7]}} {spawned}"
 
 
 def test_the_compiler_child_starts_without_forking_the_gateway():

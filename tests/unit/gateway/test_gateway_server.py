@@ -266,6 +266,23 @@ def test_readiness_waits_for_the_grammar_checks_compiler_to_be_warm(run):
     run(body())
 
 
+def test_the_grammar_checks_compiler_is_spawned_before_any_worker_is_known(run):
+    """Its imports (seconds of torch and xgrammar) overlap the workers' load: the child is spawned
+    as the gateway starts, before the scheduler has said anything; told the vocabulary later."""
+    async def body():
+        scheduler = FakeScheduler(TOK)
+        gateway = Gateway(TOK, scheduler.address, port=0, warm_grammar=True)
+        seen = []
+        gateway.servicer.spawn_grammar = lambda: seen.append(gateway.client.info)
+        try:
+            await gateway.start()
+            assert seen == [None]
+        finally:
+            await gateway.stop(0.5)
+            await scheduler.close()
+    run(body())
+
+
 def test_tokenize(run):
     async def body():
         async with harness() as h:
