@@ -26,18 +26,23 @@ int cpu_gemm_isa(void) {
     return __builtin_cpu_supports("avx512f") ? 2 : 1;
 }
 
-/* Rows [n0, n1) of w, all M rows of x. Past 16 rows only the first block of x prefetches the
- * weight rows after its own (b) and the others take `then` (AVX2: the blocks without the
- * prefetch): on a Zen 2 EPYC, prefetching in every block took the model's projections 8 rows
- * 28 ms against 31 and 16 rows 43 against 45, but 32 rows 72 against 69, 96 rows 188 against
- * 165 and 300 rows 630 against 509. */
+/* Rows [n0, n1) of w, all M rows of x. Up to 16 rows every block of x prefetches the weight rows
+ * after its own (b). Past 16 the blocks take `then` (AVX2: the blocks without the prefetch), and
+ * block i of the M / 3 requests the i-th slice of the next 4 weight rows into L2 (spread): on a
+ * Zen 2 EPYC, prefetching in every block took the model's projections 8 rows 28 ms against 31
+ * and 16 rows 43 against 45, but 32 rows 72 against 69, 96 rows 188 against 165 and 300 rows
+ * 630 against 509; the first block alone fetching them (a burst of 144-384 lines) left 32 rows
+ * at 65-67 ms, spread 61-62, and 64 rows at 114-116 against 111 (bench/bench_gemm.py). */
 AVX2 static void columns(const Blocks *b, const Blocks *then, const float *x, int64_t ldx, const float *w,
                     int64_t ldw, float *out, int64_t ldo, int M, int64_t n0, int64_t n1, int K) {
+    const int spread = M > 16 && then != b, slices = (M + b->most - 1) / b->most;
     for (int64_t n = n0; n < n1;) {
         int nr = n1 - n >= 4 ? 4 : 1;
-        for (int m = 0; m < M;) {
+        for (int m = 0, i = 0; m < M; i++) {
             int mr = M - m >= b->most ? b->most : M - m;
-            const Blocks *use = m == 0 || M <= 16 ? b : then;
+            const Blocks *use = M <= 16 ? b : then;
+            if (spread && n + 8 <= n1)
+                blk_prefetch_slice((const char *)(w + (n + 4) * ldw), ldw * 4, (int64_t)K * 4, i, slices);
             (nr == 4 ? use->four : use->one)[mr](x + m * ldx, ldx, w + n * ldw, ldw, out + m * ldo + n, ldo, K);
             m += mr;
         }

@@ -35,6 +35,16 @@ AVX2 static inline void blk_store_sums(float *dst, const __m256 *acc, int nr) {
         dst[0] = blk_hsum(acc[0]);
 }
 
+/* Slice i of `slices` of 4 weight rows (row_bytes each, ldw bytes apart) requested into L2. A
+ * pass of x's blocks over one group of weight rows spreads the next group's fetch over its blocks,
+ * one slice each, where the first block fetching it all (a burst of 144-384 lines) left the next
+ * group's loads waiting (cpu_gemm.c columns has the figures). */
+AVX2 static inline void blk_prefetch_slice(const char *w, int64_t ldw, int64_t row_bytes, int i, int slices) {
+    const int64_t b1 = row_bytes * (i + 1) / slices;
+    for (int j = 0; j < 4; j++)
+        for (int64_t b = row_bytes * i / slices; b < b1; b += 64) _mm_prefetch(w + j * ldw + b, _MM_HINT_T1);
+}
+
 /* MR rows of x against NR rows of w (MR * NR <= 12 registers of sums). PREFETCH: the next NR rows
  * of w, for the first block of x to pass over weights that stream from memory. Every later
  * block finds them in cache, and a weight panel (cpu_weight_panel.h) has nothing past it to fetch:
