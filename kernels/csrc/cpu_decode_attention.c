@@ -17,6 +17,7 @@
 // cache with enough rows, (row, kv head) pairs whose query heads share each load (attend_task).
 #include "cpu_attention_math.h"
 
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -314,6 +315,23 @@ static inline int attend_grouped_here(int num_rows, int Hq, int Hkv, int D, int 
     return dtype == 1 && groups_fit(Hq / Hkv, D, bs) && (int64_t)num_rows * Hkv >= 4 * (int64_t)threads;
 }
 
+// The tasks [*first, *last) of thread `me` of `team` (num_rows rows of per_row tasks each):
+// contiguous, as a static schedule's, so that the tasks of a kv head stay on one thread with its
+// keys and values in cache, but an equal share of the positions read, not of the tasks: a row of
+// 600 positions costs three of 200, and equal counts left one thread waiting at the barrier. A
+// task is the thread's whose share holds its middle; bs stands for a task's own costs.
+static inline void attend_share(const int32_t *lens, int num_rows, int per_row, int bs, int me, int team,
+                                int64_t *first, int64_t *last) {
+    const int64_t tasks = (int64_t)num_rows * per_row;
+    int64_t total = 0, at = 0, t = 0;
+    for (int r = 0; r < num_rows; r++) total += (int64_t)(lens[r] + bs) * per_row;
+    const int64_t from = total * me / team, to = total * (me + 1) / team;
+    for (; t < tasks && 2 * at + lens[t / per_row] + bs < 2 * from; t++) at += lens[t / per_row] + bs;
+    *first = t;
+    for (; t < tasks && 2 * at + lens[t / per_row] + bs < 2 * to; t++) at += lens[t / per_row] + bs;
+    *last = t;
+}
+
 #define TASK(DTYPE, IO, WIDE) attend_task(t, grouped, q, ldq, k_cache, v_cache, rows, lens, tables, ldt, Hq, Hkv, \
                                     D, bs, scale, out, ldo, width, s, DTYPE, WIDE, IO, ahead)
 #define RUN(ISA, TARGET, WIDE)                                                                        \
@@ -323,12 +341,13 @@ static inline int attend_grouped_here(int num_rows, int Hq, int Hkv, int D, int 
                           int64_t ldt, int num_rows, int Hq, int Hkv, int D, int bs, float scale,     \
                           void *out, int64_t ldo, int width, int threads, int grouped, int io,        \
                           int ahead) {                                                                \
-        const int64_t tasks = (int64_t)num_rows * (grouped ? Hkv : Hq);                               \
         _Pragma("omp parallel num_threads(threads)")                                                  \
         {                                                                                             \
             float *s = malloc(attend_scratch(Hq, Hkv, D, width) * sizeof(float));                     \
-            _Pragma("omp for schedule(static)")                                                       \
-            for (int64_t t = 0; t < tasks; t++) {                                                     \
+            int64_t first, last;                                                                      \
+            attend_share(lens, num_rows, grouped ? Hkv : Hq, bs, omp_get_thread_num(),                \
+                         omp_get_num_threads(), &first, &last);                                       \
+            for (int64_t t = first; t < last; t++) {                                                  \
                 if (dtype == 0) {                                                                     \
                     if (io == 0) TASK(0, 0, WIDE); else TASK(0, 1, WIDE);                          \
                 } else {                                                                              \

@@ -202,7 +202,6 @@ static inline float silu(float x) {
         const int64_t nqkv = (int64_t)(Hq + 2 * Hkv) * D;                                              \
         const int grouped = attend_grouped_here(p->num_rows, Hq, Hkv, D, p->bs, p->cache_dtype,        \
                                                 p->threads);                                           \
-        const int64_t attention_tasks = (int64_t)p->num_rows * (grouped ? Hkv : Hq);                   \
         _Pragma("omp parallel num_threads(p->threads)")                                                \
         {                                                                                              \
             float *s = malloc(attend_scratch(Hq, Hkv, D, width) * sizeof(float));                      \
@@ -234,8 +233,10 @@ static inline float silu(float x) {
                         store_elem(L->v_cache, vbase + d, v[d], p->cache_dtype);                       \
                     }                                                                                  \
                 }                                                                                      \
-                _Pragma("omp for schedule(static)")                                                    \
-                for (int64_t task = 0; task < attention_tasks; task++) {                               \
+                int64_t first, last;                                                                   \
+                attend_share(p->lens, p->num_rows, grouped ? Hkv : Hq, p->bs, omp_get_thread_num(),    \
+                             omp_get_num_threads(), &first, &last);                                    \
+                for (int64_t task = first; task < last; task++) {                                      \
                     if (p->cache_dtype == 0)                                                           \
                         attend_task(task, grouped, qkv, nqkv, L->k_cache, L->v_cache, p->rows, p->lens, \
                                     p->tables, p->ldt, Hq, Hkv, D, p->bs, p->scale, attn, (int64_t)Hq * D, \
@@ -245,6 +246,7 @@ static inline float silu(float x) {
                                     p->tables, p->ldt, Hq, Hkv, D, p->bs, p->scale, attn, (int64_t)Hq * D, \
                                     width, s, 1, WIDE, 0, p->prefetch ? PREFETCH_BLOCKS : 0);          \
                 }                                                                                      \
+                _Pragma("omp barrier")                                                                 \
                 PROJECT(DOTS, MOST, WIDE, attn, (int64_t)Hq * D, L->o, L->ld_o, L->scale_o, H, (int64_t)Hq * D, p->h, H, \
                         1);                                                                            \
                 _Pragma("omp for schedule(static)")                                                    \

@@ -64,6 +64,33 @@ def test_the_decode_kernel_equals_float64_on_every_isa_here(case, dtype, peaked)
             assert torch.equal(*outs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_threads_split_the_rows_by_their_lengths_and_every_task_runs_once(dtype):
+    """A thread's share is its part of the positions read, not of the tasks: rows of very uneven
+    lengths over 2, 3 and 7 threads (more than one row's tasks), with the heads one by one and by
+    kv head, give the one-thread output bit for bit (each task's sums are its own), and no row or
+    head is left unwritten (out starts as NaN) or written twice."""
+    if not cpu_decode_attention.available():
+        pytest.skip("no decode attention kernel on this CPU")
+    ctx_lens = [600, 3, 0, 450, 17, 16, 999, 1, 64]
+    batch = Batch(ctx_lens, [1] * len(ctx_lens), 9, 3, 64, 16, dtype, seed=11)
+    k_cache = _key_layout(batch)
+    _, want = batch.expected()
+    for rows in (torch.arange(len(ctx_lens)), torch.tensor([6])):
+        for grouping in (0, 1):
+            outs = []
+            for threads in (1, 2, 3, 7):
+                torch.set_num_threads(threads)
+                out = torch.full(batch.q.shape, float("nan"), dtype=dtype)
+                cpu_decode_attention.decode(batch.q, k_cache, batch.v_cache, rows, batch.seq_lens[rows],
+                                            batch.block_tables[rows], batch.scale, out, grouping=grouping)
+                outs.append(out[rows])
+            said = (f"rows {rows.tolist()}", f"grouping {grouping}")
+            assert not outs[0].isnan().any(), said
+            assert (outs[0].double() - want[rows]).abs().max().item() <= TOL[dtype], said
+            assert all(torch.equal(outs[0], o) for o in outs[1:]), said
+
+
 def test_rows_it_is_not_given_are_left_alone_and_rows_map_to_their_tokens():
     """Decode rows scattered among other tokens (a prefill chunk's, say): each lands in its own
     row of out, and out's other rows keep what they held."""
