@@ -46,10 +46,12 @@ AVX2 static inline void blk_prefetch_slice(const char *w, int64_t ldw, int64_t r
 }
 
 /* MR rows of x against NR rows of w (MR * NR <= 12 registers of sums). PREFETCH: the next NR rows
- * of w, for the first block of x to pass over weights that stream from memory. Every later
- * block finds them in cache, and a weight panel (cpu_weight_panel.h) has nothing past it to fetch:
- * fetching there evicted what the blocks read (Zen 2, the model's projections: Q4_1 panels of 96
- * rows 218 -> 170 ms without, the fp32 GEMM's 300 rows 630 -> 540 with it on the first block only). */
+ * of w, fetched by every block where x has at most 16 rows (cpu_gemm.c columns). Past that the
+ * blocks fetch nothing (the `resident` ones) and the pass spreads the next rows' fetch over its
+ * blocks (blk_prefetch_slice): every block fetching them evicted what the blocks read (Zen 2,
+ * the model's projections: Q4_1 panels of 96 rows 218 -> 170 ms without, the fp32 GEMM's 300
+ * rows 630 -> 540 with it on the first block only), and the first block alone left 32 rows at
+ * 65-67 ms against 61-62 spread. */
 #define BLOCK(NAME, MR, NR, PREFETCH)                                                         \
 AVX2 static void NAME##_##MR##x##NR(const float *x, int64_t ldx, const float *w, int64_t ldw,   \
                               float *out, int64_t ldo, int K) {                            \
