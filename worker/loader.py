@@ -138,7 +138,7 @@ def gguf_blocks(path: Path, kind: str) -> dict[str, torch.Tensor]:
         logger.info("%d tensors of %s stored as %s (cached in %s)", len(blocks), path.name, kind, cached.parent)
         return blocks
     blocks = _read_gguf_blocks(path, kind)
-    _save_blocks(cached, blocks)
+    _write_by_rename(cached, lambda tmp: _save_tensors(blocks, tmp))
     return blocks
 
 
@@ -179,37 +179,32 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _save_blocks(file: Path, blocks: dict[str, torch.Tensor]) -> None:
-    """By rename, so that a worker starting beside this one reads a whole file or none."""
-    from safetensors.torch import save_file
-
-    tmp = file.with_name(f"{file.name}.{os.getpid()}.tmp")
-    try:
-        save_file(blocks, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, file)
-    except OSError as e:  # as _save_cache: the next start reads the GGUF again
-        logger.warning("could not cache %s in %s: %s", file.name, file.parent, e)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _save_cache(folder: Path, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
     """Write the safetensors first and config.json last, each by rename, so that a reader that
     sees config.json sees a whole file even if two workers convert at once."""
-    from safetensors.torch import save_file
-
     start = time.perf_counter()
-    tmp = folder / f"{CACHE_FILE}.{os.getpid()}.tmp"
-    tmp_cfg = folder / f"config.json.{os.getpid()}.tmp"
-    try:
-        save_file(weights, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, folder / CACHE_FILE)
-        tmp_cfg.write_text(json.dumps(config.to_hf_config(), indent=2))
-        os.replace(tmp_cfg, folder / "config.json")
-    except OSError as e:  # a read-only or full disk only costs the next start the conversion
-        logger.warning("could not cache dequantized weights in %s: %s", folder, e)
+    if not (_write_by_rename(folder / CACHE_FILE, lambda tmp: _save_tensors(weights, tmp))
+            and _write_by_rename(folder / "config.json",
+                                 lambda tmp: tmp.write_text(json.dumps(config.to_hf_config(), indent=2)))):
         return
+    logger.info("cached dequantized weights in %s (%.2fs)", folder, time.perf_counter() - start)
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], file: Path) -> None:
+    from safetensors.torch import save_file
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def _write_by_rename(file: Path, write) -> bool:
+    """write(tmp), then tmp renamed to file: a worker starting beside this one reads a whole file
+    or none. A read-only or full disk only costs the next start the conversion (False)."""
+    tmp = file.with_name(f"{file.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, file)
+        return True
+    except OSError as e:
+        logger.warning("could not cache %s in %s: %s", file.name, file.parent, e)
+        return False
     finally:  # also when a signal interrupts the write
         tmp.unlink(missing_ok=True)
-        tmp_cfg.unlink(missing_ok=True)
-    logger.info("cached dequantized weights in %s (%.2fs)", folder, time.perf_counter() - start)
