@@ -198,12 +198,14 @@ def _save_tensors(tensors: dict[str, torch.Tensor], file: Path) -> None:
 def _write_by_rename(file: Path, write) -> bool:
     """write(tmp), then tmp renamed to file: a worker starting beside this one reads a whole file
     or none. A read-only or full disk only costs the next start the conversion (False)."""
+    from safetensors import SafetensorError  # how safetensors reports an I/O error (not OSError)
+
     tmp = file.with_name(f"{file.name}.{os.getpid()}.tmp")
     try:
         write(tmp)
         os.replace(tmp, file)
         return True
-    except OSError as e:
+    except (OSError, SafetensorError) as e:
         logger.warning("could not cache %s in %s: %s", file.name, file.parent, e)
         return False
     finally:  # also when a signal interrupts the write

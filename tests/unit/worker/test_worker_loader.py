@@ -110,3 +110,17 @@ def test_runner_on_gguf_matches_transformers(tiny_gguf, tmp_path, monkeypatch):
         ref = reference_logits(hf, prompt, seq.output)
         assert seq.output == ref.argmax(-1).tolist()
         torch.testing.assert_close(torch.stack(seq.logits), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_a_cache_that_cannot_be_written_costs_only_the_next_start(tmp_path, caplog):
+    """A full or vanished disk under the cache: safetensors says so with its own error, not
+    OSError; the worker warns and starts, and no half-written file is left behind."""
+    from worker.loader import _save_tensors, _write_by_rename
+
+    gone = tmp_path / "gone" / "blocks.safetensors"
+    assert _write_by_rename(gone, lambda tmp: _save_tensors({"w": torch.ones(2)}, tmp)) is False
+    assert "could not cache blocks.safetensors" in caplog.text
+    here = tmp_path / "blocks.safetensors"
+    assert _write_by_rename(here, lambda tmp: _save_tensors({"w": torch.ones(2)}, tmp)) is True
+    assert [p.name for p in tmp_path.iterdir()] == ["blocks.safetensors"]
+
