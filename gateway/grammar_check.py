@@ -63,7 +63,7 @@ class GrammarChecker:
     async def spawn(self) -> None:
         """Starts a child's imports now, without waiting for them or for the vocabulary."""
         async with self._lock:
-            if self._proc is None or self._proc.poll() is not None:
+            if not self._alive():
                 await self.close()
                 try:
                     await self._spawn()
@@ -103,8 +103,11 @@ class GrammarChecker:
             return "the grammar compiler failed on it"
         return answer.get("error")
 
+    def _alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
     async def _started(self) -> None:
-        alive = self._proc is not None and self._proc.poll() is None
+        alive = self._alive()
         if alive and self._ready:
             return
         if not alive:

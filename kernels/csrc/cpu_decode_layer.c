@@ -205,6 +205,9 @@ static inline float silu(float x) {
         _Pragma("omp parallel num_threads(p->threads)")                                                \
         {                                                                                              \
             float *s = malloc(attend_scratch(Hq, Hkv, D, width) * sizeof(float));                      \
+            int64_t first, last;  /* this thread's attention tasks: the same rows every layer */       \
+            attend_share(p->lens, p->num_rows, grouped ? Hkv : Hq, p->bs, omp_get_thread_num(),        \
+                         omp_get_num_threads(), &first, &last);                                        \
             for (int l = 0; l < num_layers; l++) {                                                     \
                 const DecodeLayer *L = layers + l;                                                     \
                 _Pragma("omp for schedule(static)")                                                    \
@@ -233,9 +236,6 @@ static inline float silu(float x) {
                         store_elem(L->v_cache, vbase + d, v[d], p->cache_dtype);                       \
                     }                                                                                  \
                 }                                                                                      \
-                int64_t first, last;                                                                   \
-                attend_share(p->lens, p->num_rows, grouped ? Hkv : Hq, p->bs, omp_get_thread_num(),    \
-                             omp_get_num_threads(), &first, &last);                                    \
                 for (int64_t task = first; task < last; task++) {                                      \
                     if (p->cache_dtype == 0)                                                           \
                         attend_task(task, grouped, qkv, nqkv, L->k_cache, L->v_cache, p->rows, p->lens, \
