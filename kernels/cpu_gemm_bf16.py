@@ -5,10 +5,11 @@ machine streams memory at about 20 GB/s (issue 26's measurements; bench/bench_ge
 bfloat16 has this machine's). The kernel reads each weight row once for every row of x and
 accumulates in fp32, so few rows run at the speed the weights stream in.
 
-The instruction set is chosen at run time: AVX512-BF16 dot products where the CPU has them,
-else AVX2 + FMA (bf16 widened to fp32 by a shift), else none (available() is False and the
-caller uses torch). One library holds both paths (per-function target attributes), so it
-builds and loads on any x86-64 CPU.
+The instruction set is chosen at run time: AMX tiles where the CPU has them and Linux grants
+the process their state (arch_prctl), AVX512-BF16 dot products where it has those, else AVX2 +
+FMA (bf16 widened to fp32 by a shift), else none (available() is False and the caller uses
+torch). One library holds every path (per-function target attributes), so it builds and loads
+on any x86-64 CPU.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from kernels import cbuild
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_gemm_bf16.c"
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
-ISA_NAMES = {2: "AVX512-BF16", 1: "AVX2+FMA"}
+ISA_NAMES = {3: "AMX-BF16", 2: "AVX512-BF16", 1: "AVX2+FMA"}
 
 _kernel = cbuild.IsaKernel(
     SOURCE, FLAGS, "pagoda_bf16_isa", "pagoda_bf16_xwt",
@@ -45,9 +46,13 @@ def xwt(x: torch.Tensor, w: torch.Tensor, isa: int | None = None) -> torch.Tenso
 
 
 def agrees_with_reference() -> bool:
-    """The best path against float64 on a small random product (the start-up check)."""
-    from kernels.reference import xwt_agrees
-    return xwt_agrees(xwt, torch.bfloat16, 2.0 ** -7)
+    """The best path against float64 on small random products (the start-up check): the shared
+    one of 3 rows, and one of 20 rows, K a multiple of 32 and 70 weight rows, which takes the AMX
+    tiles (their 32-row groups and a tail of 6) where the CPU has them."""
+    from kernels.reference import matmul_within, xwt_agrees
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(20, 96, generator=g).bfloat16(), torch.randn(70, 96, generator=g).bfloat16()
+    return xwt_agrees(xwt, torch.bfloat16, 2.0 ** -7) and matmul_within(xwt(x, w), x, w, 2.0 ** -7)
 
 
 _kernel.check = agrees_with_reference

@@ -2,9 +2,9 @@
 // bf16 (round to nearest even), as torch's bf16 linear rounds. For the few rows of a decode
 // step, where torch's bf16 linear reads the weights at a small fraction of the memory bandwidth.
 //
-// One library, two instruction sets chosen at run time (pagoda_bf16_isa): AVX512-BF16 dot
-// products (vdpbf16ps, 32 products an instruction) and an AVX2 + FMA path that widens bf16 to
-// fp32 with a shift or a mask. Each weight row is read once for all M rows of x, which stay in
+// One library, three instruction sets chosen at run time (pagoda_bf16_isa): AMX tiles
+// (cpu_bf16_amx.h) past a few rows, AVX512-BF16 dot products (vdpbf16ps, 32 products an
+// instruction) and an AVX2 + FMA path that widens bf16 to fp32 with a shift or a mask. Each weight row is read once for all M rows of x, which stay in
 // L1 or L2, so with few rows the kernel runs at the speed weights stream from memory; with more
 // (AVX512-BF16: tiles of 4 x 4, one reduction for four sums) it runs past torch's bf16 linear
 // up to the rows worker/cpu_matmul.py measures at start-up.
@@ -15,8 +15,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+static int amx_permitted(void);
+
 int pagoda_bf16_isa(void) {
     __builtin_cpu_init();
+    if (__builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+        __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") && amx_permitted())
+        return 3;
     if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw")) return 2;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
     return 0;
@@ -29,6 +34,8 @@ static inline uint16_t to_bf16(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
+
+#include "cpu_bf16_amx.h"
 
 static inline float from_bf16(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -199,10 +206,16 @@ static void xwt_avx2(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t 
     free(xf);
 }
 
-// isa: 2 = AVX512-BF16, 1 = AVX2 + FMA (the caller asks pagoda_bf16_isa which it may use).
+// isa: 3 = AMX (with AVX512-BF16 for a few rows and what the tiles leave), 2 = AVX512-BF16,
+// 1 = AVX2 + FMA (the caller asks pagoda_bf16_isa which it may use).
 void pagoda_bf16_xwt(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw,
                      uint16_t *out, int64_t ldo, int M, int64_t N, int64_t K, int threads, int isa) {
-    if (isa != 2) {
+    if (isa == 3 && M > ROW_AT_A_TIME) {
+        const int64_t done = xwt_amx(x, ldx, w, ldw, out, ldo, M, N, K, threads);
+        if (done < N) xwt_avx512bf16(x, ldx, w + done * ldw, ldw, out + done, ldo, M, N - done, K, threads);
+        return;
+    }
+    if (isa < 2) {
         xwt_avx2(x, ldx, w, ldw, out, ldo, M, N, K, threads);
         return;
     }

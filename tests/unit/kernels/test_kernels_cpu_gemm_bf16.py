@@ -1,6 +1,6 @@
 """kernels/csrc/cpu_gemm_bf16.c against a float64 product of the same bf16 values, on every
 instruction-set path this CPU has (the test names which ran): every row block and K tail,
-weight-row groups of 1 to 4, strided rows, any thread count."""
+weight-row groups of 1 to 4, AMX's row blocks and weight tails, strided rows, any thread count."""
 from __future__ import annotations
 
 import pytest
@@ -34,7 +34,9 @@ def check(x: torch.Tensor, w: torch.Tensor, isa: int, threads: int = 2) -> None:
 @pytest.mark.parametrize("isa", PATHS, ids=lambda i: bf16.ISA_NAMES[i])
 @pytest.mark.parametrize("M,N,K", [
     (1, 1, 1), (1, 4, 31), (2, 5, 32), (3, 8, 33), (4, 13, 64), (5, 7, 65), (8, 1536, 576),
-    (1, 576, 1536), (9, 17, 100), (1, 49152, 576), (7, 6, 9), (64, 37, 100), (100, 3, 8)])
+    (1, 576, 1536), (9, 17, 100), (1, 49152, 576), (7, 6, 9), (64, 37, 100), (100, 3, 8),
+    # AMX's shapes (K a multiple of 32): one row block and a tail of weights, two blocks, three
+    (5, 32, 32), (17, 70, 64), (33, 96, 96), (40, 33, 576)])
 def test_equals_float64(M, N, K, isa):
     check(torch.randn(M, K, generator=GEN), torch.randn(N, K, generator=GEN), isa)
 
@@ -44,6 +46,8 @@ def test_equals_float64(M, N, K, isa):
 def test_strided_rows_and_thread_counts(isa, threads):
     wide = torch.randn(6, 90, generator=GEN)
     check(wide[:, 5:69], torch.randn(23, 64, generator=GEN), isa, threads)
+    # and strided weight rows, 45 of them: one AMX group and a tail
+    check(wide[:, 5:69], torch.randn(45, 80, generator=GEN)[:, 8:72], isa, threads)
 
 
 def test_the_best_path_of_this_cpu_is_named():

@@ -1,0 +1,129 @@
+// AMX tiles (Sapphire Rapids and later) for kernels/csrc/cpu_gemm_bf16.c's projections, computed
+// as out^T = W x^T so that the weights load where they lie: an A tile is 16 weight rows x 32
+// values of k straight from W (row stride ldw), a B tile 16 rows of x x 32 of k in the pairs
+// TDPBF16PS reads (x packed once a call: kilobytes), a C tile 16 weights x 16 rows in fp32. The
+// usual layout, B packed from the weights, would need a second copy of them (270 MB for
+// SmolLM2 in bf16) or a repack on every call.
+//
+// Included by cpu_gemm_bf16.c after its to_bf16 (one rounding, as the other paths round).
+#ifndef PAGODA_CPU_BF16_AMX_H
+#define PAGODA_CPU_BF16_AMX_H
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_TILE 16             // rows of a tile: weights in A and C, pairs of k in B
+#define AMX_K 32                // values of k in a tile row (64 bytes of bf16)
+#define AMX_GROUP 32            // weight rows a task takes: two A tiles against each B
+#define AMX_B_VALUES (AMX_TILE * AMX_K)  // bf16 values in one packed B tile
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+struct amx_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// Linux (5.16 and later) gives a process the tiles' 8 KB of state only on request: without it
+// the first tile instruction is killed with SIGILL. Asked once, by pagoda_bf16_isa.
+static int amx_permitted(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+// x [M, K] as B tiles: for block b (16 rows of x) and step s (32 of k), 16 rows of pairs, row p
+// holding (x[m][32 s + 2 p], x[m][32 s + 2 p + 1]) for m = 0..15; rows of x past M are zeros.
+static uint16_t *amx_pack_x(const uint16_t *x, int64_t ldx, int M, int64_t K) {
+    const int64_t blocks = (M + AMX_TILE - 1) / AMX_TILE, steps = K / AMX_K;
+    uint16_t *packed = calloc((size_t)(blocks * steps * AMX_B_VALUES), sizeof(uint16_t));
+    if (!packed) return NULL;
+    for (int m = 0; m < M; m++) {
+        uint16_t *row = packed + (m / AMX_TILE) * steps * AMX_B_VALUES + (m % AMX_TILE) * 2;
+        for (int64_t k = 0; k < K; k += 2) {
+            uint16_t *pair = row + (k / AMX_K) * AMX_B_VALUES + (k % AMX_K) / 2 * (2 * AMX_TILE);
+            pair[0] = x[m * ldx + k];
+            pair[1] = x[m * ldx + k + 1];
+        }
+    }
+    return packed;
+}
+
+// A C tile (c[n][m]: 16 weights x 16 rows) rounded into out's rows m0.. (mr of them), columns n0..
+static void amx_store(const float c[AMX_TILE][AMX_TILE], uint16_t *out, int64_t ldo, int m0, int mr,
+                      int64_t n0) {
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < AMX_TILE; j++) out[(m0 + i) * ldo + n0 + j] = to_bf16(c[j][i]);
+}
+
+// The first N / 32 * 32 columns of out (returned; 0 where K is not a multiple of 32 or the
+// memory for packed x is short: the caller computes what is left another way). Tasks are groups
+// of 32 weight rows split over the threads; each takes every 32 rows of x in turn, its two A
+// tiles loaded once per step for both B tiles (its weights come from memory for the first rows
+// and from L2 after).
+__attribute__((target("amx-tile,amx-bf16")))
+static int64_t xwt_amx(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, uint16_t *out,
+                       int64_t ldo, int M, int64_t N, int64_t K, int threads) {
+    const int64_t groups = N / AMX_GROUP, steps = K / AMX_K;
+    if (groups == 0 || K % AMX_K) return 0;
+    uint16_t *xp = amx_pack_x(x, ldx, M, K);
+    if (!xp) return 0;
+    const int blocks = (M + AMX_TILE - 1) / AMX_TILE;
+    const int64_t stride = ldw * (int64_t)sizeof(uint16_t);
+    #pragma omp parallel num_threads(threads)
+    {
+        struct amx_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 8; t++) {
+            cfg.rows[t] = AMX_TILE;
+            cfg.colsb[t] = 64;
+        }
+        _tile_loadconfig(&cfg);  // per thread: the configuration is thread state
+        float c[4][AMX_TILE][AMX_TILE];
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint16_t *w0 = w + g * AMX_GROUP * ldw, *w1 = w0 + AMX_TILE * ldw;
+            for (int b = 0; b < blocks; b += 2) {
+                const int both = b + 1 < blocks;
+                const uint16_t *b0 = xp + (int64_t)b * steps * AMX_B_VALUES, *b1 = b0 + steps * AMX_B_VALUES;
+                // tmm0-3: C (weights 0-15 / 16-31 x rows of block b / b + 1); 4, 5: A; 6, 7: B
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t s = 0; s < steps; s++) {
+                    _tile_loadd(4, w0 + s * AMX_K, stride);
+                    _tile_loadd(5, w1 + s * AMX_K, stride);
+                    _tile_loadd(6, b0 + s * AMX_B_VALUES, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 5, 6);
+                    if (both) {
+                        _tile_loadd(7, b1 + s * AMX_B_VALUES, 64);
+                        _tile_dpbf16ps(2, 4, 7);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, c[0], 64);
+                _tile_stored(1, c[1], 64);
+                if (both) {
+                    _tile_stored(2, c[2], 64);
+                    _tile_stored(3, c[3], 64);
+                }
+                for (int t = 0; t < (both ? 4 : 2); t++) {
+                    const int m0 = (b + t / 2) * AMX_TILE;
+                    amx_store(c[t], out, ldo, m0, M - m0 < AMX_TILE ? M - m0 : AMX_TILE,
+                              g * AMX_GROUP + (t % 2) * AMX_TILE);
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(xp);
+    return groups * AMX_GROUP;
+}
+
+#endif
