@@ -116,7 +116,10 @@ def _iso(work: Path, kernel: Path, root: Path) -> Path:
 
 
 def build_runner(out: Path) -> Path:
-    subprocess.run(["gcc", "-O2", "-Wall", "-o", str(out), str(HERE / "runner.c"), "-ldl"], check=True)
+    # libm linked whatever the runner uses: a kernel library may leave its math functions to
+    # the process (Python has libm loaded; the runner otherwise would not)
+    subprocess.run(["gcc", "-O2", "-Wall", "-o", str(out), str(HERE / "runner.c"), "-ldl",
+                    "-Wl,--no-as-needed", "-lm"], check=True)
     return out
 
 
