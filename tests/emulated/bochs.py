@@ -79,20 +79,45 @@ def shared_libraries(binaries: list[Path]) -> set[Path]:
     return found
 
 
-def _initramfs(root: Path, runner: Path, calls: Calls) -> None:
-    (root / "dev").mkdir(parents=True)
-    os.mknod(root / "dev/console", 0o600 | 0o020000, os.makedev(5, 1))
-    shutil.copy(runner, root / "init")
-    (root / "k").mkdir()
+def _cases(root: Path, calls: Calls) -> None:
+    """The calls, their buffers and their libraries under root (cases/, k/)."""
+    (root / "k").mkdir(parents=True)
     for lib in calls.libraries:
         shutil.copy(lib, root / "k" / lib.name)
+    (root / "cases").mkdir()
+    (root / "cases/spec").write_text("\n".join(calls.lines) + "\n")
+    (root / "cases/blob").write_bytes(bytes(calls.blob))
+
+
+def _initramfs(root: Path, runner: Path, calls: Calls) -> None:
+    _cases(root, calls)
+    (root / "dev").mkdir()
+    os.mknod(root / "dev/console", 0o600 | 0o020000, os.makedev(5, 1))
+    shutil.copy(runner, root / "init")
     for lib in shared_libraries([runner, *calls.libraries]):
         target = root / str(lib).lstrip("/")
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(lib.resolve(), target)
-    (root / "cases").mkdir()
-    (root / "cases/spec").write_text("\n".join(calls.lines) + "\n")
-    (root / "cases/blob").write_bytes(bytes(calls.blob))
+
+
+def _parse(console: str, seconds: float) -> Result:
+    if "@@END" not in console:
+        raise RuntimeError(f"the runner did not finish; its output:\n{console[-3000:]}")
+    outputs = {m[0]: bytes.fromhex(m[1]) for m in re.findall(r"^@@OUT (\S+) ([0-9a-f]*)\r?$", console, re.M)}
+    values = {m[0]: int(m[1]) for m in re.findall(r"^@@VALUE (\S+) (-?\d+)\r?$", console, re.M)}
+    return Result(outputs, values, console, seconds)
+
+
+def run_here(calls: Calls) -> Result:
+    """The same calls on this machine, the runner a plain process: the harness's own check
+    (only the paths this CPU has may be asked for)."""
+    with tempfile.TemporaryDirectory(prefix="pagoda-runner-") as work:
+        root = Path(work) / "root"
+        _cases(root, calls)
+        runner = build_runner(Path(work) / "runner")
+        started = time.monotonic()
+        done = subprocess.run([str(runner), str(root)], capture_output=True, text=True, timeout=600)
+        return _parse(done.stdout, time.monotonic() - started)
 
 
 def _iso(work: Path, kernel: Path, root: Path) -> Path:
@@ -151,11 +176,7 @@ def run(calls: Calls, bochs: Path, kernel: Path, model: str = "sapphire_rapids",
             proc.kill()
             proc.wait()
         console = serial.read_text(errors="replace") if serial.exists() else ""
-        if "@@END" not in console:
-            raise RuntimeError(f"the guest did not finish in {timeout:.0f} s; console:\n{console[-3000:]}")
-        outputs = {m[0]: bytes.fromhex(m[1]) for m in re.findall(r"^@@OUT (\S+) ([0-9a-f]*)\r?$", console, re.M)}
-        values = {m[0]: int(m[1]) for m in re.findall(r"^@@VALUE (\S+) (-?\d+)\r?$", console, re.M)}
-        return Result(outputs, values, console, time.monotonic() - started)
+        return _parse(console, time.monotonic() - started)
     finally:
         if keep is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -1,16 +1,19 @@
-"""The CPU matmul kernels' paths on an emulated CPU, against float64 computed here:
+"""The CPU kernels' paths on an emulated CPU, against float64 computed here:
 
     python -m tests.emulated.check_kernels --bochs PATH --kernel BZIMAGE [--model sapphire_rapids]
+    python -m tests.emulated.check_kernels --here      (this machine's paths: the harness's check)
 
 tests/unit/kernels/ tests every path the machine has; this runs paths it lacks (AMX,
 AVX512-BF16, AVX-512F, AVX-512 VNNI) in Bochs (tests/emulated/bochs.py), for the bf16, fp32,
-int8 and GGUF (Q8_0, Q4_1) projection kernels. Each call is recorded on this machine through the
-kernel's own Python wrapper (its `fn` replaced by a recorder), so the guest receives exactly the
+int8 and GGUF (Q8_0, Q4_1) projection kernels and the decode and prefill attention kernels, on
+their unit tests' shapes and bounds. Each call is recorded on this machine through the kernel's
+own Python wrapper (its `fn` replaced by a recorder), so the guest receives exactly the
 arguments a worker passes. Exit status 0 when every output agrees and the emulated CPU offered
 the best path of each kernel (the `isa` functions' answers are printed)."""
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,22 +54,36 @@ def sums_bound(x, w, rtol=1e-5):
     return lambda got: float(((got.double() - want).abs() / tol).max())
 
 
-def record(module, call: Callable[[], torch.Tensor], tensors: list[torch.Tensor], calls: bochs.Calls,
-           buffers: dict[int, str], tag: str) -> torch.Tensor:
+def record(module, call: Callable[[], torch.Tensor | None], tensors: list[torch.Tensor], calls: bochs.Calls,
+           buffers: dict[int, str], tag: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """Runs `call` (a kernel wrapper) with the kernel's fn recording instead of computing, and
-    adds the recorded call to `calls`: pointers to `tensors` (contiguous) or to the output
-    become the guest's buffers."""
+    adds the recorded call to `calls`: pointer arguments must point at `tensors` (which the
+    wrapper passes where they lie) or at the output (`out`, else what `call` returns, a buffer
+    of zeros), float arguments stay floats. Returns the output tensor."""
     seen = []
     real = module._kernel.fn
     module._kernel.fn = lambda *args: seen.append(args)
     try:
-        out = call()
+        returned = call()
     finally:
         module._kernel.fn = real
-    out_buf = calls.buffer(out.numel() * out.element_size())
+    out = returned if out is None else out
     pointers = {t.data_ptr(): buffers[id(t)] for t in tensors}
-    pointers[out.data_ptr()] = out_buf
-    calls.call(tag, module._kernel.fn_symbol, out_buf, *[pointers.get(a, a) for a in seen[0]])
+    if out.data_ptr() not in pointers:
+        pointers[out.data_ptr()] = calls.buffer(out.numel() * out.element_size())
+    args = []
+    for arg, kind in zip(seen[0], module._kernel.argtypes):
+        if kind is ctypes.c_void_p:
+            if arg not in pointers:
+                raise ValueError(f"{tag}: the wrapper passed a pointer to a copy, not to a given tensor")
+            args.append(pointers[arg])
+        elif kind in (ctypes.c_float, ctypes.c_double):
+            if kind is ctypes.c_double:
+                raise ValueError("the runner passes floats, not doubles")
+            args.append(f"f{float(arg)!r}")
+        else:
+            args.append(int(arg))
+    calls.call(tag, module._kernel.fn_symbol, pointers[out.data_ptr()], *args)
     return out
 
 
@@ -75,7 +92,8 @@ def add_inputs(calls: bochs.Calls, buffers: dict[int, str], *tensors: torch.Tens
         buffers[id(t)] = calls.buffer(t.contiguous().view(torch.uint8).numpy().tobytes())
 
 
-def build_cases(calls: bochs.Calls, g: torch.Generator) -> tuple[list[Case], list[torch.Tensor]]:
+def build_cases(calls: bochs.Calls, g: torch.Generator, here: bool = False) -> tuple[list[Case], list[torch.Tensor]]:
+    """here: only the paths this CPU has (a run on this machine)."""
     cases: list[Case] = []
     buffers: dict[int, str] = {}
     keep: list[torch.Tensor] = []  # every recorded tensor alive, so that no pointer is reused
@@ -96,7 +114,7 @@ def build_cases(calls: bochs.Calls, g: torch.Generator) -> tuple[list[Case], lis
         calls.library(cbuild.build(module.SOURCE, module.FLAGS))
         module.available()  # types fn, so that the recorder replaces a real entry point
         calls.value(f"isa:{module.__name__}", module._kernel.isa_symbol)
-        paths = sorted(module.ISA_NAMES, reverse=True)
+        paths = module.supported_isas() if here else sorted(module.ISA_NAMES, reverse=True)
         if module is cpu_gemm_gguf:
             for kind in ("q8_0", "q4_1"):
                 for shape in GGUF_SHAPES:
@@ -122,40 +140,139 @@ def build_cases(calls: bochs.Calls, g: torch.Generator) -> tuple[list[Case], lis
                 each(module, "int8", paths, [x, w8, scale],
                      lambda isa, x=x, w8=w8, s=scale: module.xwt(x, w8, s, isa),
                      lambda isa, x=x, w8=w8, s=scale: sums_bound(x, w8.double() * s.double()[:, None]))
+    cases += attention_cases(calls, buffers, keep, here)
+    cases += prefill_cases(calls, buffers, keep, here)
     return cases, keep
+
+
+def attention_cases(calls: bochs.Calls, buffers: dict[int, str], keep: list[torch.Tensor],
+                    here: bool = False) -> list[Case]:
+    """The decode attention kernel on the unit test's cases (a poisoned cache: NaN wherever no
+    sequence reads), fp32 and bf16 caches, heads one by one and by kv head, within its TOL."""
+    from kernels import cpu_decode_attention as attention
+    from tests.unit.kernels.test_kernels import Batch
+    from tests.unit.kernels.test_kernels_cpu_decode_attention import CASES, TOL, _key_layout
+
+    calls.library(cbuild.build(attention.SOURCE, attention.FLAGS))
+    attention.available()
+    calls.value(f"isa:{attention.__name__}", attention._kernel.isa_symbol)
+    cases = []
+    for n, (name, (ctx_lens, hq, hkv, d, bs)) in enumerate(CASES.items()):
+        for dtype in (torch.float32, torch.bfloat16):
+            batch = Batch(ctx_lens, [1] * len(ctx_lens), hq, hkv, d, bs, dtype, seed=n)
+            k_cache = _key_layout(batch)
+            rows = torch.arange(len(ctx_lens), dtype=torch.int32)
+            tables = batch.block_tables.to(torch.int32).contiguous()
+            shared = [batch.q, k_cache, batch.v_cache, rows, batch.seq_lens, tables]
+            add_inputs(calls, buffers, *shared)
+            keep.extend(shared)
+            want = batch.expected()[1]
+
+            def judge(got, want=want, tol=TOL[dtype]):
+                return float("inf") if got.isnan().any() else float((got.double() - want).abs().max()) / tol
+
+            for isa in attention.supported_isas() if here else sorted(attention.ISA_NAMES, reverse=True):
+                for grouping in (0, 1):
+                    for threads in THREADS:
+                        torch.set_num_threads(threads)
+                        out = torch.full(batch.q.shape, float("nan"), dtype=dtype)
+                        add_inputs(calls, buffers, out)
+                        keep.append(out)
+                        tag = f"attention/{attention.ISA_NAMES[isa]}/{name}/{str(dtype)[6:]}/g{grouping}/t{threads}"
+                        record(attention, lambda: attention.decode(batch.q, k_cache, batch.v_cache, rows,
+                                                                   batch.seq_lens, tables, batch.scale, out,
+                                                                   isa=isa, grouping=grouping, ahead=True),
+                               shared + [out], calls, buffers, tag, out=out)
+                        cases.append(Case(tag, tuple(out.shape), dtype, judge))
+    return cases
+
+
+def judged(case: Case, result: bochs.Result) -> float:
+    """The case's worst error over its bound (inf where the runner printed no output)."""
+    raw = result.outputs.get(case.tag)
+    if raw is None:
+        return float("inf")
+    got = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(case.out_dtype).view(case.out_shape)
+    return case.judge(got)
+
+
+def prefill_cases(calls: bochs.Calls, buffers: dict[int, str], keep: list[torch.Tensor],
+                  here: bool = False) -> list[Case]:
+    """The prefill attention kernel on its unit test's cases (fresh and cached prompts, causal),
+    fp32 and bf16, within its TOL."""
+    from kernels import cpu_attention, cpu_prefill_attention as prefill
+    from tests.unit.kernels.test_kernels import Batch
+    from tests.unit.kernels.test_kernels_cpu_prefill_attention import CASES, TOL
+
+    calls.library(cbuild.build(prefill.SOURCE, prefill.FLAGS))
+    prefill.available()
+    calls.value(f"isa:{prefill.__name__}", prefill._kernel.isa_symbol)
+    cases = []
+    for n, (name, (ctx, new, hq, hkv, d, bs)) in enumerate(CASES.items()):
+        for dtype in (torch.float32, torch.bfloat16):
+            batch = Batch(ctx, new, hq, hkv, d, bs, dtype, seed=n)
+            k_cache = torch.empty(batch.k_cache.shape, dtype=dtype)
+            cpu_attention.key_blocks(k_cache).copy_(batch.k_cache.permute(0, 2, 3, 1))
+            qsl = batch.query_start_loc.to(torch.int32)
+            starts, counts = qsl[:-1].contiguous(), (qsl[1:] - qsl[:-1]).contiguous()
+            lens, tables = batch.seq_lens.to(torch.int32).contiguous(), batch.block_tables.to(torch.int32).contiguous()
+            shared = [batch.q, k_cache, batch.v_cache, starts, counts, lens, tables]
+            add_inputs(calls, buffers, *shared)
+            keep.extend(shared)
+            want = batch.expected()[1]
+
+            def judge(got, want=want, tol=TOL[dtype]):
+                return float("inf") if got.isnan().any() else float((got.double() - want).abs().max()) / tol
+
+            for isa in prefill.supported_isas() if here else sorted(prefill.ISA_NAMES, reverse=True):
+                for threads in THREADS:
+                    torch.set_num_threads(threads)
+                    out = torch.full(batch.q.shape, float("nan"), dtype=dtype)
+                    add_inputs(calls, buffers, out)
+                    keep.append(out)
+                    tag = f"prefill/{prefill.ISA_NAMES[isa]}/{name}/{str(dtype)[6:]}/t{threads}"
+                    record(prefill, lambda: prefill.prefill(batch.q, k_cache, batch.v_cache, starts, counts, lens,
+                                                            tables, batch.scale, out, isa=isa),
+                           shared + [out], calls, buffers, tag, out=out)
+                    cases.append(Case(tag, tuple(out.shape), dtype, judge))
+    return cases
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bochs", type=Path, required=True)
-    parser.add_argument("--kernel", type=Path, required=True, help="a Linux bzImage (5.16 or later, for AMX)")
+    parser.add_argument("--bochs", type=Path)
+    parser.add_argument("--kernel", type=Path, help="a Linux bzImage (5.16 or later, for AMX)")
     parser.add_argument("--model", default="sapphire_rapids", help="Bochs' CPU model")
     parser.add_argument("--keep", type=Path, help="keep the guest's files under this folder")
+    parser.add_argument("--here", action="store_true",
+                        help="run the calls on this machine instead, the paths it has (checks the harness)")
     args = parser.parse_args()
+    if not args.here and not (args.bochs and args.kernel):
+        parser.error("--bochs and --kernel, or --here")
 
     calls = bochs.Calls()
-    cases, _kept = build_cases(calls, torch.Generator().manual_seed(0))
-    result = bochs.run(calls, args.bochs, args.kernel, args.model, keep=args.keep)
-    print(f"{args.model}: guest ran {result.seconds:.0f} s")
+    cases, _kept = build_cases(calls, torch.Generator().manual_seed(0), args.here)
+    if args.here:
+        result = bochs.run_here(calls)
+        print(f"this machine: the runner ran {result.seconds:.0f} s")
+    else:
+        result = bochs.run(calls, args.bochs, args.kernel, args.model, keep=args.keep)
+        print(f"{args.model}: guest ran {result.seconds:.0f} s")
     failures = 0
-    for module in (cpu_gemm_bf16, cpu_gemm, cpu_gemm_int8, cpu_gemm_gguf):
+    from kernels import cpu_decode_attention, cpu_prefill_attention
+    modules = (cpu_gemm_bf16, cpu_gemm, cpu_gemm_int8, cpu_gemm_gguf, cpu_decode_attention, cpu_prefill_attention)
+    for module in modules:
         best = result.values.get(f"isa:{module.__name__}", 0)
-        top = max(module.ISA_NAMES)
+        top = module._kernel.best if args.here else max(module.ISA_NAMES)
         print(f"{module.__name__}: best path {module.ISA_NAMES.get(best, 'none')}")
         if best != top:
             print(f"FAIL: not its best path, {module.ISA_NAMES[top]}")
             failures += 1
     for case in cases:
-        raw = result.outputs.get(case.tag)
-        if raw is None:
-            print(f"FAIL {case.tag}: no output")
-            failures += 1
-            continue
-        got = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(case.out_dtype).view(case.out_shape)
-        worst = case.judge(got)
+        worst = judged(case, result)
         failures += not worst <= 1
         print(f"{'ok  ' if worst <= 1 else 'FAIL'} {case.tag}: worst error {worst:.3f} of the bound")
-    print(f"{len(cases) + 4 - failures}/{len(cases) + 4} checks passed")
+    print(f"{len(cases) + len(modules) - failures}/{len(cases) + len(modules)} checks passed")
     return 1 if failures else 0
 
 

@@ -3,10 +3,12 @@
 // call's output buffer in hex on the console, where the host compares it with float64.
 //
 // spec, one item a line:  lib PATH | buf ID BYTES OFFSET (OFFSET -1: zeros) |
-//                         call TAG FUNCTION OUT_ID ARG...   (ARG: bID for a buffer, else an integer) |
+//                         call TAG FUNCTION OUT_ID ARG...   (ARG: bID a buffer, fNUMBER a float, else an integer) |
 //                         value TAG FUNCTION                (an int function of no arguments)
-// Every argument is passed as a 64-bit integer, which is right for pointers and integers in the
-// x86-64 calling convention (an int reads the low half); kernels with float arguments need more.
+// An argument fNUMBER is a float; every other is passed as a 64-bit integer. That is the x86-64
+// calling convention's order for any mix of pointers, integers and floats: integers take their
+// registers and stack slots in order (an int reads the low half), floats xmm0 on in order, so a
+// call with every integer first and the floats after reaches the same places.
 #include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -16,11 +18,12 @@
 #include <termios.h>
 #include <unistd.h>
 
-#define MAX_BUFS 256
-#define MAX_ARGS 12
+#define MAX_BUFS 8192
+#define MAX_ARGS 24
+#define MAX_FLOATS 4
 
-typedef void (*call12)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                       int64_t, int64_t, int64_t);
+#define I8 int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t
+typedef void (*call_any)(I8, I8, I8, float, float, float, float);
 
 static void *bufs[MAX_BUFS];
 static size_t sizes[MAX_BUFS];
@@ -34,8 +37,14 @@ static void finish(int code) {
     exit(code);
 }
 
-int main(void) {
-    FILE *spec = fopen("/cases/spec", "r"), *blob = fopen("/cases/blob", "rb");
+// argv[1]: a folder holding cases/ and k/ instead of / (a run on the host itself)
+int main(int argc, char **argv) {
+    char path[4096];
+    const char *root = argc > 1 ? argv[1] : "";
+    snprintf(path, sizeof path, "%s/cases/spec", root);
+    FILE *spec = fopen(path, "r");
+    snprintf(path, sizeof path, "%s/cases/blob", root);
+    FILE *blob = fopen(path, "rb");
     if (!spec || !blob) {
         printf("@@ERROR no /cases/spec or /cases/blob\n");
         finish(2);
@@ -46,7 +55,7 @@ int main(void) {
         char *save = NULL, *word = strtok_r(line, " \n", &save);
         if (!word) continue;
         if (!strcmp(word, "lib")) {
-            const char *path = strtok_r(NULL, " \n", &save);
+            snprintf(path, sizeof path, "%s%s", root, strtok_r(NULL, " \n", &save));
             lib = dlopen(path, RTLD_NOW);
             if (!lib) {
                 printf("@@ERROR dlopen %s: %s\n", path, dlerror());
@@ -54,6 +63,10 @@ int main(void) {
             }
         } else if (!strcmp(word, "buf")) {
             int id = atoi(strtok_r(NULL, " \n", &save));
+            if (id < 0 || id >= MAX_BUFS) {
+                printf("@@ERROR buffer %d past %d\n", id, MAX_BUFS);
+                finish(2);
+            }
             size_t bytes = strtoull(strtok_r(NULL, " \n", &save), NULL, 10);
             long long offset = atoll(strtok_r(NULL, " \n", &save));
             free(bufs[id]);
@@ -77,15 +90,20 @@ int main(void) {
             const char *tag = strtok_r(NULL, " \n", &save), *name = strtok_r(NULL, " \n", &save);
             int out = atoi(strtok_r(NULL, " \n", &save));
             int64_t a[MAX_ARGS] = {0};
-            int n = 0;
-            for (char *arg; n < MAX_ARGS && (arg = strtok_r(NULL, " \n", &save)); n++)
-                a[n] = arg[0] == 'b' ? (int64_t)(intptr_t)bufs[atoi(arg + 1)] : (int64_t)strtoll(arg, NULL, 10);
-            call12 fn = (call12)dlsym(lib, name);
+            float f[MAX_FLOATS] = {0};
+            int n = 0, nf = 0;
+            for (char *arg; (arg = strtok_r(NULL, " \n", &save));) {
+                if (arg[0] == 'f' && nf < MAX_FLOATS) f[nf++] = strtof(arg + 1, NULL);
+                else if (n < MAX_ARGS)
+                    a[n++] = arg[0] == 'b' ? (int64_t)(intptr_t)bufs[atoi(arg + 1)] : (int64_t)strtoll(arg, NULL, 10);
+            }
+            call_any fn = (call_any)dlsym(lib, name);
             if (!fn) {
                 printf("@@ERROR no function %s\n", name);
                 finish(2);
             }
-            fn(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11]);
+            fn(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11], a[12], a[13], a[14],
+               a[15], a[16], a[17], a[18], a[19], a[20], a[21], a[22], a[23], f[0], f[1], f[2], f[3]);
             printf("@@OUT %s ", tag);
             const unsigned char *p = bufs[out];
             for (size_t i = 0; i < sizes[out]; i++) printf("%02x", p[i]);
