@@ -26,7 +26,7 @@ VGABIOS = Path("/usr/share/bochs/VGABIOS-lgpl-latest")
 # The kernel's console on the emulated UART. clearcpuid=fsrm: with "fast short rep movsb" the
 # kernel's memmove is a bare rep movsb, which Bochs 3.0 gets wrong early in the boot (a runaway
 # copy, then page faults forever, right after "Mountpoint-cache hash table entries").
-CMDLINE = "console=ttyS0,115200 panic=-1 nokaslr clearcpuid=fsrm quiet"
+CMDLINE = "console=ttyS0,115200 panic=-1 nokaslr clearcpuid=fsrm quiet loglevel=4"
 
 
 @dataclass
@@ -116,7 +116,8 @@ def run_here(calls: Calls) -> Result:
         _cases(root, calls)
         runner = build_runner(Path(work) / "runner")
         started = time.monotonic()
-        done = subprocess.run([str(runner), str(root)], capture_output=True, text=True, timeout=600)
+        done = subprocess.run([str(runner)], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "RUNNER_ROOT": str(root)})
         return _parse(done.stdout, time.monotonic() - started)
 
 
@@ -158,7 +159,7 @@ def run(calls: Calls, bochs: Path, kernel: Path, model: str = "sapphire_rapids",
         iso = _iso(work, kernel, root)
         serial = work / "serial.out"
         (work / "bochsrc").write_text(
-            f"cpu: model={model}, count=1, ips=100000000\nmemory: guest=512, host=512\n"
+            f"cpu: model={model}, count=1, ips=100000000\nmemory: guest=2048, host=2048\n"
             f"romimage: file={BIOS}\nvgaromimage: file={VGABIOS}\n"
             f"ata0-master: type=cdrom, path={iso}, status=inserted\nboot: cdrom\n"
             f"com1: enabled=1, mode=file, dev={serial}\ndisplay_library: nogui\n"

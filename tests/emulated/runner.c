@@ -37,10 +37,11 @@ static void finish(int code) {
     exit(code);
 }
 
-// argv[1]: a folder holding cases/ and k/ instead of / (a run on the host itself)
-int main(int argc, char **argv) {
+// RUNNER_ROOT: a folder holding cases/ and k/ instead of / (a run on the host itself). Not
+// argv: as init, the runner gets the kernel line's words the kernel did not know.
+int main(void) {
     char path[4096];
-    const char *root = argc > 1 ? argv[1] : "";
+    const char *root = getenv("RUNNER_ROOT") ? getenv("RUNNER_ROOT") : "";
     snprintf(path, sizeof path, "%s/cases/spec", root);
     FILE *spec = fopen(path, "r");
     snprintf(path, sizeof path, "%s/cases/blob", root);
