@@ -87,6 +87,34 @@ def record(module, call: Callable[[], torch.Tensor | None], tensors: list[torch.
     return out
 
 
+def use_library(calls: bochs.Calls, module) -> None:
+    """Later calls go to module's library; the guest prints which path its CPU offers."""
+    calls.library(cbuild.build(module.SOURCE, module.FLAGS))
+    module.available()  # types fn, so that the recorder replaces a real entry point
+    calls.value(f"isa:{module.__name__}", module._kernel.isa_symbol)
+
+
+def paths(module, here: bool) -> list[int]:
+    """Every path of the kernel, best first; here: those this CPU has."""
+    return module.supported_isas() if here else sorted(module.ISA_NAMES, reverse=True)
+
+
+def within(want: torch.Tensor, tol: float) -> Callable[[torch.Tensor], float]:
+    """An attention kernel's judge: its largest error over tol, inf where a NaN got through."""
+    return lambda got: float("inf") if got.isnan().any() else float((got.double() - want).abs().max()) / tol
+
+
+def into_nan(calls: bochs.Calls, buffers: dict[int, str], keep: list[torch.Tensor], module, tag: str,
+             shared: list[torch.Tensor], q: torch.Tensor, judge, call: Callable[[torch.Tensor], None]) -> Case:
+    """An attention call recorded with an output like q that starts as NaN (a row the kernel
+    leaves unwritten shows)."""
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype)
+    add_inputs(calls, buffers, out)
+    keep.append(out)
+    record(module, lambda: call(out), shared + [out], calls, buffers, tag, out=out)
+    return Case(tag, tuple(out.shape), q.dtype, judge)
+
+
 def add_inputs(calls: bochs.Calls, buffers: dict[int, str], *tensors: torch.Tensor) -> None:
     for t in tensors:
         buffers[id(t)] = calls.buffer(t.contiguous().view(torch.uint8).numpy().tobytes())
@@ -98,10 +126,10 @@ def build_cases(calls: bochs.Calls, g: torch.Generator, here: bool = False) -> t
     buffers: dict[int, str] = {}
     keep: list[torch.Tensor] = []  # every recorded tensor alive, so that no pointer is reused
 
-    def each(module, name, paths, inputs, wrapper, judge):
+    def each(module, name, isas, inputs, wrapper, judge):
         add_inputs(calls, buffers, *inputs)
         keep.extend(inputs)
-        for isa in paths:
+        for isa in isas:
             for threads in THREADS:
                 torch.set_num_threads(threads)
                 path = module.ISA_NAMES[isa].replace(' ', '_')  # the spec is split on spaces
@@ -111,10 +139,8 @@ def build_cases(calls: bochs.Calls, g: torch.Generator, here: bool = False) -> t
                 cases.append(Case(tag, tuple(out.shape), out.dtype, judge(isa)))
 
     for module in (cpu_gemm_bf16, cpu_gemm, cpu_gemm_int8, cpu_gemm_gguf):
-        calls.library(cbuild.build(module.SOURCE, module.FLAGS))
-        module.available()  # types fn, so that the recorder replaces a real entry point
-        calls.value(f"isa:{module.__name__}", module._kernel.isa_symbol)
-        paths = module.supported_isas() if here else sorted(module.ISA_NAMES, reverse=True)
+        use_library(calls, module)
+        isas = paths(module, here)
         if module is cpu_gemm_gguf:
             for kind in ("q8_0", "q4_1"):
                 for shape in GGUF_SHAPES:
@@ -122,7 +148,7 @@ def build_cases(calls: bochs.Calls, g: torch.Generator, here: bool = False) -> t
                     x = torch.randn(M, K, generator=g)
                     blocks = module.quantize(torch.randn(N, K, generator=g), kind)
                     w = module.dequantize(blocks, kind, torch.float64)
-                    each(module, kind, paths, [x, blocks], lambda isa, x=x, b=blocks, k=kind: module.xwt(x, b, k, isa),
+                    each(module, kind, isas, [x, blocks], lambda isa, x=x, b=blocks, k=kind: module.xwt(x, b, k, isa),
                          lambda isa, x=x, w=w: sums_bound(module.as_seen(x, isa), w))
             continue
         for shape in SHAPES:
@@ -130,14 +156,14 @@ def build_cases(calls: bochs.Calls, g: torch.Generator, here: bool = False) -> t
             x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
             if module is cpu_gemm_bf16:
                 x, w = x.bfloat16(), w.bfloat16()
-                each(module, "bf16", paths, [x, w], lambda isa, x=x, w=w: module.xwt(x, w, isa),
+                each(module, "bf16", isas, [x, w], lambda isa, x=x, w=w: module.xwt(x, w, isa),
                      lambda isa, x=x, w=w: bf16_bound(x, w))
             elif module is cpu_gemm:
-                each(module, "fp32", paths, [x, w], lambda isa, x=x, w=w: module.xwt(x, w, isa),
+                each(module, "fp32", isas, [x, w], lambda isa, x=x, w=w: module.xwt(x, w, isa),
                      lambda isa, x=x, w=w: sums_bound(x, w))
             else:
                 w8, scale = module.quantize(w)
-                each(module, "int8", paths, [x, w8, scale],
+                each(module, "int8", isas, [x, w8, scale],
                      lambda isa, x=x, w8=w8, s=scale: module.xwt(x, w8, s, isa),
                      lambda isa, x=x, w8=w8, s=scale: sums_bound(x, w8.double() * s.double()[:, None]))
     cases += attention_cases(calls, buffers, keep, here)
@@ -153,9 +179,7 @@ def attention_cases(calls: bochs.Calls, buffers: dict[int, str], keep: list[torc
     from tests.unit.kernels.test_kernels import Batch
     from tests.unit.kernels.test_kernels_cpu_decode_attention import CASES, TOL, _key_layout
 
-    calls.library(cbuild.build(attention.SOURCE, attention.FLAGS))
-    attention.available()
-    calls.value(f"isa:{attention.__name__}", attention._kernel.isa_symbol)
+    use_library(calls, attention)
     cases = []
     for n, (name, (ctx_lens, hq, hkv, d, bs)) in enumerate(CASES.items()):
         for dtype in (torch.float32, torch.bfloat16):
@@ -166,24 +190,16 @@ def attention_cases(calls: bochs.Calls, buffers: dict[int, str], keep: list[torc
             shared = [batch.q, k_cache, batch.v_cache, rows, batch.seq_lens, tables]
             add_inputs(calls, buffers, *shared)
             keep.extend(shared)
-            want = batch.expected()[1]
-
-            def judge(got, want=want, tol=TOL[dtype]):
-                return float("inf") if got.isnan().any() else float((got.double() - want).abs().max()) / tol
-
-            for isa in attention.supported_isas() if here else sorted(attention.ISA_NAMES, reverse=True):
+            judge = within(batch.expected()[1], TOL[dtype])
+            for isa in paths(attention, here):
                 for grouping in (0, 1):
                     for threads in THREADS:
                         torch.set_num_threads(threads)
-                        out = torch.full(batch.q.shape, float("nan"), dtype=dtype)
-                        add_inputs(calls, buffers, out)
-                        keep.append(out)
                         tag = f"attention/{attention.ISA_NAMES[isa]}/{name}/{str(dtype)[6:]}/g{grouping}/t{threads}"
-                        record(attention, lambda: attention.decode(batch.q, k_cache, batch.v_cache, rows,
-                                                                   batch.seq_lens, tables, batch.scale, out,
-                                                                   isa=isa, grouping=grouping, ahead=True),
-                               shared + [out], calls, buffers, tag, out=out)
-                        cases.append(Case(tag, tuple(out.shape), dtype, judge))
+                        cases.append(into_nan(calls, buffers, keep, attention, tag, shared, batch.q, judge,
+                                              lambda out: attention.decode(
+                                                  batch.q, k_cache, batch.v_cache, rows, batch.seq_lens, tables,
+                                                  batch.scale, out, isa=isa, grouping=grouping, ahead=True)))
     return cases
 
 
@@ -200,41 +216,32 @@ def prefill_cases(calls: bochs.Calls, buffers: dict[int, str], keep: list[torch.
                   here: bool = False) -> list[Case]:
     """The prefill attention kernel on its unit test's cases (fresh and cached prompts, causal),
     fp32 and bf16, within its TOL."""
-    from kernels import cpu_attention, cpu_prefill_attention as prefill
+    from kernels import cpu_prefill_attention as prefill
     from tests.unit.kernels.test_kernels import Batch
+    from tests.unit.kernels.test_kernels_cpu_decode_attention import _key_layout
     from tests.unit.kernels.test_kernels_cpu_prefill_attention import CASES, TOL
 
-    calls.library(cbuild.build(prefill.SOURCE, prefill.FLAGS))
-    prefill.available()
-    calls.value(f"isa:{prefill.__name__}", prefill._kernel.isa_symbol)
+    use_library(calls, prefill)
     cases = []
     for n, (name, (ctx, new, hq, hkv, d, bs)) in enumerate(CASES.items()):
         for dtype in (torch.float32, torch.bfloat16):
             batch = Batch(ctx, new, hq, hkv, d, bs, dtype, seed=n)
-            k_cache = torch.empty(batch.k_cache.shape, dtype=dtype)
-            cpu_attention.key_blocks(k_cache).copy_(batch.k_cache.permute(0, 2, 3, 1))
+            k_cache = _key_layout(batch)
             qsl = batch.query_start_loc.to(torch.int32)
             starts, counts = qsl[:-1].contiguous(), (qsl[1:] - qsl[:-1]).contiguous()
             lens, tables = batch.seq_lens.to(torch.int32).contiguous(), batch.block_tables.to(torch.int32).contiguous()
             shared = [batch.q, k_cache, batch.v_cache, starts, counts, lens, tables]
             add_inputs(calls, buffers, *shared)
             keep.extend(shared)
-            want = batch.expected()[1]
-
-            def judge(got, want=want, tol=TOL[dtype]):
-                return float("inf") if got.isnan().any() else float((got.double() - want).abs().max()) / tol
-
-            for isa in prefill.supported_isas() if here else sorted(prefill.ISA_NAMES, reverse=True):
+            judge = within(batch.expected()[1], TOL[dtype])
+            for isa in paths(prefill, here):
                 for threads in THREADS:
                     torch.set_num_threads(threads)
-                    out = torch.full(batch.q.shape, float("nan"), dtype=dtype)
-                    add_inputs(calls, buffers, out)
-                    keep.append(out)
                     tag = f"prefill/{prefill.ISA_NAMES[isa]}/{name}/{str(dtype)[6:]}/t{threads}"
-                    record(prefill, lambda: prefill.prefill(batch.q, k_cache, batch.v_cache, starts, counts, lens,
-                                                            tables, batch.scale, out, isa=isa),
-                           shared + [out], calls, buffers, tag, out=out)
-                    cases.append(Case(tag, tuple(out.shape), dtype, judge))
+                    cases.append(into_nan(calls, buffers, keep, prefill, tag, shared, batch.q, judge,
+                                          lambda out: prefill.prefill(batch.q, k_cache, batch.v_cache, starts,
+                                                                      counts, lens, tables, batch.scale, out,
+                                                                      isa=isa)))
     return cases
 
 
