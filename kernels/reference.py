@@ -139,8 +139,28 @@ def paged_attention_float64(q, k_cache, v_cache, block_tables, seq_lens, query_s
 def matmul_within(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rtol: float) -> bool:
     """Whether got equals x @ w^T (w as its float64 values) within rtol of the sum of |x||w| per
     entry: the start-up checks of the CPU matmul kernels (fp32, bf16, int8, GGUF)."""
+    return matmul_error(got, x, w, rtol) <= 1
+
+
+def matmul_error(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rtol: float) -> float:
+    """got's largest distance from x @ w^T in float64 over matmul_within's bound (<= 1: within
+    it; NaN where got holds a NaN)."""
     x, w = x.double(), w.double()
-    return bool(((got.double() - x @ w.t()).abs() <= rtol * (x.abs() @ w.abs().t()) + 1e-6).all())
+    return _worst((got.double() - x @ w.t()).abs() / (rtol * (x.abs() @ w.abs().t()) + 1e-6))
+
+
+def bf16_matmul_error(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
+    """A bf16 product's (kernels/cpu_gemm_bf16.c) largest distance from x @ w^T in float64 over
+    its bound: one rounding to bf16 (2^-8 relative, half an ulp is 2^-9) over an fp32 sum of
+    exact products (error ~ sqrt(K) 2^-24 sum |x||w|)."""
+    x, w = x.double(), w.double()
+    want = x @ w.t()
+    tol = 2.0 ** -8 * want.abs() + 1e-6 * (x.shape[1] ** 0.5 + 1) * (x.abs() @ w.abs().t()) + 1e-30
+    return _worst((got.double() - want).abs() / tol)
+
+
+def _worst(ratios: torch.Tensor) -> float:
+    return float(ratios.max()) if ratios.numel() else 0.0
 
 
 def xwt_agrees(xwt, dtype: torch.dtype, rtol: float) -> bool:

@@ -4,8 +4,8 @@
 //
 // One library, three instruction sets chosen at run time (pagoda_bf16_isa): AMX tiles
 // (cpu_bf16_amx.h) past a few rows, AVX512-BF16 dot products (vdpbf16ps, 32 products an
-// instruction) and an AVX2 + FMA path that widens bf16 to fp32 with a shift or a mask. Each weight row is read once for all M rows of x, which stay in
-// L1 or L2, so with few rows the kernel runs at the speed weights stream from memory; with more
+// instruction) and an AVX2 + FMA path that widens bf16 to fp32 with a shift or a mask. Each
+// weight row is read once for all M rows of x, which stay in L1 or L2, so with few rows the kernel runs at the speed weights stream from memory; with more
 // (AVX512-BF16: tiles of 4 x 4, one reduction for four sums) it runs past torch's bf16 linear
 // up to the rows worker/cpu_matmul.py measures at start-up.
 #include "cpu_bf16_tile.h"
@@ -14,18 +14,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-static int amx_permitted(void);
-
-int pagoda_bf16_isa(void) {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
-        __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") && amx_permitted())
-        return 3;
-    if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw")) return 2;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
-    return 0;
-}
 
 static inline uint16_t to_bf16(float f) {
     uint32_t u;
@@ -36,6 +24,16 @@ static inline uint16_t to_bf16(float f) {
 }
 
 #include "cpu_bf16_amx.h"
+
+int pagoda_bf16_isa(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+        __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") && amx_permitted())
+        return 3;
+    if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw")) return 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+    return 0;
+}
 
 static inline float from_bf16(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;

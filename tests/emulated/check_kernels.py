@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from kernels import cbuild, cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8
+from kernels.reference import bf16_matmul_error, matmul_error
 from tests.emulated import bochs
 
 SHAPES = [(1, 1, 1), (1, 4, 31), (2, 5, 32), (3, 8, 33), (4, 13, 64), (5, 7, 65), (8, 1536, 576),
@@ -40,18 +41,11 @@ class Case:
 
 
 def bf16_bound(x, w):
-    """The unit test's bound: one bf16 rounding over an fp32 sum of exact products."""
-    want = x.double() @ w.double().t()
-    sums = x.double().abs() @ w.double().abs().t()
-    tol = 2.0 ** -8 * want.abs() + 1e-6 * (x.shape[1] ** 0.5 + 1) * sums + 1e-30
-    return lambda got: float(((got.double() - want).abs() / tol).max())
+    return lambda got: bf16_matmul_error(got, x, w)
 
 
 def sums_bound(x, w, rtol=1e-5):
-    """kernels.reference.matmul_within's bound: rtol of the sum of |x||w| per entry."""
-    x, w = x.double(), w.double()
-    want, tol = x @ w.t(), rtol * (x.abs() @ w.abs().t()) + 1e-6
-    return lambda got: float(((got.double() - want).abs() / tol).max())
+    return lambda got: matmul_error(got, x, w, rtol)
 
 
 def record(module, call: Callable[[], torch.Tensor | None], tensors: list[torch.Tensor], calls: bochs.Calls,
@@ -94,6 +88,11 @@ def use_library(calls: bochs.Calls, module) -> None:
     calls.value(f"isa:{module.__name__}", module._kernel.isa_symbol)
 
 
+def path_name(module, isa: int) -> str:
+    """The path's name as a tag holds it (the runner's spec is split on spaces)."""
+    return module.ISA_NAMES[isa].replace(" ", "_")
+
+
 def paths(module, here: bool) -> list[int]:
     """Every path of the kernel, best first; here: those this CPU has."""
     return module.supported_isas() if here else sorted(module.ISA_NAMES, reverse=True)
@@ -126,14 +125,13 @@ def build_cases(calls: bochs.Calls, g: torch.Generator, here: bool = False) -> t
     buffers: dict[int, str] = {}
     keep: list[torch.Tensor] = []  # every recorded tensor alive, so that no pointer is reused
 
-    def each(module, name, isas, inputs, wrapper, judge):
+    def each(module, name, shape, isas, inputs, wrapper, judge):
         add_inputs(calls, buffers, *inputs)
         keep.extend(inputs)
         for isa in isas:
             for threads in THREADS:
                 torch.set_num_threads(threads)
-                path = module.ISA_NAMES[isa].replace(' ', '_')  # the spec is split on spaces
-                tag = f"{name}/{path}/{'x'.join(map(str, shape))}/t{threads}"
+                tag = f"{name}/{path_name(module, isa)}/{'x'.join(map(str, shape))}/t{threads}"
                 out = record(module, lambda: wrapper(isa), inputs, calls, buffers, tag)
                 keep.append(out)
                 cases.append(Case(tag, tuple(out.shape), out.dtype, judge(isa)))
@@ -148,7 +146,7 @@ def build_cases(calls: bochs.Calls, g: torch.Generator, here: bool = False) -> t
                     x = torch.randn(M, K, generator=g)
                     blocks = module.quantize(torch.randn(N, K, generator=g), kind)
                     w = module.dequantize(blocks, kind, torch.float64)
-                    each(module, kind, isas, [x, blocks], lambda isa, x=x, b=blocks, k=kind: module.xwt(x, b, k, isa),
+                    each(module, kind, shape, isas, [x, blocks], lambda isa, x=x, b=blocks, k=kind: module.xwt(x, b, k, isa),
                          lambda isa, x=x, w=w: sums_bound(module.as_seen(x, isa), w))
             continue
         for shape in SHAPES:
@@ -156,14 +154,14 @@ def build_cases(calls: bochs.Calls, g: torch.Generator, here: bool = False) -> t
             x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
             if module is cpu_gemm_bf16:
                 x, w = x.bfloat16(), w.bfloat16()
-                each(module, "bf16", isas, [x, w], lambda isa, x=x, w=w: module.xwt(x, w, isa),
+                each(module, "bf16", shape, isas, [x, w], lambda isa, x=x, w=w: module.xwt(x, w, isa),
                      lambda isa, x=x, w=w: bf16_bound(x, w))
             elif module is cpu_gemm:
-                each(module, "fp32", isas, [x, w], lambda isa, x=x, w=w: module.xwt(x, w, isa),
+                each(module, "fp32", shape, isas, [x, w], lambda isa, x=x, w=w: module.xwt(x, w, isa),
                      lambda isa, x=x, w=w: sums_bound(x, w))
             else:
                 w8, scale = module.quantize(w)
-                each(module, "int8", isas, [x, w8, scale],
+                each(module, "int8", shape, isas, [x, w8, scale],
                      lambda isa, x=x, w8=w8, s=scale: module.xwt(x, w8, s, isa),
                      lambda isa, x=x, w8=w8, s=scale: sums_bound(x, w8.double() * s.double()[:, None]))
     cases += attention_cases(calls, buffers, keep, here)
@@ -195,7 +193,7 @@ def attention_cases(calls: bochs.Calls, buffers: dict[int, str], keep: list[torc
                 for grouping in (0, 1):
                     for threads in THREADS:
                         torch.set_num_threads(threads)
-                        tag = f"attention/{attention.ISA_NAMES[isa]}/{name}/{str(dtype)[6:]}/g{grouping}/t{threads}"
+                        tag = f"attention/{path_name(attention, isa)}/{name}/{str(dtype)[6:]}/g{grouping}/t{threads}"
                         cases.append(into_nan(calls, buffers, keep, attention, tag, shared, batch.q, judge,
                                               lambda out: attention.decode(
                                                   batch.q, k_cache, batch.v_cache, rows, batch.seq_lens, tables,
@@ -237,7 +235,7 @@ def prefill_cases(calls: bochs.Calls, buffers: dict[int, str], keep: list[torch.
             for isa in paths(prefill, here):
                 for threads in THREADS:
                     torch.set_num_threads(threads)
-                    tag = f"prefill/{prefill.ISA_NAMES[isa]}/{name}/{str(dtype)[6:]}/t{threads}"
+                    tag = f"prefill/{path_name(prefill, isa)}/{name}/{str(dtype)[6:]}/t{threads}"
                     cases.append(into_nan(calls, buffers, keep, prefill, tag, shared, batch.q, judge,
                                           lambda out: prefill.prefill(batch.q, k_cache, batch.v_cache, starts,
                                                                       counts, lens, tables, batch.scale, out,
