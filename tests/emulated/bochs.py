@@ -53,6 +53,18 @@ class Calls:
             self.blob += data
         return f"b{buf}"
 
+    def copy(self, buffer: str) -> str:
+        """A new buffer holding what `buffer` holds when the guest reaches this line (a call that
+        writes its inputs in place gets its own)."""
+        buf = self._next_buffer
+        self._next_buffer += 1
+        self.lines.append(f"copy {buf} {buffer[1:]}")
+        return f"b{buf}"
+
+    def pointer(self, buffer: str, at: int, to: str) -> None:
+        """Buffer `to`'s address stored at byte `at` of `buffer` (a struct's pointer field)."""
+        self.lines.append(f"ptr {buffer[1:]} {at} {to[1:]}")
+
     def call(self, tag: str, function: str, out: str, *args: int | str) -> None:
         """function(*args); the guest prints buffer `out` afterwards under `tag`."""
         self.lines.append(" ".join(["call", tag, function, out[1:], *map(str, args)]))

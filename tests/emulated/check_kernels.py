@@ -5,39 +5,29 @@
 
 tests/unit/kernels/ tests every path the machine has; this runs paths it lacks (AMX,
 AVX512-BF16, AVX-512F, AVX-512 VNNI) in Bochs (tests/emulated/bochs.py), for the bf16, fp32,
-int8 and GGUF (Q8_0, Q4_1) projection kernels and the decode and prefill attention kernels, on
-their unit tests' shapes and bounds. Each call is recorded on this machine through the kernel's
+int8 and GGUF (Q8_0, Q4_1) projection kernels, the decode and prefill attention kernels and the
+one-call decode step (tests/emulated/step_cases.py), on their unit tests' shapes and bounds. Each call is recorded on this machine through the kernel's
 own Python wrapper (its `fn` replaced by a recorder), so the guest receives exactly the
 arguments a worker passes. Exit status 0 when every output agrees and the emulated CPU offered
 the best path of each kernel (the `isa` functions' answers are printed)."""
 from __future__ import annotations
 
 import argparse
-import ctypes
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from kernels import cbuild, cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8
+from kernels import cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8
 from kernels.reference import bf16_matmul_error, matmul_error
 from tests.emulated import bochs
+from tests.emulated.recording import THREADS, Case, add_inputs, into_nan, path_name, paths, record, use_library, within
+from tests.emulated.step_cases import BF16_DOT_VALUE, decode_step_cases
 
 SHAPES = [(1, 1, 1), (1, 4, 31), (2, 5, 32), (3, 8, 33), (4, 13, 64), (5, 7, 65), (8, 1536, 576),
           (1, 576, 1536), (9, 17, 100), (7, 6, 9), (64, 37, 100), (100, 3, 8),
           (5, 32, 32), (17, 70, 64), (33, 96, 96), (40, 33, 576), (64, 1536, 576), (16, 576, 1536)]
 GGUF_SHAPES = [(1, 5, 32), (3, 37, 128), (4, 64, 576), (17, 70, 64), (64, 96, 576), (1, 576, 1536)]
-THREADS = (1, 2, 3)
-
-
-@dataclass
-class Case:
-    tag: str
-    out_shape: tuple[int, int]
-    out_dtype: torch.dtype
-    judge: Callable[[torch.Tensor], float]  # worst error over the bound (<= 1 agrees)
 
 
 def bf16_bound(x, w):
@@ -46,77 +36,6 @@ def bf16_bound(x, w):
 
 def sums_bound(x, w, rtol=1e-5):
     return lambda got: matmul_error(got, x, w, rtol)
-
-
-def record(module, call: Callable[[], torch.Tensor | None], tensors: list[torch.Tensor], calls: bochs.Calls,
-           buffers: dict[int, str], tag: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Runs `call` (a kernel wrapper) with the kernel's fn recording instead of computing, and
-    adds the recorded call to `calls`: pointer arguments must point at `tensors` (which the
-    wrapper passes where they lie) or at the output (`out`, else what `call` returns, a buffer
-    of zeros), float arguments stay floats. Returns the output tensor."""
-    seen = []
-    real = module._kernel.fn
-    module._kernel.fn = lambda *args: seen.append(args)
-    try:
-        returned = call()
-    finally:
-        module._kernel.fn = real
-    out = returned if out is None else out
-    pointers = {t.data_ptr(): buffers[id(t)] for t in tensors}
-    if out.data_ptr() not in pointers:
-        pointers[out.data_ptr()] = calls.buffer(out.numel() * out.element_size())
-    args = []
-    for arg, kind in zip(seen[0], module._kernel.argtypes):
-        if kind is ctypes.c_void_p:
-            if arg not in pointers:
-                raise ValueError(f"{tag}: the wrapper passed a pointer to a copy, not to a given tensor")
-            args.append(pointers[arg])
-        elif kind in (ctypes.c_float, ctypes.c_double):
-            if kind is ctypes.c_double:
-                raise ValueError("the runner passes floats, not doubles")
-            args.append(f"f{float(arg)!r}")
-        else:
-            args.append(int(arg))
-    calls.call(tag, module._kernel.fn_symbol, pointers[out.data_ptr()], *args)
-    return out
-
-
-def use_library(calls: bochs.Calls, module) -> None:
-    """Later calls go to module's library; the guest prints which path its CPU offers."""
-    calls.library(cbuild.build(module.SOURCE, module.FLAGS))
-    module.available()  # types fn, so that the recorder replaces a real entry point
-    calls.value(f"isa:{module.__name__}", module._kernel.isa_symbol)
-
-
-def path_name(module, isa: int) -> str:
-    """The path's name as a tag holds it (the runner's spec is split on spaces)."""
-    return module.ISA_NAMES[isa].replace(" ", "_")
-
-
-def paths(module, here: bool) -> list[int]:
-    """Every path of the kernel, best first; here: those this CPU has."""
-    return module.supported_isas() if here else sorted(module.ISA_NAMES, reverse=True)
-
-
-def within(want: torch.Tensor, tol: float) -> Callable[[torch.Tensor], float]:
-    """An attention kernel's judge: its largest error over tol, inf where a NaN got through."""
-    return lambda got: float("inf") if got.isnan().any() else float((got.double() - want).abs().max()) / tol
-
-
-def into_nan(calls: bochs.Calls, buffers: dict[int, str], keep: list[torch.Tensor], module, tag: str,
-             shared: list[torch.Tensor], q: torch.Tensor, judge, call: Callable[[torch.Tensor], None]) -> Case:
-    """An attention call recorded with an output like q that starts as NaN (a row the kernel
-    leaves unwritten shows)."""
-    out = torch.full(q.shape, float("nan"), dtype=q.dtype)
-    add_inputs(calls, buffers, out)
-    keep.append(out)
-    record(module, lambda: call(out), shared + [out], calls, buffers, tag, out=out)
-    return Case(tag, tuple(out.shape), q.dtype, judge)
-
-
-def add_inputs(calls: bochs.Calls, buffers: dict[int, str], *tensors: torch.Tensor) -> None:
-    for t in tensors:
-        buffers[id(t)] = calls.buffer(t.contiguous().view(torch.uint8).numpy().tobytes())
 
 
 def build_cases(calls: bochs.Calls, g: torch.Generator, here: bool = False) -> tuple[list[Case], list[torch.Tensor]]:
@@ -166,6 +85,7 @@ def build_cases(calls: bochs.Calls, g: torch.Generator, here: bool = False) -> t
                      lambda isa, x=x, w8=w8, s=scale: sums_bound(x, w8.double() * s.double()[:, None]))
     cases += attention_cases(calls, buffers, keep, here)
     cases += prefill_cases(calls, buffers, keep, here)
+    cases += decode_step_cases(calls, buffers, keep, here)
     return cases, keep
 
 
@@ -264,8 +184,14 @@ def main() -> int:
         result = bochs.run(calls, args.bochs, args.kernel, args.model, keep=args.keep)
         print(f"{args.model}: guest ran {result.seconds:.0f} s")
     failures = 0
-    from kernels import cpu_decode_attention, cpu_prefill_attention
-    modules = (cpu_gemm_bf16, cpu_gemm, cpu_gemm_int8, cpu_gemm_gguf, cpu_decode_attention, cpu_prefill_attention)
+    from kernels import cpu_decode_attention, cpu_decode_layer, cpu_prefill_attention
+    modules = (cpu_gemm_bf16, cpu_gemm, cpu_gemm_int8, cpu_gemm_gguf, cpu_decode_attention, cpu_prefill_attention,
+               cpu_decode_layer)
+    dots = result.values.get(BF16_DOT_VALUE, 0)
+    print(f"{cpu_decode_layer.__name__}: bf16 dot products {'on' if dots else 'off'}")
+    if dots != (cpu_decode_layer.bf16_dot_here() if args.here else 1):
+        print("FAIL: the decode step's bf16 dot products are not what the CPU offers")
+        failures += 1
     for module in modules:
         best = result.values.get(f"isa:{module.__name__}", 0)
         top = module._kernel.best if args.here else max(module.ISA_NAMES)
@@ -277,7 +203,8 @@ def main() -> int:
         worst = judged(case, result)
         failures += not worst <= 1
         print(f"{'ok  ' if worst <= 1 else 'FAIL'} {case.tag}: worst error {worst:.3f} of the bound")
-    print(f"{len(cases) + len(modules) - failures}/{len(cases) + len(modules)} checks passed")
+    checks = len(cases) + len(modules) + 1
+    print(f"{checks - failures}/{checks} checks passed")
     return 1 if failures else 0
 
 

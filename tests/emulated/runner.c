@@ -3,6 +3,9 @@
 // call's output buffer in hex on the console, where the host compares it with float64.
 //
 // spec, one item a line:  lib PATH | buf ID BYTES OFFSET (OFFSET -1: zeros) |
+//                         copy ID FROM                      (a new buffer ID holding FROM's bytes now) |
+//                         ptr ID AT TO                      (buffer TO's address stored at byte AT of ID:
+//                                                            a struct's pointer field) |
 //                         call TAG FUNCTION OUT_ID ARG...   (ARG: bID a buffer, fNUMBER a float, else an integer) |
 //                         value TAG FUNCTION                (an int function of no arguments)
 // An argument fNUMBER is a float; every other is passed as a 64-bit integer. That is the x86-64
@@ -18,7 +21,7 @@
 #include <termios.h>
 #include <unistd.h>
 
-#define MAX_BUFS 8192
+#define MAX_BUFS 32768
 #define MAX_ARGS 24
 #define MAX_FLOATS 4
 
@@ -27,6 +30,25 @@ typedef void (*call_any)(I8, I8, I8, float, float, float, float);
 
 static void *bufs[MAX_BUFS];
 static size_t sizes[MAX_BUFS];
+
+static void finish(int code);
+
+static int buffer_id(char **save) {
+    const char *word = strtok_r(NULL, " \n", save);
+    const int id = word ? atoi(word) : -1;
+    if (id < 0 || id >= MAX_BUFS) {
+        printf("@@ERROR buffer %d not in 0..%d\n", id, MAX_BUFS - 1);
+        finish(2);
+    }
+    return id;
+}
+
+static void allocate(int id, size_t bytes) {
+    free(bufs[id]);
+    bufs[id] = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    sizes[id] = bytes;
+    memset(bufs[id], 0, bytes);
+}
 
 static void finish(int code) {
     printf("@@END %d\n", code);
@@ -63,21 +85,27 @@ int main(void) {
                 finish(2);
             }
         } else if (!strcmp(word, "buf")) {
-            int id = atoi(strtok_r(NULL, " \n", &save));
-            if (id < 0 || id >= MAX_BUFS) {
-                printf("@@ERROR buffer %d past %d\n", id, MAX_BUFS);
-                finish(2);
-            }
+            const int id = buffer_id(&save);
             size_t bytes = strtoull(strtok_r(NULL, " \n", &save), NULL, 10);
             long long offset = atoll(strtok_r(NULL, " \n", &save));
-            free(bufs[id]);
-            bufs[id] = aligned_alloc(64, (bytes + 63) / 64 * 64);
-            sizes[id] = bytes;
-            memset(bufs[id], 0, bytes);
+            allocate(id, bytes);
             if (offset >= 0 && (fseek(blob, offset, SEEK_SET) || fread(bufs[id], 1, bytes, blob) != bytes)) {
                 printf("@@ERROR blob read for buffer %d\n", id);
                 finish(2);
             }
+        } else if (!strcmp(word, "copy")) {
+            const int id = buffer_id(&save), from = buffer_id(&save);
+            allocate(id, sizes[from]);
+            memcpy(bufs[id], bufs[from], sizes[from]);
+        } else if (!strcmp(word, "ptr")) {
+            const int id = buffer_id(&save);
+            const size_t at = strtoull(strtok_r(NULL, " \n", &save), NULL, 10);
+            const int to = buffer_id(&save);
+            if (at + sizeof(void *) > sizes[id]) {
+                printf("@@ERROR pointer at %zu past buffer %d\n", at, id);
+                finish(2);
+            }
+            memcpy((char *)bufs[id] + at, &bufs[to], sizeof(void *));
         } else if (!strcmp(word, "value")) {
             const char *tag = strtok_r(NULL, " \n", &save), *name = strtok_r(NULL, " \n", &save);
             int (*fn)(void) = (int (*)(void))dlsym(lib, name);

@@ -23,6 +23,6 @@ def test_recorded_calls_replayed_by_the_runner_agree_with_float64():
         torch.set_num_threads(before)
     result = bochs.run_here(calls)
     kernels = {case.tag.split("/")[0] for case in cases}
-    assert kernels == {"bf16", "fp32", "int8", "q8_0", "q4_1", "attention", "prefill"}
+    assert kernels == {"bf16", "fp32", "int8", "q8_0", "q4_1", "attention", "prefill", "step"}
     bad = {case.tag: check_kernels.judged(case, result) for case in cases}
     assert not {tag: worst for tag, worst in bad.items() if not worst <= 1}
