@@ -2,7 +2,10 @@
 status codes OpenAI uses for each gRPC status the servicer ends with."""
 from __future__ import annotations
 
+import logging
+
 import grpc
+from starlette.responses import JSONResponse
 
 from gateway.openai_schema import openai_param
 from gateway.server import RpcFailed
@@ -49,3 +52,32 @@ def as_sent(e: HttpError, body) -> HttpError:
 
 def bad_request(message: str, param: str | None = None) -> HttpError:
     return HttpError(400, message, "invalid_request_error", param)
+
+
+class CatchBugs:
+    """ASGI middleware: an exception a route did not turn into an HttpError becomes a 500 in
+    OpenAI's shape, logged here, with no detail for the client. Starlette's handler for
+    Exception answers too but then raises again, so uvicorn logged the traceback a second time
+    and closed the connection: a client's next request on it, kept alive, was reset."""
+
+    def __init__(self, app, log: logging.Logger) -> None:
+        self.app, self.log = app, log
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, receive, sending)
+        except Exception:
+            if started:  # a response is half sent: nothing clean can follow, the connection ends
+                raise
+            self.log.exception("%s %s failed inside the gateway", scope.get("method"), scope.get("path"))
+            body = HttpError(500, "the request failed inside the gateway; see its log", "internal_error").body()
+            await JSONResponse(body, status_code=500)(scope, receive, send)

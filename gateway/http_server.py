@@ -34,7 +34,7 @@ from gateway.openai_schema import (BadField, ChatCompletionRequest, CompletionRe
 from gateway.openai_tools import (ToolBadField, ToolConfig, ToolDefinition, add_tools,
                                   check_tools, tool_request)
 from gateway.beam_request import MAX_BEAM_WIDTH
-from gateway.http_errors import HttpError, as_sent, bad_request, from_rpc
+from gateway.http_errors import CatchBugs, HttpError, as_sent, bad_request, from_rpc
 from gateway.server import GenerationServicer, RpcFailed
 from gateway.validate import MAX_N
 from proto import pagoda_pb2
@@ -58,7 +58,7 @@ class HttpApi:
         self.app = FastAPI(title="pagoda", docs_url=None, redoc_url=None, openapi_url=None)
         self.app.add_exception_handler(HttpError, self._on_http_error)
         # A bug must not reach a client as a traceback or a bare 500 page.
-        self.app.add_exception_handler(Exception, self._on_bug)
+        self.app.add_middleware(CatchBugs, log=log)
         route = self.app.add_api_route
         route("/v1/completions", self.completions, methods=["POST"])
         route("/v1/chat/completions", self.chat_completions, methods=["POST"])
@@ -73,13 +73,6 @@ class HttpApi:
     @staticmethod
     async def _on_http_error(_request: Request, e: HttpError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
-
-    @staticmethod
-    async def _on_bug(request: Request, e: Exception) -> JSONResponse:
-        log.error("%s %s failed inside the gateway", request.method, request.url.path,
-                  exc_info=e)
-        return JSONResponse(HttpError(500, "the request failed inside the gateway; see its log",
-                                      "internal_error").body(), status_code=500)
 
     def _tenant(self, request: Request) -> str:
         """With --api-key: the caller's tenant, or 401 for a missing or unknown key."""

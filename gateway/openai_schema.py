@@ -5,7 +5,7 @@ the name the client sent."""
 from __future__ import annotations
 
 import re
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
@@ -15,6 +15,13 @@ from proto import pagoda_pb2
 
 # OpenAI's default for /v1/completions (vLLM's too); chat leaves it to what the context allows.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+# The ranges of the proto fields the numbers are copied into: protobuf raises ValueError on one
+# past them, which was a 500 (`"seed": 2**70`, `"top_k": 2**32`, a negative seed). Refused here
+# instead, 400 naming the field; the fields' own ranges are gateway/validate.py's, after.
+Int32 = Annotated[StrictInt, Field(ge=-(1 << 31), le=(1 << 31) - 1)]
+UInt64 = Annotated[StrictInt, Field(ge=0, le=(1 << 64) - 1)]
 
 
 class _Strict(BaseModel):
@@ -29,15 +36,15 @@ class StreamOptions(_Strict):
 class _Common(_Strict):
     """Fields both endpoints take."""
     model: str
-    n: StrictInt = 1
+    n: StrictInt = 1  # bounded before anything is built (HttpApi._generate)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    max_tokens: StrictInt | None = None
+    max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: StrictInt | None = None
+    top_k: Int32 | None = None
     min_p: float | None = None
-    seed: StrictInt | None = None
+    seed: UInt64 | None = None
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[StrictInt] | None = None
     presence_penalty: float | None = None
@@ -45,11 +52,11 @@ class _Common(_Strict):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     ignore_eos: StrictBool = False
-    min_tokens: StrictInt = 0
+    min_tokens: Int32 = 0
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool | None = None
-    truncate_prompt_tokens: StrictInt | None = None
-    priority: StrictInt = 0
+    truncate_prompt_tokens: Int32 | None = None
+    priority: Int32 = 0
     request_id: str | None = None
     cache_salt: str | None = None  # vLLM's: prefix-cache hits only among the same salt
     user: str | None = None  # accepted and ignored, as vLLM does
@@ -63,9 +70,9 @@ class _Common(_Strict):
 
 class CompletionRequest(_Common):
     prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
-    logprobs: StrictInt | None = None
+    logprobs: Int32 | None = None
     echo: StrictBool = False
-    prompt_logprobs: StrictInt | None = None
+    prompt_logprobs: Int32 | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt of a batch: a string or a list of token ids."""
@@ -97,9 +104,9 @@ class Message(_Strict):
 
 class ChatCompletionRequest(_Common):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: Int32 | None = None
     # Function calling (gateway/openai_tools.py).
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
@@ -141,8 +148,6 @@ def _stopping(body: _Common, max_tokens: int | None) -> pagoda_pb2.StoppingCrite
             raise BadField("stop_token_ids", f"stop_token_ids[{i}] = {t} is not a token id")
         s.stop_token_ids.append(t)
     if max_tokens is not None:
-        if not -(1 << 31) <= max_tokens < 1 << 31:
-            raise BadField("max_tokens", f"max_tokens must be >= 1, got {max_tokens}")
         s.max_tokens = max_tokens
     return s
 

@@ -223,6 +223,10 @@ MALFORMED = {
     "a lone surrogate in chat content": (
         b'{"model": "%s", "messages": [{"role": "user", "content": "\\udfff"}]}' % MODEL.encode(),
         "messages.0.content"),
+    # numbers past the gRPC field they are copied into (protobuf raised ValueError: a 500)
+    "a seed past 64 bits": (json.dumps({"model": MODEL, "prompt": "hi", "seed": 2**70}).encode(), "seed"),
+    "a negative seed": (json.dumps({"model": MODEL, "prompt": "hi", "seed": -1}).encode(), "seed"),
+    "a top_k past 32 bits": (json.dumps({"model": MODEL, "prompt": "hi", "top_k": 2**32}).encode(), "top_k"),
     "not UTF-8": (b'{"model": "\xff"}', None),
     "not an object": (b"[1, 2]", None),
     "truncated": (b'{"model": ', None),

@@ -4,8 +4,10 @@ logprobs, errors and their status codes, cancel. tests/integration/test_integrat
 client against the real stack."""
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
+import re
 
 import httpx2 as httpx  # what the openai client itself runs on
 import openai
@@ -115,6 +117,61 @@ def test_bad_requests_get_openai_errors(run, payload, status, param):
             error = r.json()["error"]
             assert error["param"] == param and error["message"] and error["type"]
             assert not h.scheduler.adds  # nothing reached the scheduler
+    run(body())
+
+
+# Numbers past the proto field they are copied into (protobuf raised ValueError: a 500, and the
+# connection reset under the client's next request), or below an unsigned one.
+OUT_OF_RANGE = [("chat/completions", field, value) for field, value in [
+    ("seed", 2**70), ("seed", -1), ("top_k", 2**32), ("min_tokens", 2**31), ("priority", -2**40),
+    ("truncate_prompt_tokens", 2**63), ("max_completion_tokens", 2**70), ("max_tokens", -2**31 - 1),
+    ("top_logprobs", 2**40)]] + [("completions", "logprobs", 2**40), ("completions", "prompt_logprobs", -2**63)]
+
+
+def test_numbers_out_of_range_get_400_naming_them_on_a_connection_that_goes_on(run):
+    async def body():
+        async with harness() as h:
+            async with httpx.AsyncClient() as http:  # one connection, kept alive throughout
+                for path, field, value in OUT_OF_RANGE:
+                    request = {"model": MODEL, **({"messages": CHAT} if path.startswith("chat") else {"prompt": "hi"}),
+                               field: value, **({"logprobs": True} if field == "top_logprobs" else {})}
+                    r = await http.post(f"{h.base_url}/{path}", json=request)
+                    assert r.status_code == 400, (field, value, r.text)
+                    assert r.json()["error"]["param"] == field, (field, r.text)
+                    r = await http.post(f"{h.base_url}/chat/completions", json={"model": MODEL, "messages": CHAT})
+                    assert r.status_code == 200, (field, r.text)
+                assert len(h.scheduler.adds) == len(OUT_OF_RANGE)  # only the good ones reached it
+    run(body())
+
+
+def test_a_bug_gets_a_500_without_detail_and_the_connection_serves_the_next_request(run, monkeypatch):
+    import gateway.http_server
+    real = gateway.http_server.chat_request
+    calls = []
+
+    def first_fails(body):
+        calls.append(body)
+        if len(calls) == 1:
+            raise RuntimeError("secret detail")
+        return real(body)
+    monkeypatch.setattr(gateway.http_server, "chat_request", first_fails)
+    request = json.dumps({"model": MODEL, "messages": CHAT}).encode()
+
+    async def body():
+        async with harness() as h:
+            reader, writer = await asyncio.open_connection("127.0.0.1", h.gateway.http_port)
+            replies = []
+            for _ in range(2):  # both on one connection: the first one's bug must not end it
+                writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(request), request))
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+                length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
+                replies.append((head, json.loads(await reader.readexactly(length))))
+            writer.close()
+            (head, error), (ok_head, ok) = replies
+            assert head.startswith(b"HTTP/1.1 500") and error["error"]["type"] == "internal_error"
+            assert "secret" not in json.dumps(error)
+            assert ok_head.startswith(b"HTTP/1.1 200") and ok["choices"][0]["message"]["content"] == REPLY
     run(body())
 
 
