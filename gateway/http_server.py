@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from contextlib import aclosing
@@ -40,6 +41,17 @@ from gateway.validate import MAX_N
 from proto import pagoda_pb2
 
 log = logging.getLogger("pagoda.gateway")
+
+_FIELD = re.compile(r"[a-z_][a-z0-9_]*")
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def _field_path(loc: tuple) -> str:
+    """A pydantic error's location as the client's field path: list indices kept, the names
+    pydantic gives a union's branches ("str", "list[TextPart]", "literal['never']") left out."""
+    return ".".join(str(part) for part in loc if isinstance(part, int)
+                    or (_FIELD.fullmatch(part) and part not in _TYPE_TAGS))
+
 
 class HttpApi:
     def __init__(self, servicer: GenerationServicer, max_body_bytes: int,
@@ -110,14 +122,17 @@ class HttpApi:
         try:
             return model.model_validate(parsed)
         except pydantic.ValidationError as e:
-            unknown = [".".join(map(str, err["loc"])) for err in e.errors()
-                       if err["type"] == "extra_forbidden"]
+            unknown = [_field_path(err["loc"]) for err in e.errors() if err["type"] == "extra_forbidden"]
             if unknown:
                 raise bad_request(f"unknown or unsupported field(s): {', '.join(unknown)}",
                                   unknown[0]) from None
-            err = e.errors()[0]
-            param = ".".join(str(p) for p in err["loc"])
-            raise bad_request(f"{param}: {err['msg']}", param or None) from None
+            # A union's errors come one per branch, each under the branch's name ("stop.str",
+            # "stop.list[str].1"): the field is the path without those names, and the branch
+            # that got furthest into the value says best what is wrong with it.
+            errors = [(_field_path(err["loc"]), err["msg"]) for err in e.errors()]
+            param = errors[0][0]
+            where, msg = max((x for x in errors if x[0].startswith(param)), key=lambda x: len(x[0]))
+            raise bad_request(f"{where}: {msg}", param or None) from None
 
     @property
     def model_name(self) -> str:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from gateway.openai_structured import ResponseFormat, StructuredOutputsParams
 from gateway.openai_tools import MessageToolCall, ToolChoice, ToolDefinition, call_arguments
@@ -73,6 +74,17 @@ class CompletionRequest(_Common):
     logprobs: Int32 | None = None
     echo: StrictBool = False
     prompt_logprobs: Int32 | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _one_of_the_shapes(cls, value, handler):
+        # pydantic names the union's branch it tried last ("prompt.str"), not the field
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError(
+                "prompt", "must be a string, a list of strings, a list of token ids or a list of "
+                          "lists of token ids") from None
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt of a batch: a string or a list of token ids."""

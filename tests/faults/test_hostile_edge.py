@@ -227,6 +227,7 @@ MALFORMED = {
     "a seed past 64 bits": (json.dumps({"model": MODEL, "prompt": "hi", "seed": 2**70}).encode(), "seed"),
     "a negative seed": (json.dumps({"model": MODEL, "prompt": "hi", "seed": -1}).encode(), "seed"),
     "a top_k past 32 bits": (json.dumps({"model": MODEL, "prompt": "hi", "top_k": 2**32}).encode(), "top_k"),
+    "a prompt mixing text and token ids": (json.dumps({"model": MODEL, "prompt": ["a", [1]]}).encode(), "prompt"),
     "not UTF-8": (b'{"model": "\xff"}', None),
     "not an object": (b"[1, 2]", None),
     "truncated": (b'{"model": ', None),

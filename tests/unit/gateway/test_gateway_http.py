@@ -104,6 +104,8 @@ def test_logprobs_in_both_shapes(run):
     ({"stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ({"bogus": 1, "tools": []}, 400, "bogus"),             # unknown fields are named
     ({"n": "two"}, 400, "n"),
+    ({"stop": ["a", 5]}, 400, "stop"),                   # a union's field, not its branch ("stop.str")
+    ({"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
     ({"model": "other-model"}, 404, "model"),
     ({"messages": []}, 400, "messages"),
 ])
