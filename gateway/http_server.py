@@ -22,6 +22,7 @@ import grpc
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import http_stream, metrics
@@ -69,12 +70,15 @@ class HttpApi:
         self.api_keys = servicer.api_keys  # the gRPC side's keys and tenants, as a bearer token
         self.app = FastAPI(title="pagoda", docs_url=None, redoc_url=None, openapi_url=None)
         self.app.add_exception_handler(HttpError, self._on_http_error)
+        # No such route or method: OpenAI's shape too, not Starlette's {"detail": ...}.
+        self.app.add_exception_handler(StarletteHTTPException, self._on_no_route)
         # A bug must not reach a client as a traceback or a bare 500 page.
         self.app.add_middleware(CatchBugs, log=log)
         route = self.app.add_api_route
         route("/v1/completions", self.completions, methods=["POST"])
         route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         route("/v1/models", self.models, methods=["GET"])
+        route("/v1/models/{model:path}", self.model, methods=["GET"])  # ids may hold a "/"
         route("/tokenize", self.tokenize, methods=["POST"])
         route("/detokenize", self.detokenize, methods=["POST"])
         route("/health", self.health, methods=["GET"])
@@ -85,6 +89,13 @@ class HttpApi:
     @staticmethod
     async def _on_http_error(_request: Request, e: HttpError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
+
+    @staticmethod
+    async def _on_no_route(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        message = (f"{request.method} {request.url.path}: "
+                   + ("no such route" if e.status_code == 404 else str(e.detail)))
+        return JSONResponse(HttpError(e.status_code, message, "invalid_request_error").body(),
+                            status_code=e.status_code, headers=e.headers)
 
     def _tenant(self, request: Request) -> str:
         """With --api-key: the caller's tenant, or 401 for a missing or unknown key."""
@@ -278,10 +289,18 @@ class HttpApi:
 
     async def models(self, request: Request) -> dict:
         self._tenant(request)
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, request: Request, model: str) -> dict:
+        """GET /v1/models/{model} (the SDK's models.retrieve)."""
+        self._tenant(request)
+        self._check_model(model)
+        return self._model_card()
+
+    def _model_card(self) -> dict:
         info = self.client.info
-        return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": 0, "owned_by": "pagoda",
-            "max_model_len": info.max_model_len if info is not None else None}]}
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "pagoda",
+                "max_model_len": info.max_model_len if info is not None else None}
 
     async def tokenize(self, request: Request) -> dict:
         self._tenant(request)

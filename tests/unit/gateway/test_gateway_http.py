@@ -241,8 +241,17 @@ def test_models_tokenize_detokenize_metrics(run):
         async with harness() as h:
             models = await client(h).models.list()
             assert [(m.id, m.object) for m in models.data] == [(MODEL, "model")]
+            assert (await client(h).models.retrieve(MODEL)).id == MODEL
+            with pytest.raises(openai.NotFoundError) as e:
+                await client(h).models.retrieve("other/model")
+            assert e.value.body["param"] == "model" and e.value.body["code"] == "model_not_found"
             root = f"http://127.0.0.1:{h.gateway.http_port}"
             async with httpx.AsyncClient() as http:
+                # no such route, or not this method: OpenAI's error shape all the same
+                for r, status in ((await http.post(f"{root}/v1/embeddings", json={}), 404),
+                                  (await http.get(f"{root}/v1/chat/completions"), 405)):
+                    assert r.status_code == status and set(r.json()) == {"error"}, r.text
+                    assert r.json()["error"]["type"] == "invalid_request_error"
                 r = await http.post(f"{root}/tokenize", json={"model": MODEL, "prompt": "Héllo wörld"})
                 ids = TOK.encode("Héllo wörld", add_special_tokens=True)
                 assert r.json()["tokens"] == ids and r.json()["count"] == len(ids)
