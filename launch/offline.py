@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import argparse
+import atexit
+import functools
 import json
 import os
 import subprocess
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Sequence
 
@@ -25,7 +28,7 @@ from launch.children import Child, module_command, spawn, stop_in_order
 from launch.flag_errors import FlagError
 from launch.flag_routing import check_flags, process_parsers, route_flags
 from launch.outputs import RequestOutput, collect
-from launch.params import BeamSearchParams, SamplingParams, generate_request
+from launch.params import BeamSearchParams, SamplingParams, generate_request, one_prompt, prompt_fields
 from proto.auth import create_keys
 
 # The scheduler's waiting queue is bounded; this many requests are in flight at most.
@@ -56,6 +59,10 @@ class LLM:
 
         self._procs: list[subprocess.Popen] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Closed before the interpreter's teardown, where __del__ came too late: the loop's
+        # thread no longer ran, close() waited 10 s for it and printed a traceback at exit.
+        self._at_exit = functools.partial(_close_if_alive, weakref.ref(self))
+        atexit.register(self._at_exit)
         if not engine.get("zmq_keys_dir") and not engine.get("insecure"):
             # Authenticated, as `make run` is: a key set of its own for this engine's sockets.
             engine["zmq_keys_dir"] = str(create_keys(tempfile.mkdtemp(prefix="pagoda-llm-keys-")))
@@ -93,23 +100,23 @@ class LLM:
 
     # ------------------------------------------------------------------ the public API
 
-    def generate(self, prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
+    def generate(self, prompts: str | dict | Sequence[int] | Sequence[str | dict] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Outputs in the order of the prompts: strings or token-id lists (one, or a list)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Outputs in the order of the prompts (one, or a list): strings, token-id lists, or vLLM's
+        TextPrompt / TokensPrompt dicts ({"prompt": ...} or {"prompt_token_ids": ...}, with an
+        optional "cache_salt")."""
+        if one_prompt(prompts):
             prompts = [prompts]
-        return self._run([{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)}
-                          for p in prompts], sampling_params, use_tqdm)
+        return self._run([prompt_fields(p) for p in prompts], sampling_params, use_tqdm)
 
-    def beam_search(self, prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
+    def beam_search(self, prompts: str | dict | Sequence[int] | Sequence[str | dict] | Sequence[Sequence[int]],
                     params: BeamSearchParams, use_tqdm: bool = False) -> list[RequestOutput]:
         """Beam search (as vLLM's LLM.beam_search): each output holds params.beam_width
         completions, best first, each with its cumulative_logprob."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if one_prompt(prompts):
             prompts = [prompts]
-        return self._run([{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)}
-                          for p in prompts], params, use_tqdm)
+        return self._run([prompt_fields(p) for p in prompts], params, use_tqdm)
 
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -121,6 +128,7 @@ class LLM:
 
     def close(self) -> None:
         """Stops the children and the background loop; safe to call twice."""
+        atexit.unregister(self._at_exit)
         if self._loop is not None:
             loop, self._loop = self._loop, None
             asyncio.run_coroutine_threadsafe(self._client.close(), loop).result(10)
@@ -201,6 +209,12 @@ class LLM:
         finally:  # one failure (or a KeyboardInterrupt upstream) aborts the rest
             for t in tasks:
                 t.cancel()
+
+
+def _close_if_alive(ref: "weakref.ref[LLM]") -> None:
+    llm = ref()
+    if llm is not None:
+        llm.close()
 
 
 def _free_port() -> int:

@@ -75,15 +75,16 @@ async def collect(servicer, tokenizer, request: pb.GenerateRequest, request_id: 
     """One request through the gateway's own response generator, gathered into a RequestOutput."""
     from gateway.server import RpcFailed
 
-    n = request.beam_search.beam_width or request.sampling.n or 1
-    outputs = [CompletionOutput(index=i) for i in range(n)]
+    # Filled as the indices arrive: the request's n is the caller's until the servicer has
+    # checked it (a list of n built here first took 20 GB for n = 10^9, and the OOM killer).
+    outputs: dict[int, CompletionOutput] = {}
     prompt_ids: list[int] = []
     prompt_lps = None
     cached = 0
     try:
         async with aclosing(servicer.responses(request, time.monotonic(), unary=False)) as responses:
             async for r in responses:
-                out = outputs[r.index]
+                out = outputs.setdefault(r.index, CompletionOutput(index=r.index))
                 if r.prompt_token_ids:
                     prompt_ids = list(r.prompt_token_ids)
                 if r.prompt_logprobs:
@@ -107,5 +108,7 @@ async def collect(servicer, tokenizer, request: pb.GenerateRequest, request_id: 
         code = e.code.name if isinstance(e.code, grpc.StatusCode) else str(e.code)
         raise GenerationError(code, str(e)) from None
     prompt = request.prompt or (tokenizer.decode(prompt_ids, False) if prompt_ids else None)
-    return RequestOutput(request_id, prompt, prompt_ids, outputs, prompt_lps,
+    n = request.beam_search.beam_width or request.sampling.n or 1  # checked by now
+    return RequestOutput(request_id, prompt, prompt_ids,
+                         [outputs.get(i) or CompletionOutput(index=i) for i in range(n)], prompt_lps,
                          num_cached_tokens=cached)

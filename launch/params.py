@@ -86,46 +86,81 @@ class BeamSearchParams:
 
 def generate_request(fields: dict, p: SamplingParams | BeamSearchParams) -> pb.GenerateRequest:
     if isinstance(p, BeamSearchParams):
-        req = pb.GenerateRequest(
-            beam_search=pb.BeamSearchParams(beam_width=p.beam_width, length_penalty=p.length_penalty,
-                                            early_stopping=p.early_stopping),
-            stopping=pb.StoppingCriteria(max_tokens=p.max_tokens, ignore_eos=p.ignore_eos,
-                                         stop_token_ids=p.stop_token_ids or []),
-            priority=p.priority, skip_special_tokens=p.skip_special_tokens,
-            return_prompt_token_ids=True)
+        name = "BeamSearchParams"
+        req = _message(pb.GenerateRequest, name, priority=p.priority, skip_special_tokens=p.skip_special_tokens,
+                       return_prompt_token_ids=True)
+        req.beam_search.CopyFrom(_message(pb.BeamSearchParams, name, beam_width=p.beam_width,
+                                          length_penalty=p.length_penalty, early_stopping=p.early_stopping))
+        req.stopping.CopyFrom(_message(pb.StoppingCriteria, name, max_tokens=p.max_tokens, ignore_eos=p.ignore_eos,
+                                       stop_token_ids=p.stop_token_ids or []))
         return _with_prompt(req, fields)
-    s = pb.SamplingParams(
-        n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias or {})
-    if p.seed is not None:
-        s.seed = p.seed
-    if p.logprobs is not None:
-        s.logprobs = p.logprobs
-    if p.prompt_logprobs is not None:
-        s.prompt_logprobs = p.prompt_logprobs
+    name = "SamplingParams"
+    s = _message(pb.SamplingParams, name, n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                 min_p=p.min_p, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                 repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias or {}, seed=p.seed,
+                 logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs)
     if p.structured_outputs is not None:
         s.structured_output.CopyFrom(p.structured_outputs.to_proto())
     stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
-    stopping = pb.StoppingCriteria(stop=stop, stop_token_ids=p.stop_token_ids or [],
-                                   ignore_eos=p.ignore_eos, min_tokens=p.min_tokens,
-                                   include_stop_str_in_output=p.include_stop_str_in_output)
-    if p.max_tokens is not None:
-        stopping.max_tokens = p.max_tokens
-    req = pb.GenerateRequest(sampling=s, stopping=stopping, priority=p.priority,
-                             skip_special_tokens=p.skip_special_tokens,
-                             return_prompt_token_ids=True)
-    if p.truncate_prompt_tokens is not None:
-        req.truncate_prompt_tokens = p.truncate_prompt_tokens
+    stopping = _message(pb.StoppingCriteria, name, stop=stop, stop_token_ids=p.stop_token_ids or [],
+                        ignore_eos=p.ignore_eos, min_tokens=p.min_tokens, max_tokens=p.max_tokens,
+                        include_stop_str_in_output=p.include_stop_str_in_output)
+    req = _message(pb.GenerateRequest, name, priority=p.priority, skip_special_tokens=p.skip_special_tokens,
+                   return_prompt_token_ids=True, truncate_prompt_tokens=p.truncate_prompt_tokens)
+    req.sampling.CopyFrom(s)
+    req.stopping.CopyFrom(stopping)
     return _with_prompt(req, fields)
 
 
+def _message(cls, owner: str, **fields):
+    """cls(**fields) without the None ones, an error naming the field where protobuf refuses a
+    value (a number past its field's range, a wrong type): "SamplingParams.seed: Value out of
+    range: -1", where a bare ValueError named nothing."""
+    msg = cls()
+    for field, value in fields.items():
+        if value is None:
+            continue
+        try:
+            msg.MergeFrom(cls(**{field: value}))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{owner}.{field}: {e}") from None
+    return msg
+
+
 def _with_prompt(req: pb.GenerateRequest, fields: dict) -> pb.GenerateRequest:
-    if "prompt" in fields:
-        req.prompt = fields["prompt"]
-    elif "prompt_token_ids" in fields:
-        req.prompt_token_ids.extend(fields["prompt_token_ids"])
-    else:
-        for m in fields["messages"]:
-            req.messages.add(role=m["role"], content=m["content"])
+    try:
+        if "prompt" in fields:
+            req.prompt = fields["prompt"]
+        elif "prompt_token_ids" in fields:
+            req.prompt_token_ids.extend(fields["prompt_token_ids"])
+        else:
+            for m in fields["messages"]:
+                req.messages.add(role=m["role"], content=m["content"])
+        if "cache_salt" in fields:
+            req.cache_salt = fields["cache_salt"]
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{next(k for k in fields if k != 'cache_salt')}: {e}") from None
     return req
+
+
+def prompt_fields(prompt) -> dict:
+    """One prompt as vLLM's LLM.generate takes it: text, token ids, or a TextPrompt /
+    TokensPrompt dict ({"prompt": text} or {"prompt_token_ids": ids}, either with "cache_salt")."""
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if isinstance(prompt, dict):
+        kinds = [k for k in ("prompt", "prompt_token_ids") if k in prompt]
+        other = sorted(set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"})
+        if len(kinds) != 1 or other:
+            raise ValueError('a prompt dict holds "prompt" (text) or "prompt_token_ids", and maybe '
+                             f'"cache_salt"; got {sorted(prompt)}')
+        out = {kinds[0]: prompt[kinds[0]] if kinds[0] == "prompt" else list(prompt[kinds[0]])}
+        if "cache_salt" in prompt:
+            out["cache_salt"] = prompt["cache_salt"]
+        return out
+    return {"prompt_token_ids": list(prompt)}
+
+
+def one_prompt(prompts) -> bool:
+    """Whether generate's argument is a single prompt rather than a list of them."""
+    return isinstance(prompts, (str, dict)) or bool(prompts) and isinstance(prompts[0], int)

@@ -78,7 +78,41 @@ def test_llm_generate_and_chat_equal_transformers(smollm2_hf, hf_tokenizer):
                          use_tqdm=False)
         assert refused.value.code == "INVALID_ARGUMENT"
         assert str(refused.value).startswith("INVALID_ARGUMENT: sampling.structured_output.regex: ")
+
+        # vLLM's prompt dicts answer as the plain prompts do (greedy: the same tokens)
+        plain = [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids]
+        dicts = llm.generate([{"prompt": prompts[0]}, {"prompt_token_ids": [504, 3575, 282], "cache_salt": "s"}],
+                             SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+        assert [d.outputs[0].token_ids for d in dicts] == plain
+        # Bad counts are refused before anything is built for them (n = 10^9 built a list of
+        # n outputs first: 20 GB, and the OOM killer), numbers past their field name it.
+        rss = _rss_bytes()
+        with pytest.raises(GenerationError, match="sampling.n must be between 1 and 16"):
+            llm.generate("x", SamplingParams(n=10**9), use_tqdm=False)
+        assert _rss_bytes() - rss < 100 << 20
+        for params, field in ((SamplingParams(seed=-1), "SamplingParams.seed"),
+                              (SamplingParams(top_k=2**40), "SamplingParams.top_k")):
+            with pytest.raises(ValueError, match=f"^{field}: "):
+                llm.generate("x", params, use_tqdm=False)
+        with pytest.raises(ValueError, match="multi_modal_data"):
+            llm.generate({"prompt": "x", "multi_modal_data": {}}, use_tqdm=False)
     assert wait_for(lambda: not any(alive(p) for p in pids), timeout=15)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_script_that_never_closes_its_llm_exits_cleanly():
+    """Closed at exit, before the interpreter's teardown: __del__ alone came when the loop's
+    thread no longer ran, waited 10 s and printed a traceback."""
+    script = ("from pagoda import LLM, SamplingParams\n"
+              f"llm = LLM(**{FLAGS!r})\n"
+              "print(len(llm.generate('Hi', SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids))\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "2", done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-2000:]
 
 
 def test_no_orphans_when_the_parent_is_killed():
