@@ -13,6 +13,7 @@ import argparse
 from gateway.chat_templates import TemplateFlagError, read_chat_template
 from gateway.client_auth import api_keys_from, parse_range, priority_ranges
 from gateway.tool_parsers import PARSERS
+from launch.flag_types import COUNT, PORT, POSITIVE_SECONDS, SECONDS, int_at_least
 from proto.auth import add_auth_args
 
 # Bounds on one GenerateRequest (gateway.validate.Limits has a field per entry, same name and
@@ -39,26 +40,6 @@ REQUEST_LIMITS: tuple[tuple[str, int, int, str], ...] = (
 )
 
 
-def _int_at_least(minimum: int):
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-    parse.__name__ = "int"  # argparse names the type in its error message
-    return parse
-
-
-def _positive_seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
-    return value
-
-
-_positive_seconds.__name__ = "seconds"
-
-
 def _chat_template(value: str) -> str:
     """--chat-template's text, read and parsed here so that a bad one stops the start."""
     try:
@@ -77,34 +58,34 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "empty = SmolLM2-135M-Instruct (default: %(default)r)")
     g.add_argument("--host", default="127.0.0.1",
                    help="address the gRPC server binds; loopback unless told (default: %(default)s)")
-    g.add_argument("--port", type=int, default=50051, help="gRPC port (default: %(default)s)")
-    g.add_argument("--http-port", type=int, default=8000,
+    g.add_argument("--port", type=PORT, default=50051, help="gRPC port (default: %(default)s)")
+    g.add_argument("--http-port", type=PORT, default=8000,
                    help="OpenAI-compatible HTTP port on the same host, 0 = off; must differ from "
                         "--port (default: %(default)s)")
-    g.add_argument("--max-batch-prompts", type=_int_at_least(1), default=256,
+    g.add_argument("--max-batch-prompts", type=int_at_least(1), default=256,
                    help="prompts in one /v1/completions batch; more get 400, before any is "
                         "tokenized (default: %(default)s)")
     g.add_argument("--shared-prefix-cache", action="store_true",
                    help="let tenants (--api-key) share prefix-cache blocks; off by default, so "
                         "that one tenant's cache hits never reveal another's prompts")
-    g.add_argument("--max-streams-per-connection", type=_int_at_least(1), default=1024,
+    g.add_argument("--max-streams-per-connection", type=int_at_least(1), default=1024,
                    help="gRPC streams one connection may have open at once (HTTP/2's "
                         "MAX_CONCURRENT_STREAMS): below --max-concurrent-rpcs, one client cannot "
                         "hold every slot, but a client that opens more streams on one "
                         "connection than this gets some refused (UNAVAILABLE, REFUSED_STREAM) "
                         "(default: %(default)s)")
-    g.add_argument("--max-grpc-connections", type=_int_at_least(1), default=1024,
+    g.add_argument("--max-grpc-connections", type=int_at_least(1), default=1024,
                    help="open gRPC connections at once; past it, a new one is closed at once "
                         "(the client sees UNAVAILABLE) (default: %(default)s)")
-    g.add_argument("--max-connection-age", type=_positive_seconds, default=1800.0,
+    g.add_argument("--max-connection-age", type=POSITIVE_SECONDS, default=1800.0,
                    help="seconds a gRPC connection may live: then it gets GOAWAY (clients "
                         "reconnect for new calls) and its open streams get "
                         "--max-connection-age-grace more; this is what frees the slots of a "
                         "client that reads nothing (default: %(default)s)")
-    g.add_argument("--max-connection-age-grace", type=_positive_seconds, default=600.0,
+    g.add_argument("--max-connection-age-grace", type=POSITIVE_SECONDS, default=600.0,
                    help="seconds a gRPC connection's open streams may run past "
                         "--max-connection-age before it is closed (default: %(default)s)")
-    g.add_argument("--max-grammar-compile-seconds", type=_positive_seconds, default=5.0,
+    g.add_argument("--max-grammar-compile-seconds", type=POSITIVE_SECONDS, default=5.0,
                    help="seconds a structured-output spec (schema, regex, grammar) may take to "
                         "compile in the gateway's check; a slower one gets INVALID_ARGUMENT / 400 "
                         "(default: %(default)s)")
@@ -129,53 +110,53 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="with tool_choice none, leave the tools out of the prompt; by default "
                         "they are rendered (as vLLM does) and the answer is read as plain content")
-    g.add_argument("--max-http-connections", type=_int_at_least(1), default=1024,
+    g.add_argument("--max-http-connections", type=int_at_least(1), default=1024,
                    help="open HTTP connections (and requests in flight) at once; past it, 503 "
                         "(default: %(default)s)")
-    g.add_argument("--http-header-timeout", type=float, default=10.0,
+    g.add_argument("--http-header-timeout", type=POSITIVE_SECONDS, default=10.0,
                    help="seconds a connection gets to send a whole request's headers, from "
                         "connect or its last response; then it is closed (default: %(default)s)")
-    g.add_argument("--http-body-timeout", type=float, default=30.0,
+    g.add_argument("--http-body-timeout", type=POSITIVE_SECONDS, default=30.0,
                    help="seconds to read a whole request body; then 408 (default: %(default)s)")
-    g.add_argument("--http-write-timeout", type=float, default=30.0,
+    g.add_argument("--http-write-timeout", type=POSITIVE_SECONDS, default=30.0,
                    help="seconds a response may wait on a client that reads nothing; then the "
                         "connection is closed and its requests aborted (default: %(default)s)")
-    g.add_argument("--max-http-body-bytes", type=_int_at_least(1), default=1 << 20,
+    g.add_argument("--max-http-body-bytes", type=int_at_least(1), default=1 << 20,
                    help="largest HTTP request body; a larger one gets 413 (default: %(default)s)")
     g.add_argument("--scheduler-gateway-address", default="tcp://127.0.0.1:5555",
                    help="ZeroMQ address of the scheduler's gateway socket (default: %(default)s)")
     g.add_argument("--gateway-metrics-host", default="127.0.0.1",
                    help="address /metrics binds; a container needs 0.0.0.0 (default: %(default)s)")
-    g.add_argument("--gateway-metrics-port", type=int, default=9401,
+    g.add_argument("--gateway-metrics-port", type=PORT, default=9401,
                    help="Prometheus /metrics port, 0 = off (default: %(default)s)")
-    g.add_argument("--max-message-bytes", type=int, default=None,
+    g.add_argument("--max-message-bytes", type=COUNT, default=None,
                    help="largest gRPC response sent and ZeroMQ message received (default: the "
                         "largest valid response, computed in gateway/grpc_bounds.py, and the largest "
                         "valid message from the scheduler, computed in proto/sizes.py)")
-    g.add_argument("--max-request-bytes", type=int, default=None,
+    g.add_argument("--max-request-bytes", type=COUNT, default=None,
                    help="largest gRPC request received (default: the largest valid "
                         "GenerateRequest, computed from the request limits in gateway/grpc_bounds.py)")
-    g.add_argument("--scheduler-timeout", type=float, default=3.0,
+    g.add_argument("--scheduler-timeout", type=POSITIVE_SECONDS, default=3.0,
                    help="seconds without any message from the scheduler (it answers a hello "
                         "sent every second) before requests in flight end UNAVAILABLE and "
                         "health turns NOT_SERVING (default: %(default)s)")
-    g.add_argument("--max-unread-deltas", type=_int_at_least(1), default=256,
+    g.add_argument("--max-unread-deltas", type=int_at_least(1), default=256,
                    help="tokens one stream may hold unread by its client (a message without "
                         "tokens counts 1); past it the request is aborted with RESOURCE_EXHAUSTED "
                         "(default: %(default)s)")
-    g.add_argument("--max-concurrent-rpcs", type=_int_at_least(1), default=1024,
+    g.add_argument("--max-concurrent-rpcs", type=int_at_least(1), default=1024,
                    help="RPCs one gateway serves at once; past it, RESOURCE_EXHAUSTED "
                         "(default: %(default)s)")
-    g.add_argument("--shutdown-grace-period", type=float, default=30.0,
+    g.add_argument("--shutdown-grace-period", type=SECONDS, default=30.0,
                    help="on SIGTERM, seconds that streams in flight get to finish (new calls get "
                         "UNAVAILABLE, health NOT_SERVING) before they are cancelled "
                         "(default: %(default)s)")
-    g.add_argument("--zmq-hwm", type=int, default=1000,  # shared with the scheduler and workers
+    g.add_argument("--zmq-hwm", type=COUNT, default=1000,  # shared with the scheduler and workers
                    help="ZeroMQ high-water mark: messages queued per socket and peer "
                         "(default: %(default)s)")
     g.add_argument("--log-level", default="INFO")
     for dest, default, minimum, meaning in REQUEST_LIMITS:
-        g.add_argument("--" + dest.replace("_", "-"), type=_int_at_least(minimum), default=default,
+        g.add_argument("--" + dest.replace("_", "-"), type=int_at_least(minimum), default=default,
                        help=f"{meaning} (default: %(default)s)")
     g.add_argument("--api-key", action="append", default=None,
                    help="require `authorization: Bearer <key>` on every Generation RPC; repeat "

@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 from launch.children import ROOT
+from launch.flag_types import COUNT, POSITIVE_SECONDS, float_at_least
 
 BENCHES = {"serve": "bench/serve.py", "offline": "bench/offline.py"}
 
@@ -24,11 +25,11 @@ def generate(argv: list[str]) -> int:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("prompt")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=COUNT, default=256)
+    p.add_argument("--temperature", type=float_at_least(0.0), default=0.0)
     p.add_argument("--stream", action="store_true", help="print the text as it arrives")
     p.add_argument("--target", default="127.0.0.1:50051", help="the gateway's gRPC address")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds before DEADLINE_EXCEEDED")
+    p.add_argument("--timeout", type=POSITIVE_SECONDS, default=600.0, help="seconds before DEADLINE_EXCEEDED")
     args = p.parse_args(argv)
 
     import grpc

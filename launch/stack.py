@@ -34,6 +34,7 @@ from launch.children import (Child, kill_if_stopped_too_long, module_command, re
                              stop_in_order)
 from launch import lifetime
 from launch.flag_errors import BAD_FLAGS
+from launch.flag_types import COUNT, POSITIVE_SECONDS, SECONDS, int_at_least
 from launch.flag_routing import check_flags, process_parsers, route_flags, with_keys
 from launch.lifetime import PARENT_ENV
 from launch.restarts import RestartPolicy
@@ -43,22 +44,22 @@ def launcher_parser() -> argparse.ArgumentParser:
     """The launcher's own flags; the rest of a command line goes to the processes."""
     own = argparse.ArgumentParser("pagoda", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    own.add_argument("--num-workers", type=int, default=1)
+    own.add_argument("--num-workers", type=COUNT, default=1)
     for name, default in (("scheduler", "scheduler.main"), ("worker", "worker.main"),
                           ("gateway", "gateway.main")):
         # Tests run stand-ins: tests.fake_worker_main, tests/stand_in_*.py.
         own.add_argument(f"--{name}-module", default=default,
                          help=f"the module each {name} runs (default: %(default)s)")
     defaults = RestartPolicy()
-    own.add_argument("--crash-loop-deaths", type=int, default=defaults.give_up_after,
+    own.add_argument("--crash-loop-deaths", type=int_at_least(0), default=defaults.give_up_after,
                      help="deaths of one process in a row, each soon after its start, after which "
                           "the launcher gives up on it (and stops everything if it is the "
                           "scheduler or the gateway); 0 = never (default: %(default)s)")
-    own.add_argument("--crash-loop-window", type=float, default=defaults.healthy_after_s,
+    own.add_argument("--crash-loop-window", type=POSITIVE_SECONDS, default=defaults.healthy_after_s,
                      help="seconds after its start within which a death counts as one more in "
                           "a crash loop; a process that lives longer starts the count and its "
                           "backoff afresh (default: %(default)s)")
-    own.add_argument("--stopped-timeout", type=float, default=10.0,
+    own.add_argument("--stopped-timeout", type=SECONDS, default=10.0,
                      help="a child stopped (SIGSTOP, state T) this many seconds is killed, and so "
                           "restarted: the scheduler has dropped it as silent by then, and a "
                           "stopped process would hold its place forever (0 = never) "

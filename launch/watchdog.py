@@ -17,6 +17,7 @@ import threading
 import time
 import traceback
 
+from launch.flag_types import SECONDS
 from launch.lifetime import write_stderr as _write
 
 EXIT_CODE = 70  # EX_SOFTWARE: tells a hang from a crash in the launcher's log
@@ -49,7 +50,7 @@ async def tick_forever(interval_s: float = 0.5) -> None:
 def add_flag(parser: argparse.ArgumentParser, default_s: float) -> argparse.ArgumentParser:
     # default None, resolved by start(): the launcher hands the flag to every process, and one
     # value given there must mean the same in each (tests/unit/launch/test_launch.py), whatever the default.
-    parser.add_argument("--watchdog-timeout", type=float, default=None, metavar="S",
+    parser.add_argument("--watchdog-timeout", type=SECONDS, default=None, metavar="S",
                         help=f"exit with code {EXIT_CODE} and the main thread's stack when this "
                              f"process's loop has not turned for S seconds, so that its "
                              f"supervisor restarts it; 0 = off (default: %(default)s, that is "

@@ -7,6 +7,7 @@ import os
 import re
 import socket
 
+from launch.flag_types import COUNT, MICROSECONDS, float_at_least, fraction, int_at_least
 from proto.auth import add_auth_args
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -61,17 +62,17 @@ def add_worker_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         '"suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1} '
                         "(drafts as long as their match) (default: off; "
                         "disable_by_batch_size 0: never off by batch size; docs/design.md)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    g.add_argument("--max-model-len", type=int, default=None,
+    g.add_argument("--block-size", type=COUNT, default=16, help="tokens per KV cache block")
+    g.add_argument("--max-model-len", type=COUNT, default=None,
                    help="default: the model's max_position_embeddings, at most 8192")
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+    g.add_argument("--num-gpu-blocks-override", type=COUNT, default=None,
                    help="number of KV cache blocks, skipping the memory-based sizing")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="KV cache size on the CPU, e.g. 2GiB (default 1GiB)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
                    help="fraction of GPU memory for weights, activations and the KV cache")
-    g.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU swap space, 0 = none")
-    g.add_argument("--seed", type=int, default=0, help="seeds the sampling of unseeded requests")
+    g.add_argument("--swap-space", type=float_at_least(0.0, "GiB"), default=0.0, help="GiB of CPU swap space, 0 = none")
+    g.add_argument("--seed", type=int_at_least(0, (1 << 63) - 1), default=0, help="seeds the sampling of unseeded requests")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"])
     g.add_argument("--cpu-matmul", default="auto", choices=["auto", "torch"],
                    help="fp32 and bf16 CPU projections: auto = pagoda's kernels (kernels/cpu_gemm.c, "
@@ -88,24 +89,24 @@ def add_worker_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "and the prefill rate again at this start and keep the new figures, in place of "
                         "those a machine's first start kept in "
                         "PAGODA_MEASUREMENTS, else PAGODA_CACHE (a first start under load keeps skewed ones)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+    g.add_argument("--max-num-batched-tokens", type=COUNT, default=2048,
                    help="the largest batch, used to profile activation memory")
     g.add_argument("--scheduler-worker-address", default="tcp://127.0.0.1:5556")
     g.add_argument("--worker-id", default=None, help="default: hostname-pid")
-    g.add_argument("--max-num-seqs", type=int, default=256,
+    g.add_argument("--max-num-seqs", type=COUNT, default=256,
                    help="most sequences in one step (the scheduler's flag too): with "
                         "--max-num-batched-tokens and max_model_len it bounds a plan's size")
-    g.add_argument("--max-message-bytes", type=int, default=None,
+    g.add_argument("--max-message-bytes", type=COUNT, default=None,
                    help="largest ZeroMQ message accepted from the scheduler (default: the "
                         "largest valid plan, computed in proto/sizes.py)")
-    g.add_argument("--zmq-hwm", type=int, default=1000,
+    g.add_argument("--zmq-hwm", type=COUNT, default=1000,
                    help="ZeroMQ high-water mark: messages queued per socket and peer")
     g.add_argument("--log-level", default="INFO")
-    g.add_argument("--busy-poll-us", type=float, default=None,
+    g.add_argument("--busy-poll-us", type=MICROSECONDS, default=None,
                    help="after sending, poll without sleeping this long for the reply (lower step "
                         "latency for a little CPU; 0 = always sleep; default: 500 with 4 or more "
                         "cores, else 0)")
-    g.add_argument("--tensor-parallel-size", type=int, default=1,
+    g.add_argument("--tensor-parallel-size", type=COUNT, default=1,
                    help="ranks (processes; one GPU each on CUDA) one worker's model is split "
                         "across; must divide its query heads, KV heads and intermediate size")
     add_auth_args(parser)

@@ -68,6 +68,13 @@ BAD = [  # (flags, the one line that names what is wrong)
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}'],
      "argument --speculative-config: num_speculative_tokens must be an integer in [1, 16], got 99"),
     (["--max-num-seqs", "many"], "argument --max-num-seqs: invalid int value: 'many'"),
+    # numbers out of their range (launch/flag_types.py): each was taken, and went wrong later
+    (["--port", "70000"], "argument --port: must be in [0, 65535], got 70000"),  # served on 4464
+    (["--max-num-seqs", "0"], "argument --max-num-seqs: must be >= 1, got 0"),  # served nothing
+    (["--max-num-seqs", "-5"], "argument --max-num-seqs: must be >= 1, got -5"),  # worker crash loop
+    (["--zmq-hwm", "0"], "argument --zmq-hwm: must be >= 1, got 0"),  # unbounded queues
+    (["--gpu-memory-utilization", "5"], "argument --gpu-memory-utilization: must be in (0, 1], got 5"),
+    (["--worker-timeout", "0"], "argument --worker-timeout: must be > 0, got 0"),
     (["--model", "/no/such/model.gguf"],
      "--model '/no/such/model.gguf': no such file or directory (no model hub is reached)"),
     (["--speculative-config", '{"method": "draft_model", "model": "/no/draft", "num_speculative_tokens": 2}'],
