@@ -128,18 +128,17 @@ def _message(cls, owner: str, **fields):
 
 
 def _with_prompt(req: pb.GenerateRequest, fields: dict) -> pb.GenerateRequest:
-    try:
-        if "prompt" in fields:
-            req.prompt = fields["prompt"]
-        elif "prompt_token_ids" in fields:
-            req.prompt_token_ids.extend(fields["prompt_token_ids"])
-        else:
-            for m in fields["messages"]:
-                req.messages.add(role=m["role"], content=m["content"])
-        if "cache_salt" in fields:
-            req.cache_salt = fields["cache_salt"]
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{next(k for k in fields if k != 'cache_salt')}: {e}") from None
+    for name, value in fields.items():
+        try:
+            if name == "messages":
+                for m in value:
+                    req.messages.add(role=m["role"], content=m["content"])
+            elif name == "prompt_token_ids":
+                req.prompt_token_ids.extend(value)
+            else:  # prompt, cache_salt
+                setattr(req, name, value)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{name}: {e}") from None
     return req
 
 
