@@ -37,7 +37,7 @@ from gateway.openai_tools import (ToolBadField, ToolConfig, ToolDefinition, add_
                                   check_tools, tool_request)
 from gateway.beam_request import MAX_BEAM_WIDTH
 from gateway.http_errors import CatchBugs, HttpError, as_sent, bad_request, from_rpc
-from gateway.server import GenerationServicer, RpcFailed
+from gateway.server import FIELD_METADATA, GenerationServicer, RpcFailed
 from gateway.validate import MAX_N
 from proto import pagoda_pb2
 
@@ -350,8 +350,8 @@ class HttpApi:
         try:
             return await method(msg, context)
         except _Aborted:
-            error = from_rpc(RpcFailed(context.code, context.details), chat=False)
-            if error.status == 400:
+            error = from_rpc(RpcFailed(context.code, context.details, context.field), chat=False)
+            if error.status == 400 and param is not None:
                 error.param = param
             raise error from None
 
@@ -369,9 +369,14 @@ class _Aborted(Exception):
 
 
 class _Context:
-    """Enough of a grpc.aio context for the servicer's unary handlers: abort raises."""
+    """Enough of a grpc.aio context for the servicer's unary handlers: abort raises; the field
+    at fault comes as trailing metadata (gateway/server.py FIELD_METADATA)."""
     code = grpc.StatusCode.OK
     details = ""
+    field = ""
+
+    def set_trailing_metadata(self, metadata) -> None:
+        self.field = dict(metadata).get(FIELD_METADATA, "")
 
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         self.code, self.details = code, details

@@ -62,6 +62,10 @@ def _record_end(method: str, code: grpc.StatusCode, started: float) -> None:
         metrics.E2E_LATENCY.labels(method).observe(time.monotonic() - started)
 
 
+# Trailing metadata of a refused unary call: the request field at fault (HTTP's `param`).
+FIELD_METADATA = "pagoda-field"
+
+
 def _unary(method):
     """Status handling shared by the unary RPCs other than Generate."""
     name = method.__name__
@@ -73,12 +77,15 @@ def _unary(method):
             return await method(self, request, context)
         except ValidationError as e:
             code = grpc.StatusCode.INVALID_ARGUMENT
+            context.set_trailing_metadata(((FIELD_METADATA, e.field),))
             await context.abort(code, str(e))
         except SchedulerUnavailable as e:
             code = grpc.StatusCode.UNAVAILABLE
             await context.abort(code, str(e))
         except RpcFailed as e:
             code = e.code
+            if e.field:
+                context.set_trailing_metadata(((FIELD_METADATA, e.field),))
             await context.abort(code, str(e))
         except Exception:  # noqa: BLE001 - a bug must not reach the client as a traceback
             code = grpc.StatusCode.INTERNAL

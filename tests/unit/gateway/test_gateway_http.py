@@ -259,6 +259,11 @@ def test_models_tokenize_detokenize_metrics(run):
                 assert r.json() == {"prompt": TOK.decode(ids)}
                 r = await http.post(f"{root}/detokenize", json={"tokens": [10 ** 9]})
                 assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+                # the field at fault in the servicer's refusal, as param (it was null)
+                r = await http.post(f"{root}/tokenize", json={"messages": [{"role": "user", "content": "x"}] * 300})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+                r = await http.post(f"{root}/tokenize", json={"prompt": "x", "messages": [{"role": "user", "content": "x"}]})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
                 assert (await http.get(f"{root}/health")).status_code == 200
                 metrics = await http.get(f"{root}/metrics")
                 assert "pagoda_gateway_requests_total" in metrics.text
