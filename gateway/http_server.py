@@ -275,7 +275,12 @@ class HttpApi:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = now()
         gen = self._generations(reqs, tenant)
-        first = await self._first(gen, chat)
+        # Watched from here: before its first response (a request queued behind others; a beam
+        # search, whose answer comes whole at its end) a client that hangs up aborts it too.
+        first = await self._until_disconnect(request, self._first(gen, chat))
+        if isinstance(first, Response):  # the client has gone
+            await gen.aclose()
+            return first
         if not body.stream:
             return await self._until_disconnect(request, http_stream.whole(
                 gen, first, collector, rid, created, self.model_name, chat))

@@ -233,6 +233,17 @@ def test_closing_the_connection_aborts(run):
                                     json={"model": MODEL, "prompt": "hi", "max_tokens": 100})
             await until(lambda: len(h.scheduler.aborts) == 2)
             assert h.scheduler.aborts[-1] == h.scheduler.adds[-1].request_id
+
+            # Before the first token (queued, or a beam search, whose answer comes whole at the
+            # end): the hang-up aborts too. It ran to its end before, the client long gone.
+            h.scheduler.plan = lambda add: []  # nothing comes back
+            for extra in ({}, {"stream": True}, {"use_beam_search": True, "n": 2}):
+                with pytest.raises(httpx.ReadTimeout):
+                    async with httpx.AsyncClient(timeout=0.5) as http:
+                        await http.post(f"{h.base_url}/completions",
+                                        json={"model": MODEL, "prompt": "hi", "max_tokens": 100, **extra})
+                await until(lambda: h.scheduler.aborts[-1] == h.scheduler.adds[-1].request_id)
+            assert len(h.scheduler.aborts) == 5
     run(body())
 
 
