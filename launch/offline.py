@@ -14,6 +14,7 @@ import atexit
 import functools
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -63,9 +64,11 @@ class LLM:
         # thread no longer ran, close() waited 10 s for it and printed a traceback at exit.
         self._at_exit = functools.partial(_close_if_alive, weakref.ref(self))
         atexit.register(self._at_exit)
+        self._own_keys: Path | None = None  # removed by close(): secret keys left in /tmp otherwise
         if not engine.get("zmq_keys_dir") and not engine.get("insecure"):
             # Authenticated, as `make run` is: a key set of its own for this engine's sockets.
-            engine["zmq_keys_dir"] = str(create_keys(tempfile.mkdtemp(prefix="pagoda-llm-keys-")))
+            self._own_keys = create_keys(tempfile.mkdtemp(prefix="pagoda-llm-keys-"))
+            engine["zmq_keys_dir"] = str(self._own_keys)
         ports = [_free_port(), _free_port()]
         argv = _flags({"model": model, **engine,
                        "scheduler_gateway_address": f"tcp://127.0.0.1:{ports[0]}",
@@ -136,6 +139,9 @@ class LLM:
             self._thread.join(10)
         children, self._procs = self._procs, []
         stop_in_order(children, gateway_grace=0.0)
+        if self._own_keys is not None:
+            shutil.rmtree(self._own_keys, ignore_errors=True)
+            self._own_keys = None
 
     def __enter__(self) -> "LLM":
         return self

@@ -1,7 +1,9 @@
 """Starts the real processes (through the launcher, as `make run` does) on free loopback ports."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -48,6 +50,14 @@ def free_port() -> int:
         if port not in _handed_out:
             _handed_out.add(port)
             return port
+
+
+def temporary_keys() -> Path:
+    """A fresh key set in /tmp, removed when the test process ends (a stack may be stopped and
+    started again, so not at its stop): every stack of a suite left one behind before."""
+    keys = create_keys(tempfile.mkdtemp(prefix="pagoda-keys-"))
+    atexit.register(shutil.rmtree, keys, True)
+    return keys
 
 
 def read_metrics(port: int) -> dict[str, float]:
@@ -101,8 +111,7 @@ class Cluster(LoopbackStack):
         self.gateway_address = f"tcp://127.0.0.1:{free_port()}"
         self.worker_address = f"tcp://127.0.0.1:{free_port()}"
         # Authenticated, as `make run` is: every test exercises the CURVE path.
-        self.keys_dir = None if "--insecure" in flags else create_keys(
-            tempfile.mkdtemp(prefix="pagoda-keys-"))
+        self.keys_dir = None if "--insecure" in flags else temporary_keys()
         self.flags = [
             "--num-workers", str(num_workers),
             "--port", str(self.grpc_port),

@@ -8,7 +8,6 @@ import resource
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -17,8 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import pagoda_pb2_grpc
 from launch.lifetime import PARENT_ENV
-from proto.auth import create_keys
-from tests.cluster import FAST_RECONNECT, ROOT, LoopbackStack, free_port, sum_metric, wait_for
+from tests.cluster import FAST_RECONNECT, ROOT, LoopbackStack, free_port, sum_metric, temporary_keys, wait_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -43,7 +41,7 @@ class FakeCluster(LoopbackStack):
         self.scheduler_flags, self.gateway_flags = list(scheduler_flags), list(gateway_flags)
         self.worker_flags = list(worker_flags)
         # Authenticated, as `make run` is (proto/auth.py).
-        self.keys_flags = ["--zmq-keys-dir", str(create_keys(tempfile.mkdtemp(prefix="pagoda-keys-")))]
+        self.keys_flags = ["--zmq-keys-dir", str(temporary_keys())]
         self.scheduler: subprocess.Popen | None = None
         self.gateway: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen] = []

@@ -39,6 +39,8 @@ def test_llm_generate_and_chat_equal_transformers(smollm2_hf, hf_tokenizer):
     prompts = ["The three primary colors are", "def fibonacci(n):"]
     with LLM(**FLAGS) as llm:
         pids = [c.proc.pid for c in llm._procs]
+        keys = llm._own_keys
+        assert keys.is_dir()
         outs = llm.generate(prompts + [[504, 3575, 282]],
                             SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
         assert [o.prompt for o in outs[:2]] == prompts and outs[2].prompt_token_ids == [504, 3575, 282]
@@ -97,6 +99,7 @@ def test_llm_generate_and_chat_equal_transformers(smollm2_hf, hf_tokenizer):
         with pytest.raises(ValueError, match="multi_modal_data"):
             llm.generate({"prompt": "x", "multi_modal_data": {}}, use_tqdm=False)
     assert wait_for(lambda: not any(alive(p) for p in pids), timeout=15)
+    assert not keys.exists()  # its secret keys do not outlive it in /tmp
 
 
 def _rss_bytes() -> int:
@@ -109,9 +112,12 @@ def test_a_script_that_never_closes_its_llm_exits_cleanly():
     thread no longer ran, waited 10 s and printed a traceback."""
     script = ("from pagoda import LLM, SamplingParams\n"
               f"llm = LLM(**{FLAGS!r})\n"
-              "print(len(llm.generate('Hi', SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids))\n")
+              "print(len(llm.generate('Hi', SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids))\n"
+              "print(llm._own_keys)\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip() == "2", done.stderr[-2000:]
+    count, keys = done.stdout.split()
+    assert done.returncode == 0 and count == "2", done.stderr[-2000:]
+    assert not os.path.exists(keys)
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-2000:]
 
 
