@@ -62,19 +62,19 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--http-port", type=PORT, default=8000,
                    help="OpenAI-compatible HTTP port on the same host, 0 = off; must differ from "
                         "--port (default: %(default)s)")
-    g.add_argument("--max-batch-prompts", type=int_at_least(1), default=256,
+    g.add_argument("--max-batch-prompts", type=COUNT, default=256,
                    help="prompts in one /v1/completions batch; more get 400, before any is "
                         "tokenized (default: %(default)s)")
     g.add_argument("--shared-prefix-cache", action="store_true",
                    help="let tenants (--api-key) share prefix-cache blocks; off by default, so "
                         "that one tenant's cache hits never reveal another's prompts")
-    g.add_argument("--max-streams-per-connection", type=int_at_least(1), default=1024,
+    g.add_argument("--max-streams-per-connection", type=COUNT, default=1024,
                    help="gRPC streams one connection may have open at once (HTTP/2's "
                         "MAX_CONCURRENT_STREAMS): below --max-concurrent-rpcs, one client cannot "
                         "hold every slot, but a client that opens more streams on one "
                         "connection than this gets some refused (UNAVAILABLE, REFUSED_STREAM) "
                         "(default: %(default)s)")
-    g.add_argument("--max-grpc-connections", type=int_at_least(1), default=1024,
+    g.add_argument("--max-grpc-connections", type=COUNT, default=1024,
                    help="open gRPC connections at once; past it, a new one is closed at once "
                         "(the client sees UNAVAILABLE) (default: %(default)s)")
     g.add_argument("--max-connection-age", type=POSITIVE_SECONDS, default=1800.0,
@@ -110,7 +110,7 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="with tool_choice none, leave the tools out of the prompt; by default "
                         "they are rendered (as vLLM does) and the answer is read as plain content")
-    g.add_argument("--max-http-connections", type=int_at_least(1), default=1024,
+    g.add_argument("--max-http-connections", type=COUNT, default=1024,
                    help="open HTTP connections (and requests in flight) at once; past it, 503 "
                         "(default: %(default)s)")
     g.add_argument("--http-header-timeout", type=POSITIVE_SECONDS, default=10.0,
@@ -121,7 +121,7 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--http-write-timeout", type=POSITIVE_SECONDS, default=30.0,
                    help="seconds a response may wait on a client that reads nothing; then the "
                         "connection is closed and its requests aborted (default: %(default)s)")
-    g.add_argument("--max-http-body-bytes", type=int_at_least(1), default=1 << 20,
+    g.add_argument("--max-http-body-bytes", type=COUNT, default=1 << 20,
                    help="largest HTTP request body; a larger one gets 413 (default: %(default)s)")
     g.add_argument("--scheduler-gateway-address", default="tcp://127.0.0.1:5555",
                    help="ZeroMQ address of the scheduler's gateway socket (default: %(default)s)")
@@ -140,11 +140,11 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="seconds without any message from the scheduler (it answers a hello "
                         "sent every second) before requests in flight end UNAVAILABLE and "
                         "health turns NOT_SERVING (default: %(default)s)")
-    g.add_argument("--max-unread-deltas", type=int_at_least(1), default=256,
+    g.add_argument("--max-unread-deltas", type=COUNT, default=256,
                    help="tokens one stream may hold unread by its client (a message without "
                         "tokens counts 1); past it the request is aborted with RESOURCE_EXHAUSTED "
                         "(default: %(default)s)")
-    g.add_argument("--max-concurrent-rpcs", type=int_at_least(1), default=1024,
+    g.add_argument("--max-concurrent-rpcs", type=COUNT, default=1024,
                    help="RPCs one gateway serves at once; past it, RESOURCE_EXHAUSTED "
                         "(default: %(default)s)")
     g.add_argument("--shutdown-grace-period", type=SECONDS, default=30.0,

@@ -113,18 +113,19 @@ def generate_request(fields: dict, p: SamplingParams | BeamSearchParams) -> pb.G
 
 
 def _message(cls, owner: str, **fields):
-    """cls(**fields) without the None ones, an error naming the field where protobuf refuses a
-    value (a number past its field's range, a wrong type): "SamplingParams.seed: Value out of
-    range: -1", where a bare ValueError named nothing."""
-    msg = cls()
-    for field, value in fields.items():
-        if value is None:
-            continue
-        try:
-            msg.MergeFrom(cls(**{field: value}))
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"{owner}.{field}: {e}") from None
-    return msg
+    """cls(**fields) without the None ones; where protobuf refuses a value (a number past its
+    field's range, a wrong type), a ValueError naming the field ("SamplingParams.seed: Value out
+    of range: -1"), found by building the fields one at a time only then."""
+    fields = {k: v for k, v in fields.items() if v is not None}
+    try:
+        return cls(**fields)
+    except (ValueError, TypeError):
+        for field, value in fields.items():
+            try:
+                cls(**{field: value})
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{owner}.{field}: {e}") from None
+        raise
 
 
 def _with_prompt(req: pb.GenerateRequest, fields: dict) -> pb.GenerateRequest:
