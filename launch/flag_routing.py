@@ -68,7 +68,7 @@ def check_flags(routed: dict[str, list[str]], parsers: dict[str, argparse.Argume
     """Each process's flags parsed as that process will parse them, before anything starts: a
     bad value is a FlagError here with argparse's message (and not the usage of dozens of
     flags), where each worker would otherwise exit with it in turn. The model files a worker and
-    the gateway will look for must be there too, unless stand-ins (tests' --*-module) run in
+    the gateway will look for must be there too, and fit --max-model-len, unless stand-ins (tests' --*-module) run in
     their place."""
     args = {}
     for name, parser in parsers.items():
@@ -79,6 +79,7 @@ def check_flags(routed: dict[str, list[str]], parsers: dict[str, argparse.Argume
             raise FlagError(str(e)) from None
     if not stand_ins:
         from modelfiles.resolve import resolve_model
+        from worker.model_config import ModelConfig
         from worker.speculative_config import SpeculativeConfig
         worker = args["worker"]
         models = [(worker.model, "--model")]
@@ -89,4 +90,7 @@ def check_flags(routed: dict[str, list[str]], parsers: dict[str, argparse.Argume
                 resolve_model(model, flag)
             except FileNotFoundError as e:
                 raise FlagError(str(e)) from None
+        config = ModelConfig.read(resolve_model(worker.model))
+        if why := config.context_refusal(worker.max_model_len, worker.allow_long_max_model_len):
+            raise FlagError(why)
     return args

@@ -19,13 +19,11 @@ import torch
 from tqdm import tqdm
 
 from modelfiles.resolve import cache_dir
-from worker.model_config import ModelConfig
+from worker.model_config import WEIGHTS_CACHE_NAME as CACHE_NAME, ModelConfig
 
 logger = logging.getLogger(__name__)
 
 CACHE_FILE = "model.safetensors"
-# Bumped when the conversion changes what it writes (v2: end-of-turn ids in config.json).
-CACHE_NAME = "weights-v2"
 # gguf_blocks' cache, one folder a format: reading a GGUF's tensor list means parsing all of its
 # metadata (SmolLM2's 49,152 tokens and 48,900 merges), 3.7 s of every --quantization q4_1 start.
 BLOCKS_NAME = "blocks-v1"
@@ -63,18 +61,6 @@ def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     config, weights = load_gguf(path)
     _save_cache(cached, config, weights)
     return config, weights
-
-
-def load_config(path: Path) -> ModelConfig:
-    """The model's shape alone, without its weights (a GGUF's metadata is memory-mapped)."""
-    path = Path(path)
-    if not path.is_dir() and path.suffix == ".gguf":
-        cached = cache_dir(path, CACHE_NAME)
-        if not (cached / "config.json").exists():
-            import gguf
-            return ModelConfig.from_gguf(gguf.GGUFReader(str(path)))
-        path = cached
-    return ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
 
 
 def load_hf_dir(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -4,10 +4,17 @@ One flat dataclass so that the model code never has to know which file format it
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from worker.eos import end_of_turn_ids, gguf_special_tokens
+
+# The folder of a GGUF's converted weights and config.json (modelfiles.resolve.cache_dir); bumped
+# when the conversion changes what it writes (v2: end-of-turn ids in config.json).
+WEIGHTS_CACHE_NAME = "weights-v2"
+ALLOW_LONG_FLAG = "--allow-long-max-model-len"
 
 # model_type -> the HF class name written back into a cached config.json.
 SUPPORTED_ARCHITECTURES = {
@@ -49,6 +56,30 @@ class ModelConfig:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ("llama3", "linear"):
                 raise ValueError(f"rope scaling {kind!r} is not supported (llama3 and linear are)")
+
+    @classmethod
+    def read(cls, path: Path) -> "ModelConfig":
+        """The model's shape alone, without its weights (a GGUF's metadata is memory-mapped), and
+        without torch: the launcher checks flags against it before anything starts."""
+        path = Path(path)
+        if not path.is_dir() and path.suffix == ".gguf":
+            from modelfiles.resolve import cache_dir
+            cached = cache_dir(path, WEIGHTS_CACHE_NAME)
+            if not (cached / "config.json").exists():
+                import gguf
+                return cls.from_gguf(gguf.GGUFReader(str(path)))
+            path = cached
+        return cls.from_hf_config(json.loads((path / "config.json").read_text()))
+
+    def context_refusal(self, max_model_len: int | None, allow_long: bool) -> str | None:
+        """Why --max-model-len cannot be served, or None. Past the positions the model was trained
+        on, RoPE extrapolates and answers degrade without an error, so, as vLLM does, only on
+        request."""
+        if max_model_len is None or max_model_len <= self.max_position_embeddings or allow_long:
+            return None
+        return (f"--max-model-len {max_model_len} is beyond the {self.max_position_embeddings} "
+                f"positions the model was trained on (max_position_embeddings); {ALLOW_LONG_FLAG} "
+                f"serves it anyway, with answers that degrade past them")
 
     # ------------------------------------------------------------------ HF config.json
 

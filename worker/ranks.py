@@ -85,10 +85,10 @@ def start_group(args: argparse.Namespace, argv: list[str], device: torch.device)
     """Rank 0: refuses a size that does not split the model, starts the other ranks with the
     worker's own flags, and joins them."""
     from modelfiles.resolve import resolve_model
-    from worker.loader import load_config
+    from worker.model_config import ModelConfig
 
     size = args.tensor_parallel_size
-    if why := refusal(load_config(resolve_model(args.model)), size):
+    if why := refusal(ModelConfig.read(resolve_model(args.model)), size):
         raise SystemExit(why)
     if device.type == "cuda" and size > torch.cuda.device_count():
         raise SystemExit(f"{FLAG} {size}: only {torch.cuda.device_count()} CUDA devices are visible")

@@ -72,9 +72,11 @@ class ModelRunner:
         stage("building the model")
         trained_len = self.config.max_position_embeddings
         self.max_model_len = args.max_model_len or min(trained_len, MAX_DEFAULT_MODEL_LEN)
+        if why := self.config.context_refusal(args.max_model_len, args.allow_long_max_model_len):
+            raise FlagError(why)
         if self.max_model_len > trained_len:
-            logger.warning("--max-model-len %d is beyond the %d positions the model was trained on",
-                           self.max_model_len, trained_len)
+            logger.warning("--max-model-len %d is beyond the %d positions the model was trained on "
+                           "(--allow-long-max-model-len)", self.max_model_len, trained_len)
         self.backend = select_backend(args.attention_backend, self.device.type)
         # This rank's share of the heads and MLP (all of them without a group).
         shard = shard_config(self.config, self.tp.size)

@@ -64,7 +64,11 @@ def add_worker_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "disable_by_batch_size 0: never off by batch size; docs/design.md)")
     g.add_argument("--block-size", type=COUNT, default=16, help="tokens per KV cache block")
     g.add_argument("--max-model-len", type=COUNT, default=None,
-                   help="default: the model's max_position_embeddings, at most 8192")
+                   help="default: the model's max_position_embeddings, at most 8192; beyond "
+                        "max_position_embeddings only with --allow-long-max-model-len")
+    g.add_argument("--allow-long-max-model-len", action="store_true",
+                   help="serve a --max-model-len beyond the positions the model was trained on "
+                        "(RoPE extrapolates there, and answers degrade)")
     g.add_argument("--num-gpu-blocks-override", type=COUNT, default=None,
                    help="number of KV cache blocks, skipping the memory-based sizing")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,

@@ -77,6 +77,10 @@ BAD = [  # (flags, the one line that names what is wrong)
     (["--worker-timeout", "0"], "argument --worker-timeout: must be > 0, got 0"),
     (["--model", "/no/such/model.gguf"],
      "--model '/no/such/model.gguf': no such file or directory (no model hub is reached)"),
+    (["--max-model-len", "9000"],  # SmolLM2's 8192: RoPE extrapolates past them without an error
+     "--max-model-len 9000 is beyond the 8192 positions the model was trained on "
+     "(max_position_embeddings); --allow-long-max-model-len serves it anyway, with answers that "
+     "degrade past them"),
     (["--speculative-config", '{"method": "draft_model", "model": "/no/draft", "num_speculative_tokens": 2}'],
      "--speculative-config.model '/no/draft': no such file or directory (no model hub is reached)"),
 ]
@@ -113,5 +117,7 @@ def test_good_flags_pass_the_launchers_check():
     from launch.flag_routing import check_flags
     parsers = process_parsers()
     spec = '{"method": "draft_model", "model": "smollm2", "num_speculative_tokens": 2}'
-    args = check_flags(route_flags(["--speculative-config", spec, "--max-num-seqs", "4"], parsers), parsers)
-    assert (args["worker"].speculative_config, args["scheduler"].max_num_seqs) == (spec, 4)
+    args = check_flags(route_flags(["--speculative-config", spec, "--max-num-seqs", "4", "--max-model-len",
+                                    "9000", "--allow-long-max-model-len"], parsers), parsers)
+    worker = args["worker"]
+    assert (worker.speculative_config, args["scheduler"].max_num_seqs, worker.max_model_len) == (spec, 4, 9000)

@@ -37,7 +37,7 @@ def test_flag_names_are_the_contract():
     parser = add_worker_args(argparse.ArgumentParser())
     flags = {f for f in parser._option_string_actions if f.startswith("--")} - {"--help"}
     assert flags == {"--model", "--dtype", "--device", "--block-size", "--max-model-len",
-                     "--num-gpu-blocks-override", "--kv-cache-memory", "--gpu-memory-utilization",
+                     "--allow-long-max-model-len", "--num-gpu-blocks-override", "--kv-cache-memory", "--gpu-memory-utilization",
                      "--swap-space", "--seed", "--attention-backend", "--cpu-matmul", "--cpu-decode-step-tokens",
                      "--measure-again",
                      "--max-num-batched-tokens", "--quantization",

@@ -182,6 +182,23 @@ def test_hello_describes_the_worker(checkpoint, runner):
     assert hello.prefill_tokens_per_s > 0 and hello.worker_id
 
 
+def test_a_max_model_len_past_the_trained_positions_is_refused_unless_allowed(checkpoint):
+    """A worker started on its own (compose, Kubernetes) refuses as the launcher does: exit 2 and
+    one line, not answers that degrade silently. Allowed, it serves the longer context."""
+    from launch.flag_errors import FlagError
+    folder = checkpoint[2]
+    assert ModelConfig.read(folder).max_position_embeddings == 256
+    with pytest.raises(FlagError) as refused:
+        ModelRunner(runner_args(folder, "--max-model-len", "257"))
+    assert (refused.value.code, str(refused.value)) == (
+        2, "--max-model-len 257 is beyond the 256 positions the model was trained on "
+           "(max_position_embeddings); --allow-long-max-model-len serves it anyway, with answers "
+           "that degrade past them")
+    allowed = ModelRunner(runner_args(folder, "--max-model-len", "300", "--allow-long-max-model-len"))
+    assert allowed.hello().max_model_len == 300
+    assert ModelRunner(runner_args(folder, "--max-model-len", "256")).hello().max_model_len == 256
+
+
 def test_bfloat16_runs_close_to_float32(checkpoint):
     _, hf_model, folder = checkpoint
     args = runner_args(folder)
