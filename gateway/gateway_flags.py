@@ -89,6 +89,11 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="seconds a structured-output spec (schema, regex, grammar) may take to "
                         "compile in the gateway's check; a slower one gets INVALID_ARGUMENT / 400 "
                         "(default: %(default)s)")
+    g.add_argument("--structured-check-processes", type=COUNT, default=2,
+                   help="compiler children of that check (about 300 MB each): a spec that "
+                        "compiles slowly holds one, and the others compile other requests' specs "
+                        "meanwhile; with --api-key one tenant may hold all but one "
+                        "(default: %(default)s)")
     g.add_argument("--structured-outputs-any-whitespace", action="store_true",
                    help="let JSON answers put whitespace anywhere (HTTP requests; gRPC sets "
                         "structured_output.any_whitespace itself); off by default, since small "

@@ -1,157 +1,150 @@
 """Refuses a structured-output spec that does not compile, or takes too long to, before the
-request reaches the scheduler. Compiling runs in a child process (structured/check_process.py),
-one spec at a time; past --max-grammar-compile-seconds the child is killed (and started again for
-the next spec), so a pathological pattern costs its own request a bounded wait and nobody else
-anything. Answers are cached by spec: the same schema is compiled once. The child can be spawned
-before the vocabulary's size is known (spawn()), so that its imports overlap the workers' start.
-
-The child is started by subprocess (vfork), not by the loop: uvloop's subprocess_exec fork()s
-the gateway, which runs gRPC, and gRPC's fork handlers can abort the child before it execs (CI
-saw "did not say ready" that way). Its pipes are then handed to the loop."""
+request reaches the scheduler. Compiling runs in child processes (gateway/compiler_child.py),
+each one spec at a time; past --max-grammar-compile-seconds a child is killed and started again
+in the background. A slow spec holds one child, so that with several (--structured-check-
+processes) another request's spec is compiled beside it rather than after it; with API keys a
+tenant may hold all but one of them, so that one tenant's slow specs never hold every child.
+Answers are cached by spec: the same schema is compiled once, and asked twice at once it is
+compiled once for both. A child can be spawned before the vocabulary's size is known (spawn()),
+so that its imports overlap the workers' start."""
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import logging
-import subprocess
 import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Callable
 
+from gateway.compiler_child import TOO_SLOW, CompilerChild
 from structured.spec import Spec
 
+__all__ = ["TOO_SLOW", "GrammarChecker"]
 log = logging.getLogger(__name__)
-_START_TIMEOUT_S = 120.0  # importing torch and xgrammar and loading the vocabulary, once
 _CACHED = 1024
-TOO_SLOW = "compiling it took longer than"  # how a timeout's answer starts
 
 
 class GrammarChecker:
     def __init__(self, tokenizer_json: Path, vocabulary: Callable[[], tuple[int, list[int]]],
-                 timeout_s: float = 5.0) -> None:
+                 timeout_s: float = 5.0, processes: int = 2) -> None:
         self.args = [sys.executable, "-m", "structured.check_process", str(tokenizer_json)]
-        # (vocabulary size, EOS ids), asked when a child is told them: the size is the workers'.
         self.vocabulary = vocabulary
         self.timeout_s = timeout_s
-        self._proc: subprocess.Popen | None = None
-        self._ready = False  # whether this child has its vocabulary and said so
-        self._stdout: asyncio.StreamReader | None = None
-        self._stdin: asyncio.StreamWriter | None = None
-        self._read_transport: asyncio.ReadTransport | None = None
-        self._lock = asyncio.Lock()
+        self.processes = processes
+        self._children: list[CompilerChild] = []  # made at first use, from self.args
+        self._idle: asyncio.Queue[CompilerChild] | None = None
         self._answers: OrderedDict[str, str | None] = OrderedDict()
-        self._next_id = 0
+        self._compiling: dict[str, asyncio.Future] = {}  # key -> its one compile, until answered
+        self._held: dict[str, int] = {}  # tenant -> children its compiles hold
+        self._freed = asyncio.Condition()
+        self._restarts: set[asyncio.Task] = set()
 
-    async def check(self, spec: Spec) -> str | None:
-        """None when the spec compiles; otherwise why not."""
+    def _pool(self) -> list[CompilerChild]:
+        if not self._children:
+            self._children = [CompilerChild(self.args, self.vocabulary, self.timeout_s)
+                              for _ in range(self.processes)]
+            self._idle = asyncio.Queue()
+            for child in self._children:
+                self._idle.put_nowait(child)
+        return self._children
+
+    async def check(self, spec: Spec, tenant: str | None = None) -> str | None:
+        """None when the spec compiles; otherwise why not. tenant (with API keys) bounds the
+        children one tenant's compiles hold at once. RuntimeError when no child starts."""
         key = spec.key()
         if key in self._answers:
             self._answers.move_to_end(key)
             return self._answers[key]
-        async with self._lock:
-            if key in self._answers:
-                return self._answers[key]
-            answer = await self._compile(spec)
+        compiling = self._compiling.get(key)
+        if compiling is None:
+            compiling = asyncio.ensure_future(self._compile(key, spec, tenant))
+            self._compiling[key] = compiling
+            compiling.add_done_callback(lambda done: self._answered(key, done))
+        # Shielded: an asker that hangs up leaves the compile to finish for the others, and its
+        # child's answer read, not left in the pipe for the next spec.
+        return await asyncio.shield(compiling)
+
+    def _answered(self, key: str, done: asyncio.Future) -> None:
+        self._compiling.pop(key, None)
+        if not done.cancelled():
+            done.exception()  # retrieved, should every asker have gone
+
+    async def _compile(self, key: str, spec: Spec, tenant: str | None) -> str | None:
+        self._pool()
+        async with self._tenant_share(tenant):
+            child = await self._idle.get()
+            try:
+                answer = await child.compile(spec)
+            except BaseException:
+                self._idle.put_nowait(child)
+                raise
+            if answer is not None and answer.startswith(TOO_SLOW):
+                self._restart(child)  # killed: ready again in the background, then idle
+            else:
+                self._idle.put_nowait(child)
         # A timeout is remembered too: the same pattern sent again must not cost the wait again.
         self._answers[key] = answer
         if len(self._answers) > _CACHED:
             self._answers.popitem(last=False)
         return answer
 
+    @contextlib.asynccontextmanager
+    async def _tenant_share(self, tenant: str | None):
+        """At most all children but one held by one tenant's compiles (none bound without keys,
+        where every client is the same tenant)."""
+        if tenant is None or self.processes < 2:
+            yield
+            return
+        async with self._freed:
+            await self._freed.wait_for(lambda: self._held.get(tenant, 0) < self.processes - 1)
+            self._held[tenant] = self._held.get(tenant, 0) + 1
+        try:
+            yield
+        finally:
+            async with self._freed:
+                self._held[tenant] -= 1
+                if not self._held[tenant]:
+                    del self._held[tenant]
+                self._freed.notify_all()
+
+    def _restart(self, child: CompilerChild) -> None:
+        async def restart():
+            try:
+                await child.started()
+            except RuntimeError as e:  # the next check on it tries again, and answers UNAVAILABLE
+                log.warning("%s", e)
+            finally:
+                self._idle.put_nowait(child)
+        task = asyncio.create_task(restart())
+        self._restarts.add(task)
+        task.add_done_callback(self._restarts.discard)
+
     async def spawn(self) -> None:
-        """Starts a child's imports now, without waiting for them or for the vocabulary."""
-        async with self._lock:
-            if not self._alive():
-                await self.close()
-                try:
-                    await self._spawn()
-                except OSError as e:  # the first check tries again, and answers UNAVAILABLE
-                    log.warning("the structured-output check's compiler did not start: %s", e)
+        """Starts the children's imports now, without waiting for them or for the vocabulary."""
+        for child in self._pool():
+            try:
+                await child.spawn()
+            except OSError as e:  # the first check tries again, and answers UNAVAILABLE
+                log.warning("the structured-output check's compiler did not start: %s", e)
 
     async def warm(self) -> None:
-        """Starts the child ahead of the first check; a child that cannot start is only logged
-        here (the first check tries again and answers UNAVAILABLE)."""
-        async with self._lock:
-            started = time.perf_counter()
+        """Makes every child ready, before the gateway says it is (readiness waits on this): in
+        the background after readiness, loading vocabularies took the cores from the first
+        requests. A child that cannot start is only logged here (a check tries again and
+        answers UNAVAILABLE)."""
+        started = time.perf_counter()
+        for child in self._pool():
             try:
-                await self._started()
+                await child.started()
             except RuntimeError as e:
                 log.warning("%s", e)
-                return
-            log.info("the structured-output check's compiler is ready (%.1f s)", time.perf_counter() - started)
-
-    async def _compile(self, spec: Spec):
-        await self._started()
-        self._next_id += 1
-        line = json.dumps({"id": self._next_id, "kind": spec.kind, "value": spec.value,
-                           "choices": list(spec.choices), "any_whitespace": spec.any_whitespace})
-        try:
-            self._stdin.write(line.encode() + b"\n")
-            await self._stdin.drain()
-            answer = json.loads(await asyncio.wait_for(self._stdout.readline(), self.timeout_s))
-        except asyncio.TimeoutError:
-            log.warning("a grammar took longer than %.1f s to compile; its compiler is restarted",
-                        self.timeout_s)
-            await self.close()
-            return (f"{TOO_SLOW} {self.timeout_s:g} s "
-                    "(--max-grammar-compile-seconds)")
-        except (OSError, ValueError) as e:  # the child died (e.g. out of memory)
-            log.warning("the grammar compiler failed (%s); it is restarted", e)
-            await self.close()
-            return "the grammar compiler failed on it"
-        return answer.get("error")
-
-    def _alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    async def _started(self) -> None:
-        alive = self._alive()
-        if alive and self._ready:
-            return
-        if not alive:
-            await self.close()
-            await self._spawn()
-        proc = self._proc
-        vocab_size, eos_token_ids = self.vocabulary()
-        told = json.dumps({"vocab_size": vocab_size, "eos_token_ids": eos_token_ids}).encode() + b"\n"
-        try:
-            self._stdin.write(told)
-            await self._stdin.drain()
-        except OSError:  # a child that died already: its silence below says so
-            pass
-        try:
-            ready = await asyncio.wait_for(self._stdout.readline(), _START_TIMEOUT_S)
-            if not json.loads(ready or b"{}").get("ready"):
-                raise ValueError("it did not say ready")
-        except (asyncio.TimeoutError, ValueError) as e:
-            await self.close()
-            raise RuntimeError(f"the grammar compiler did not start: {e} "
-                               f"(exit status {proc.returncode})") from None
-        self._ready = True
-
-    async def _spawn(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self._stdout = asyncio.StreamReader(limit=1 << 20)
-        self._read_transport, _ = await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(self._stdout), self._proc.stdout)
-        transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin,
-                                                            self._proc.stdin)
-        self._stdin = asyncio.StreamWriter(transport, protocol, None, loop)
+        log.info("the structured-output check's %d compilers are ready (%.1f s)", len(self._children),
+                 time.perf_counter() - started)
 
     async def close(self) -> None:
-        proc, self._proc = self._proc, None
-        self._ready = False
-        stdin, self._stdin = self._stdin, None
-        read, self._read_transport = self._read_transport, None
-        self._stdout = None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.kill()
-        for transport in (stdin, read):  # each closes its pipe
-            if transport is not None:
-                transport.close()
-        await asyncio.to_thread(proc.wait)  # killed: returns at once, and reaps it
+        for task in list(self._restarts):
+            task.cancel()
+        for child in self._children:
+            await child.close()

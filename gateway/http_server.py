@@ -11,6 +11,7 @@ and frees its blocks, as a gRPC cancel does.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import time
@@ -263,7 +264,7 @@ class HttpApi:
             for r in reqs:
                 r.sampling.structured_output.CopyFrom(spec)
         try:  # before anything runs: a bad schema gets 400 naming it
-            await check_tools(checks, self.servicer.grammar_error)
+            await check_tools(checks, functools.partial(self.servicer.grammar_error, tenant=tenant))
         except ToolBadField as e:
             raise bad_request(str(e), e.param) from None
         except RpcFailed as e:

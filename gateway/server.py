@@ -111,6 +111,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         self.default_priority = (parse_range(edge.default_tenant_priority)
                                  if edge.default_tenant_priority and api_keys else None)
         self.grammar_timeout = edge.max_grammar_compile_seconds
+        self.grammar_processes = edge.structured_check_processes
         self._grammar: GrammarChecker | None = None  # started by warm_grammar, else on first use
         self._warming: asyncio.Task | None = None
         self._spawning: asyncio.Task | None = None
@@ -198,36 +199,37 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         if self._grammar is None:
             self._grammar = GrammarChecker(self.tokenizer.source or _tokenizer_file(self.tokenizer),
                                            lambda: (self._vocab_size, self.tokenizer.eos_token_ids or [0]),
-                                           self.grammar_timeout)
+                                           self.grammar_timeout, self.grammar_processes)
         return self._grammar
 
     def spawn_grammar(self) -> asyncio.Task:
-        """Starts the grammar compiler's child importing (2.1 s of torch and xgrammar on a Zen 2
+        """Starts the grammar compiler children importing (2.1 s of torch and xgrammar on a Zen 2
         EPYC) while the workers load; warm_grammar gives it the vocabulary later."""
         if self._spawning is None:
             self._spawning = asyncio.create_task(self._checker().spawn())
         return self._spawning
 
     def warm_grammar(self) -> asyncio.Task | None:
-        """Makes the grammar compiler's child ready in the background, once the scheduler has
+        """Makes the grammar compiler children ready in the background, once the scheduler has
         said the vocabulary's size: loading the vocabulary takes seconds (2.7 s for SmolLM2 on a
         Zen 2 EPYC, imports included), which the first structured request would otherwise wait.
-        The task that does it (None before the scheduler has said), done once the child is ready
+        The task that does it (None before the scheduler has said), done once the children are ready
         or failed to start."""
         if self._warming is None and self.client.info is not None:
             self._warming = asyncio.create_task(self._checker().warm())
         return self._warming
 
-    async def grammar_error(self, spec) -> str | None:
+    async def grammar_error(self, spec, tenant: str = "") -> str | None:
         """Why the spec does not compile (or within --max-grammar-compile-seconds); None if it
-        does. RpcFailed UNAVAILABLE when the compiler cannot start."""
+        does. RpcFailed UNAVAILABLE when the compiler cannot start. With API keys, tenant bounds
+        the compiler children one tenant holds."""
         try:
-            return await self._checker().check(spec)
+            return await self._checker().check(spec, tenant if self.api_keys else None)
         except RuntimeError as e:  # its compiler did not start: not the request's fault
             raise RpcFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
 
-    async def _check_grammar(self, spec) -> None:
-        why = await self.grammar_error(spec)
+    async def _check_grammar(self, spec, tenant: str) -> None:
+        why = await self.grammar_error(spec, tenant)
         if why is not None:
             name = f"sampling.structured_output.{spec.kind}"
             raise RpcFailed(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {why}", name)
@@ -259,7 +261,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         except ValidationError as e:
             raise RpcFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
         if v.spec is not None:
-            await self._check_grammar(v.spec)
+            await self._check_grammar(v.spec, tenant)
         v.add.public_id = tenant + v.add.public_id  # the client's own id stays in v.public_id
         v.add.tenant = tenant
         allowed = self.priority_ranges.get(tenant, self.default_priority)

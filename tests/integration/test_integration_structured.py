@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -129,3 +130,28 @@ def test_grpc_structured_output_oneof_and_its_errors(stub):
         stub.Generate(req, timeout=60)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details().startswith("sampling.structured_output.regex: ")
+
+
+def test_a_schema_that_compiles_for_ever_costs_another_request_nothing(client, model):
+    """A client's pattern that would compile for about 30 s (here) holds one compiler child until
+    --max-grammar-compile-seconds refuses it; another client's schema is compiled in the other
+    child meanwhile and answered, valid, before that refusal (with one child it waited for the
+    limit and a restart: 5.8-7.7 s for an 8-token answer)."""
+    def ask(schema, max_tokens=40):
+        return client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": ASK["temp_c"]}], max_tokens=max_tokens,
+            temperature=0, response_format=schema_format(schema))
+
+    with ThreadPoolExecutor(3) as pool:
+        # Both children started (a lazy cluster starts them on the structured requests that need them).
+        list(pool.map(ask, [WEATHER, {**WEATHER, "required": ["sky", "temp_c"]}]))
+        bomb = pool.submit(ask, {"type": "string", "pattern": "^(\\w+\\s?)*{41}$"}, 4)
+        time.sleep(1.0)  # the bomb reaches a child first
+        answer = pool.submit(ask, {**WEATHER, "required": ["temp_c"]}).result(timeout=60)
+        refused_after = not bomb.done()
+        with pytest.raises(openai.BadRequestError) as refused:
+            bomb.result(timeout=60)
+    jsonschema.validate(json.loads(answer.choices[0].message.content), {**WEATHER, "required": ["temp_c"]})
+    assert refused_after
+    assert refused.value.body["param"] == "response_format"
+    assert "took longer than 5 s (--max-grammar-compile-seconds)" in refused.value.body["message"]

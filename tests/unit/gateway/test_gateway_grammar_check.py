@@ -1,9 +1,10 @@
 """The gateway's grammar-compiler child, started the way the gateway runs (on uvloop), with a
 stand-in child that speaks the same line protocol (the real one is exercised by the structured
 integration tests): it is started without fork(), answers, and a child that dies or stalls is
-reported and replaced."""
+reported and replaced; a slow spec holds one child of several, and one tenant all but one."""
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 
@@ -13,10 +14,12 @@ from gateway.grammar_check import TOO_SLOW, GrammarChecker
 from structured.spec import Spec
 
 # Ready once told its vocabulary (the first line); answers every spec but the regex "slow" (never
-# answered) and "die" (the child exits); "told" is answered with the vocabulary and its pid.
+# answered) and "die" (the child exits); "told" is answered with the vocabulary and its pid;
+# "count..." and "late..." (after 0.5 s) with how many times this child compiled them.
 STAND_IN = """
 import json, os, sys, time
 told = json.loads(sys.stdin.readline())
+seen = {}
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     msg = json.loads(line)
@@ -24,13 +27,20 @@ for line in sys.stdin:
         sys.exit(3)
     if msg["value"] == "slow":
         time.sleep(60)
-    error = {"bad": "bad", "told": f"{told} {os.getpid()}"}.get(msg["value"])
+    if msg["value"].startswith("late"):
+        time.sleep(0.5)
+    seen[msg["value"]] = seen.get(msg["value"], 0) + 1
+    error = {"bad": "bad", "told": f"{told} {os.getpid()}"}.get(msg["value"], msg["value"])
+    if msg["value"].startswith(("count", "late")):
+        error = f"{msg['value']} {seen[msg['value']]}"
+    elif msg["value"] not in ("bad", "told"):
+        error = None
     print(json.dumps({"id": msg["id"], "error": error}), flush=True)
 """
 
 
-def checker(program: str, timeout_s: float = 5.0, vocabulary=lambda: (0, [])) -> GrammarChecker:
-    c = GrammarChecker(tokenizer_json=None, vocabulary=vocabulary, timeout_s=timeout_s)
+def checker(program: str, timeout_s: float = 5.0, vocabulary=lambda: (0, []), processes: int = 2) -> GrammarChecker:
+    c = GrammarChecker(tokenizer_json=None, vocabulary=vocabulary, timeout_s=timeout_s, processes=processes)
     c.args = [sys.executable, "-c", program]
     return c
 
@@ -45,7 +55,7 @@ def test_a_child_spawned_early_is_told_the_vocabulary_when_warmed():
         c = checker(STAND_IN, vocabulary=lambda: vocabulary[-1])
         try:
             await c.spawn()
-            spawned = c._proc.pid
+            spawned = c._children[0].proc.pid
             vocabulary.append((49152, [2, 7]))
             await c.warm()
             return spawned, await c.check(Spec("regex", "told"))
@@ -109,3 +119,73 @@ def test_a_child_that_never_says_ready_is_an_error_naming_its_exit():
             await c.close()
 
     assert uvloop.run(main()) == "the grammar compiler did not start: it did not say ready (exit status 5)"
+
+
+async def _first_done(*aws):
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    return tasks, done
+
+
+def test_a_slow_spec_holds_one_child_and_another_spec_is_answered_meanwhile():
+    """One client's pathological pattern costs other requests nothing: theirs compile in another
+    child while it runs to the limit (with one child they waited for the limit and a restart)."""
+    async def main():
+        c = checker(STAND_IN, timeout_s=3.0)
+        try:
+            (slow, quick), done = await _first_done(c.check(Spec("regex", "slow")), c.check(Spec("regex", "a+")))
+            first = (quick in done, slow in done, quick.result())
+            # The slow one's child is started again in the background: the next spec does not wait.
+            return first, await slow, await c.check(Spec("regex", "b+"))
+        finally:
+            await c.close()
+
+    first, slow, after = uvloop.run(main())
+    assert first == (True, False, None)
+    assert (slow, after) == (f"{TOO_SLOW} 3 s (--max-grammar-compile-seconds)", None)
+
+
+def test_with_api_keys_one_tenant_holds_all_children_but_one():
+    """Tenant A's two slow specs: the second waits for the first, and tenant B's spec is
+    answered meanwhile in the child A may not take."""
+    async def main():
+        c = checker(STAND_IN, timeout_s=2.0)
+        try:
+            (a1, a2, b), done = await _first_done(c.check(Spec("regex", "slow"), "A"),
+                                                 c.check(Spec("grammar", "slow"), "A"),
+                                                 c.check(Spec("regex", "c+"), "B"))
+            first = ([t in done for t in (a1, a2, b)], b.result())
+            return first, await a1, await a2
+        finally:
+            await c.close()
+
+    first, a1, a2 = uvloop.run(main())
+    assert first == ([False, False, True], None)
+    assert a1 == a2 == f"{TOO_SLOW} 2 s (--max-grammar-compile-seconds)"
+
+
+def test_the_same_spec_asked_at_once_is_compiled_once():
+    async def main():
+        c = checker(STAND_IN)
+        try:
+            return await asyncio.gather(*(c.check(Spec("regex", "count")) for _ in range(3)))
+        finally:
+            await c.close()
+
+    assert uvloop.run(main()) == ["count 1"] * 3
+
+
+def test_an_asker_that_hangs_up_leaves_no_answer_for_the_next_spec():
+    """A client that hangs up while its spec compiles (HTTP aborts it): the answer still comes
+    for that spec, and the child's next spec gets its own answer, not the late one."""
+    async def main():
+        c = checker(STAND_IN, processes=1)
+        try:
+            asker = asyncio.ensure_future(c.check(Spec("regex", "late")))
+            await asyncio.sleep(0.2)
+            asker.cancel()
+            return await c.check(Spec("regex", "count")), await c.check(Spec("regex", "late"))
+        finally:
+            await c.close()
+
+    assert uvloop.run(main()) == ("count 1", "late 1")  # the second "late" is the cached answer
