@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
@@ -79,9 +80,15 @@ def _regex_literal(text: str) -> str:
     return "".join("\\" + c if c in "\\^$.|?*+()[]{}/-" else c for c in text)
 
 
+_ASSERTION = re.compile(r"^Check failed: \(.*?\) is false: ")
+
+
 def _first_line(e: Exception) -> str:
     text = str(e).strip()
     # xgrammar prefixes its messages with "[time] /project/cpp/file.cc:line: "
     if text.startswith("[") and ": " in text:
         text = text.split(": ", 1)[1] if ".cc:" in text.split(": ", 1)[0] else text
-    return text.splitlines()[0][:500] if text else type(e).__name__
+    text = text.splitlines()[0] if text else type(e).__name__
+    # and its assertions with the C++ condition: "Check failed: (val >= ...) is false: why"
+    text = _ASSERTION.sub("", text)
+    return text[:500]

@@ -236,3 +236,17 @@ def test_a_row_past_its_stop_token_gets_a_mask_and_its_token_is_ignored(tok, cac
     assert not bool(allowed_tokens(mask)[1].all()) and bool(allowed_tokens(mask)[1][a])
     rows.accept(np.array([0, 1]), np.array([a, a]))
     assert rows.failed == {} and rows.matchers[0].is_terminated()
+
+
+@pytest.mark.parametrize("kind, value, reason", [
+    ("json_schema", '{"type": "integer", "minimum": -1e30}', "Integer exceeds minimum limit"),
+    ("structural_tag", '{"type": "structural_tag", "format": {"type": "nope"}}',
+     "Invalid structural tag error: Format type not recognized: nope"),
+    ("json_schema", '{"type": "string", "minLength": 5, "maxLength": 2}', "minLength 5 is greater than maxLength 2"),
+])
+def test_a_refusal_gives_the_compilers_reason_without_its_assertion(cache, kind, value, reason):
+    """xgrammar words some refusals as a failed C++ assertion ("Check failed: (val >=
+    MIN_INT64_AS_DOUBLE) is false: ..."); a client gets the reason alone."""
+    with pytest.raises(SpecError) as refused:
+        cache.get(Spec(kind, value))
+    assert str(refused.value) == reason
