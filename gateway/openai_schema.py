@@ -19,10 +19,17 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 # The ranges of the proto fields the numbers are copied into: protobuf raises ValueError on one
-# past them, which was a 500 (`"seed": 2**70`, `"top_k": 2**32`, a negative seed). Refused here
+# past them, which was a 500 (`"seed": 2**70`, `"top_k": 2**32`). Refused here
 # instead, 400 naming the field; the fields' own ranges are gateway/validate.py's, after.
 Int32 = Annotated[StrictInt, Field(ge=-(1 << 31), le=(1 << 31) - 1)]
-UInt64 = Annotated[StrictInt, Field(ge=0, le=(1 << 64) - 1)]
+# vLLM takes an int64 seed, the proto field is a uint64: a negative seed travels as its 64 bits
+# (seed_bits), so -1 and 2**64 - 1 are the same seed.
+Seed = Annotated[StrictInt, Field(ge=-(1 << 63), le=(1 << 64) - 1)]
+
+
+def seed_bits(seed: int) -> int:
+    """The uint64 field's value for an int64 seed; any other value unchanged (protobuf names it)."""
+    return seed & ((1 << 64) - 1) if -(1 << 63) <= seed < 0 else seed
 
 
 class _Strict(BaseModel):
@@ -45,7 +52,7 @@ class _Common(_Strict):
     top_p: float | None = None
     top_k: Int32 | None = None
     min_p: float | None = None
-    seed: UInt64 | None = None
+    seed: Seed | None = None
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[StrictInt] | None = None
     presence_penalty: float | None = None
@@ -136,7 +143,7 @@ def _sampling(body: _Common, logprobs: int | None) -> pagoda_pb2.SamplingParams:
                  "frequency_penalty", "repetition_penalty"):
         value = getattr(body, name)
         if value is not None:
-            setattr(s, name, value)
+            setattr(s, name, seed_bits(value) if name == "seed" else value)
     s.n = body.n
     if logprobs is not None:
         s.logprobs = logprobs

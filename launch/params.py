@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from gateway.openai_schema import seed_bits
 from proto import pagoda_pb2 as pb
 
 
@@ -97,7 +98,8 @@ def generate_request(fields: dict, p: SamplingParams | BeamSearchParams) -> pb.G
     name = "SamplingParams"
     s = _message(pb.SamplingParams, name, n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                  min_p=p.min_p, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                 repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias or {}, seed=p.seed,
+                 repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias or {},
+                 seed=None if p.seed is None else seed_bits(p.seed),
                  logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs)
     if p.structured_outputs is not None:
         s.structured_output.CopyFrom(p.structured_outputs.to_proto())
@@ -114,8 +116,8 @@ def generate_request(fields: dict, p: SamplingParams | BeamSearchParams) -> pb.G
 
 def _message(cls, owner: str, **fields):
     """cls(**fields) without the None ones; where protobuf refuses a value (a number past its
-    field's range, a wrong type), a ValueError naming the field ("SamplingParams.seed: Value out
-    of range: -1"), found by building the fields one at a time only then."""
+    field's range, a wrong type), a ValueError naming the field ("SamplingParams.top_k: Value out
+    of range: 1099511627776"), found by building the fields one at a time only then."""
     fields = {k: v for k, v in fields.items() if v is not None}
     try:
         return cls(**fields)

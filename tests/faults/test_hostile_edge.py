@@ -225,7 +225,7 @@ MALFORMED = {
         "messages.0.content"),
     # numbers past the gRPC field they are copied into (protobuf raised ValueError: a 500)
     "a seed past 64 bits": (json.dumps({"model": MODEL, "prompt": "hi", "seed": 2**70}).encode(), "seed"),
-    "a negative seed": (json.dumps({"model": MODEL, "prompt": "hi", "seed": -1}).encode(), "seed"),
+    "a seed below 64 signed bits": (json.dumps({"model": MODEL, "prompt": "hi", "seed": -2**63 - 1}).encode(), "seed"),
     "a top_k past 32 bits": (json.dumps({"model": MODEL, "prompt": "hi", "top_k": 2**32}).encode(), "top_k"),
     "a prompt mixing text and token ids": (json.dumps({"model": MODEL, "prompt": ["a", [1]]}).encode(), "prompt"),
     "not UTF-8": (b'{"model": "\xff"}', None),

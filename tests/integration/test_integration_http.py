@@ -70,6 +70,18 @@ def test_completions_n_and_logprobs_equal_grpc(cluster, stub):
     assert out.usage.completion_tokens == 2 * len(ids)
 
 
+def test_a_negative_seed_samples_as_vllms_int64_does_through_the_uint64_field(cluster, stub):
+    """seed -5 (vLLM's int64) samples what gRPC's uint64 seed 2**64 - 5 samples."""
+    model = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).model
+    client = openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0)
+    texts = [client.completions.create(model=model, prompt=PROMPT, temperature=1.0, max_tokens=12, seed=seed)
+             .choices[0].text for seed in (-5, 2**64 - 5)]
+    grpc = list(stub.GenerateStream(pb.GenerateRequest(
+        prompt=PROMPT, sampling=pb.SamplingParams(temperature=1.0, seed=2**64 - 5),
+        stopping=pb.StoppingCriteria(max_tokens=12)), timeout=300))
+    assert texts == ["".join(r.text for r in grpc)] * 2
+
+
 def test_curl_streams_what_grpc_streams(cluster, stub):
     model = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).model
     text, _, finish, _ = grpc_answer(stub, prompt=PROMPT, stopping=pb.StoppingCriteria(max_tokens=20))

@@ -92,7 +92,7 @@ def test_llm_generate_and_chat_equal_transformers(smollm2_hf, hf_tokenizer):
         with pytest.raises(GenerationError, match="sampling.n must be between 1 and 16"):
             llm.generate("x", SamplingParams(n=10**9), use_tqdm=False)
         assert _rss_bytes() - rss < 100 << 20
-        for params, field in ((SamplingParams(seed=-1), "SamplingParams.seed"),
+        for params, field in ((SamplingParams(seed=-2**63 - 1), "SamplingParams.seed"),
                               (SamplingParams(top_k=2**40), "SamplingParams.top_k")):
             with pytest.raises(ValueError, match=f"^{field}: "):
                 llm.generate("x", params, use_tqdm=False)

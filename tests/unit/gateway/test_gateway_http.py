@@ -125,7 +125,7 @@ def test_bad_requests_get_openai_errors(run, payload, status, param):
 # Numbers past the proto field they are copied into (protobuf raised ValueError: a 500, and the
 # connection reset under the client's next request), or below an unsigned one.
 OUT_OF_RANGE = [("chat/completions", field, value) for field, value in [
-    ("seed", 2**70), ("seed", -1), ("top_k", 2**32), ("min_tokens", 2**31), ("priority", -2**40),
+    ("seed", 2**70), ("seed", -2**63 - 1), ("top_k", 2**32), ("min_tokens", 2**31), ("priority", -2**40),
     ("truncate_prompt_tokens", 2**63), ("max_completion_tokens", 2**70), ("max_tokens", -2**31 - 1),
     ("top_logprobs", 2**40)]] + [("completions", "logprobs", 2**40), ("completions", "prompt_logprobs", -2**63)]
 
@@ -144,6 +144,18 @@ def test_numbers_out_of_range_get_400_naming_them_on_a_connection_that_goes_on(r
                     assert r.status_code == 200, (field, r.text)
                 assert len(h.scheduler.adds) == len(OUT_OF_RANGE)  # only the good ones reached it
     run(body())
+
+
+def test_a_negative_seed_is_vllms_int64_and_travels_as_its_64_bits(run):
+    """vLLM takes an int64 seed, the gRPC field is a uint64: -5 is the seed 2**64 - 5."""
+    async def body():
+        async with harness() as h:
+            async with httpx.AsyncClient() as http:
+                for seed in (-5, -2**63, 2**64 - 1):
+                    r = await http.post(f"{h.base_url}/completions", json={"model": MODEL, "prompt": "hi", "seed": seed})
+                    assert r.status_code == 200, r.text
+            return [a.sampling.seed for a in h.scheduler.adds]
+    assert run(body()) == [2**64 - 5, 2**63, 2**64 - 1]
 
 
 def test_a_bug_gets_a_500_without_detail_and_the_connection_serves_the_next_request(run, monkeypatch):
