@@ -71,7 +71,12 @@ class Spec:
             if self.kind == "structural_tag":
                 return compiler.compile_structural_tag(self.value)
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors are these
-            raise SpecError(_first_line(e)) from None
+            why = _first_line(e)
+            if self.kind != "grammar":
+                # A regex (a pattern too) is translated into a grammar first, and some of its
+                # errors point into that translation, a line and column the client never wrote.
+                why = _GRAMMAR_POSITION.sub("", why)
+            raise SpecError(why) from None
         raise SpecError(f"unknown kind {self.kind!r}")
 
 
@@ -81,6 +86,7 @@ def _regex_literal(text: str) -> str:
 
 
 _ASSERTION = re.compile(r"^Check failed: \(.*?\) is false: ")
+_GRAMMAR_POSITION = re.compile(r"^EBNF (parser|lexer) error at line \d+, column \d+: ")
 
 
 def _first_line(e: Exception) -> str:

@@ -243,10 +243,15 @@ def test_a_row_past_its_stop_token_gets_a_mask_and_its_token_is_ignored(tok, cac
     ("structural_tag", '{"type": "structural_tag", "format": {"type": "nope"}}',
      "Invalid structural tag error: Format type not recognized: nope"),
     ("json_schema", '{"type": "string", "minLength": 5, "maxLength": 2}', "minLength 5 is greater than maxLength 2"),
+    # a regex's error without the position in the grammar it was translated into
+    ("regex", "a{5,2}", "Lower bound is larger than upper bound: 5 > 2"),
+    ("json_schema", '{"type": "string", "pattern": "a{5,2}"}', "Lower bound is larger than upper bound: 5 > 2"),
+    ("grammar", 'root ::= "a" x', 'EBNF parser error at line 1, column 14: Rule "x" is not defined'),
 ])
-def test_a_refusal_gives_the_compilers_reason_without_its_assertion(cache, kind, value, reason):
+def test_a_refusal_gives_the_compilers_reason_without_its_internals(cache, kind, value, reason):
     """xgrammar words some refusals as a failed C++ assertion ("Check failed: (val >=
-    MIN_INT64_AS_DOUBLE) is false: ..."); a client gets the reason alone."""
+    MIN_INT64_AS_DOUBLE) is false: ..."), and some regex errors by their place in the grammar it
+    translated the regex into; a client gets the reason alone (a grammar's own place stays)."""
     with pytest.raises(SpecError) as refused:
         cache.get(Spec(kind, value))
     assert str(refused.value) == reason
