@@ -317,3 +317,30 @@ def test_api_key_guards_the_http_api_too(run):
                 assert (await http.get(f"{root}/health")).status_code == 200  # open, as on gRPC
                 assert (await http.post(f"{root}/tokenize", json={"prompt": "x"})).status_code == 401
     run(body())
+
+
+def test_with_api_keys_one_tenants_slow_specs_leave_a_compiler_to_the_others(run):
+    """The HTTP API hands each request's tenant to the grammar check: tenant A's two specs that
+    never compile hold one compiler between them, and tenant B's spec is answered meanwhile (a
+    stand-in compiler; gateway/grammar_check.py's own tests hold the real one's pool)."""
+    import sys
+    from gateway.grammar_check import GrammarChecker
+    from tests.unit.gateway.test_gateway_grammar_check import STAND_IN
+
+    async def body():
+        async with harness(api_keys=("key-a", "key-b")) as h:
+            checker = GrammarChecker(tokenizer_json=None, vocabulary=lambda: (0, []), timeout_s=2.0)
+            checker.args = [sys.executable, "-c", STAND_IN]
+            h.gateway.servicer._grammar = checker
+            async with httpx.AsyncClient(timeout=30) as http:
+                def post(key, structured):
+                    return asyncio.ensure_future(http.post(
+                        f"{h.base_url}/completions", headers={"authorization": f"Bearer {key}"},
+                        json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "structured_outputs": structured}))
+                slow = [post("key-a", {"regex": "slow"}), post("key-a", {"grammar": "slow"})]
+                await asyncio.sleep(0.2)
+                quick = await post("key-b", {"regex": "b+"})
+                pending = [not s.done() for s in slow]
+                refused = [(await s).status_code for s in slow]
+            return quick.status_code, pending, refused
+    assert run(body()) == (200, [True, True], [400, 400])
