@@ -50,12 +50,9 @@ class CompilerChild:
             await self._start()
 
     async def _start(self) -> None:
-        alive = self.alive()
-        if alive and self._ready:
+        if self.alive() and self._ready:
             return
-        if not alive:
-            await self.close()
-            await self._spawn()
+        await self.spawn()
         proc = self.proc
         vocab_size, eos_token_ids = self.vocabulary()
         told = json.dumps({"vocab_size": vocab_size, "eos_token_ids": eos_token_ids}).encode() + b"\n"

@@ -27,28 +27,20 @@ _CACHED = 1024
 
 
 class GrammarChecker:
-    def __init__(self, tokenizer_json: Path, vocabulary: Callable[[], tuple[int, list[int]]],
-                 timeout_s: float = 5.0, processes: int = 2) -> None:
-        self.args = [sys.executable, "-m", "structured.check_process", str(tokenizer_json)]
-        self.vocabulary = vocabulary
-        self.timeout_s = timeout_s
+    def __init__(self, tokenizer_json: Path | None, vocabulary: Callable[[], tuple[int, list[int]]],
+                 timeout_s: float = 5.0, processes: int = 2, args: list[str] | None = None) -> None:
+        """args: the child's command line (tests run a stand-in), by default the real compiler's."""
+        args = args or [sys.executable, "-m", "structured.check_process", str(tokenizer_json)]
         self.processes = processes
-        self._children: list[CompilerChild] = []  # made at first use, from self.args
-        self._idle: asyncio.Queue[CompilerChild] | None = None
+        self._children = [CompilerChild(args, vocabulary, timeout_s) for _ in range(processes)]
+        self._idle: asyncio.Queue[CompilerChild] = asyncio.Queue()
+        for child in self._children:
+            self._idle.put_nowait(child)
         self._answers: OrderedDict[str, str | None] = OrderedDict()
         self._compiling: dict[str, asyncio.Future] = {}  # key -> its one compile, until answered
         self._held: dict[str, int] = {}  # tenant -> children its compiles hold
         self._freed = asyncio.Condition()
         self._restarts: set[asyncio.Task] = set()
-
-    def _pool(self) -> list[CompilerChild]:
-        if not self._children:
-            self._children = [CompilerChild(self.args, self.vocabulary, self.timeout_s)
-                              for _ in range(self.processes)]
-            self._idle = asyncio.Queue()
-            for child in self._children:
-                self._idle.put_nowait(child)
-        return self._children
 
     async def check(self, spec: Spec, tenant: str | None = None) -> str | None:
         """None when the spec compiles; otherwise why not. tenant (with API keys) bounds the
@@ -72,7 +64,6 @@ class GrammarChecker:
             done.exception()  # retrieved, should every asker have gone
 
     async def _compile(self, key: str, spec: Spec, tenant: str | None) -> str | None:
-        self._pool()
         async with self._tenant_share(tenant):
             child = await self._idle.get()
             try:
@@ -123,7 +114,7 @@ class GrammarChecker:
 
     async def spawn(self) -> None:
         """Starts the children's imports now, without waiting for them or for the vocabulary."""
-        for child in self._pool():
+        for child in self._children:
             try:
                 await child.spawn()
             except OSError as e:  # the first check tries again, and answers UNAVAILABLE
@@ -135,7 +126,7 @@ class GrammarChecker:
         requests. A child that cannot start is only logged here (a check tries again and
         answers UNAVAILABLE)."""
         started = time.perf_counter()
-        for child in self._pool():
+        for child in self._children:
             try:
                 await child.started()
             except RuntimeError as e:

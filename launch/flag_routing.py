@@ -68,8 +68,8 @@ def check_flags(routed: dict[str, list[str]], parsers: dict[str, argparse.Argume
     """Each process's flags parsed as that process will parse them, before anything starts: a
     bad value is a FlagError here with argparse's message (and not the usage of dozens of
     flags), where each worker would otherwise exit with it in turn. The model files a worker and
-    the gateway will look for must be there too, and fit --max-model-len, unless stand-ins (tests' --*-module) run in
-    their place."""
+    the gateway will look for must be there too, and the model must have been trained on
+    --max-model-len positions, unless stand-ins (tests' --*-module) run in their place."""
     args = {}
     for name, parser in parsers.items():
         parser.exit_on_error = False
@@ -85,12 +85,11 @@ def check_flags(routed: dict[str, list[str]], parsers: dict[str, argparse.Argume
         models = [(worker.model, "--model")]
         if worker.speculative_config and (draft := SpeculativeConfig.parse(worker.speculative_config).model):
             models.append((draft, "--speculative-config.model"))
-        for model, flag in models:
-            try:
-                resolve_model(model, flag)
-            except FileNotFoundError as e:
-                raise FlagError(str(e)) from None
-        config = ModelConfig.read(resolve_model(worker.model))
+        try:
+            paths = [resolve_model(model, flag) for model, flag in models]
+        except FileNotFoundError as e:
+            raise FlagError(str(e)) from None
+        config = ModelConfig.read(paths[0])
         if why := config.context_refusal(worker.max_model_len, worker.allow_long_max_model_len):
             raise FlagError(why)
     return args

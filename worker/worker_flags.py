@@ -75,8 +75,10 @@ def add_worker_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="KV cache size on the CPU, e.g. 2GiB (default 1GiB)")
     g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
                    help="fraction of GPU memory for weights, activations and the KV cache")
-    g.add_argument("--swap-space", type=float_at_least(0.0, "GiB"), default=0.0, help="GiB of CPU swap space, 0 = none")
-    g.add_argument("--seed", type=int_at_least(0, (1 << 63) - 1), default=0, help="seeds the sampling of unseeded requests")
+    g.add_argument("--swap-space", type=float_at_least(0.0, "GiB"), default=0.0,
+                   help="GiB of CPU swap space, 0 = none")
+    g.add_argument("--seed", type=int_at_least(0, (1 << 63) - 1), default=0,
+                   help="seeds the sampling of unseeded requests")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"])
     g.add_argument("--cpu-matmul", default="auto", choices=["auto", "torch"],
                    help="fp32 and bf16 CPU projections: auto = pagoda's kernels (kernels/cpu_gemm.c, "

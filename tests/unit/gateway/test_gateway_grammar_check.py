@@ -40,9 +40,8 @@ for line in sys.stdin:
 
 
 def checker(program: str, timeout_s: float = 5.0, vocabulary=lambda: (0, []), processes: int = 2) -> GrammarChecker:
-    c = GrammarChecker(tokenizer_json=None, vocabulary=vocabulary, timeout_s=timeout_s, processes=processes)
-    c.args = [sys.executable, "-c", program]
-    return c
+    return GrammarChecker(tokenizer_json=None, vocabulary=vocabulary, timeout_s=timeout_s,
+                          processes=processes, args=[sys.executable, "-c", program])
 
 
 def test_a_child_spawned_early_is_told_the_vocabulary_when_warmed():

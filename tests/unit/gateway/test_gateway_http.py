@@ -329,9 +329,8 @@ def test_with_api_keys_one_tenants_slow_specs_leave_a_compiler_to_the_others(run
 
     async def body():
         async with harness(api_keys=("key-a", "key-b")) as h:
-            checker = GrammarChecker(tokenizer_json=None, vocabulary=lambda: (0, []), timeout_s=2.0)
-            checker.args = [sys.executable, "-c", STAND_IN]
-            h.gateway.servicer._grammar = checker
+            h.gateway.servicer._grammar = GrammarChecker(None, lambda: (0, []), timeout_s=2.0,
+                                                         args=[sys.executable, "-c", STAND_IN])
             async with httpx.AsyncClient(timeout=30) as http:
                 def post(key, structured):
                     return asyncio.ensure_future(http.post(
