@@ -110,7 +110,9 @@ def test_a_decode_step_equals_float64_on_every_isa_here(step, kind, dtype):
             for got_cache, want_cache in ((k, k_ref), (v, v_ref)):
                 held = ~want_cache.isnan()
                 err = (got_cache[held].double() - want_cache[held].double()).abs().max().item()
-                assert err <= 4 * TOL[dtype], (name, err)
+                # with bf16 dot products a later layer's K/V inherit the earlier layers' roundings
+                # (an activation a hair either side of a bf16 boundary): the output's tolerance
+                assert err <= (max(4 * TOL[dtype], cpu_decode_layer.BF16_DOT_TOL) if dot else 4 * TOL[dtype]), (name, err)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
