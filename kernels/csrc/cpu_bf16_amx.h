@@ -35,28 +35,76 @@ static int amx_permitted(void) {
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
+// A 16 x 16 matrix of 32-bit values (r[i] its row i) transposed in registers: 64 shuffles where
+// element by element it took 256 scalar moves, which made the epilogue and the packing of x cost
+// more than the tiles' products past 64 rows (bench/bench_gemm.py --dtype bfloat16).
+__attribute__((target("avx512f")))
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {  // 32-bit pairs
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  // 64-bit pairs
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {  // then 128-bit lanes, twice
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);       // lanes 0, 2 of each
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);   // lanes 1, 3 of each
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);        // lane 0 of every 4 rows
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);    // lane 2
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);  // lane 1
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd); // lane 3
+    }
+}
+
 // x [M, K] as B tiles: for block b (16 rows of x) and step s (32 of k), 16 rows of pairs, row p
 // holding (x[m][32 s + 2 p], x[m][32 s + 2 p + 1]) for m = 0..15; rows of x past M are zeros.
+// A step's 16 rows of x, 16 pairs each, transposed as 32-bit values, are that tile.
+__attribute__((target("avx512f")))
 static uint16_t *amx_pack_x(const uint16_t *x, int64_t ldx, int M, int64_t K) {
     const int64_t blocks = (M + AMX_TILE - 1) / AMX_TILE, steps = K / AMX_K;
-    uint16_t *packed = calloc((size_t)(blocks * steps * AMX_B_VALUES), sizeof(uint16_t));
+    uint16_t *packed = aligned_alloc(64, (size_t)(blocks * steps * AMX_B_VALUES) * sizeof(uint16_t));
     if (!packed) return NULL;
-    for (int m = 0; m < M; m++) {
-        uint16_t *row = packed + (m / AMX_TILE) * steps * AMX_B_VALUES + (m % AMX_TILE) * 2;
-        for (int64_t k = 0; k < K; k += 2) {
-            uint16_t *pair = row + (k / AMX_K) * AMX_B_VALUES + (k % AMX_K) / 2 * (2 * AMX_TILE);
-            pair[0] = x[m * ldx + k];
-            pair[1] = x[m * ldx + k + 1];
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t s = 0; s < steps; s++) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) {
+                const int64_t m = b * AMX_TILE + i;
+                r[i] = m < M ? _mm512_loadu_si512(x + m * ldx + s * AMX_K) : _mm512_setzero_si512();
+            }
+            transpose16(r);
+            uint16_t *tile = packed + (b * steps + s) * AMX_B_VALUES;
+            for (int p = 0; p < 16; p++) _mm512_store_si512(tile + p * 2 * AMX_TILE, r[p]);
         }
-    }
     return packed;
 }
 
+// 16 floats rounded to bf16 as to_bf16 rounds (to nearest even, a NaN made quiet).
+__attribute__((target("avx512f,avx512bw")))
+static inline __m256i round16_bf16(__m512i u) {
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i even = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_castsi512_ps(u), _mm512_castsi512_ps(u), _CMP_UNORD_Q);
+    return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, even, quiet));
+}
+
 // A C tile (c[n][m]: 16 weights x 16 rows) rounded into out's rows m0.. (mr of them), columns n0..
+__attribute__((target("avx512f,avx512bw")))
 static void amx_store(const float c[AMX_TILE][AMX_TILE], uint16_t *out, int64_t ldo, int m0, int mr,
                       int64_t n0) {
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < AMX_TILE; j++) out[(m0 + i) * ldo + n0 + j] = to_bf16(c[j][i]);
+    __m512i r[16];
+    for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_si512(c[j]);
+    transpose16(r);  // r[i]: row i of x's 16 outputs
+    for (int i = 0; i < mr; i++) _mm256_storeu_si256((__m256i *)(out + (m0 + i) * ldo + n0), round16_bf16(r[i]));
 }
 
 // The first N / 32 * 32 columns of out (returned; 0 where K is not a multiple of 32 or the
