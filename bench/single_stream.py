@@ -18,6 +18,7 @@ llama.cpp is never part of this repository: build llama-server yourself (docs/be
 
     .venv/bin/python bench/single_stream.py --llama-server /tmp/llamacpp/build/bin/llama-server
         [--peers fp32,bf16,int8,q8_0,q4_1,llama] [--rounds 3] [--per-round 2] [--threads 2]
+        [--llama-args=--no-repack]
         [--prompt-tokens 300] [--max-tokens 160] [--json out.json]
 
 or set LLAMA_SERVER. Without either, llama.cpp is skipped with a line saying so.
@@ -98,11 +99,11 @@ class Pagoda:
 class LlamaServer:
     name = "llama.cpp"
 
-    def __init__(self, binary: str, threads: int) -> None:
+    def __init__(self, binary: str, threads: int, extra: list[str]) -> None:
         self.port = free_port()
         self.cmd = [binary, "-m", str(resolve_model("")), "--host", "127.0.0.1", "--port",
                     str(self.port), "--threads", str(threads), "--threads-batch", str(threads),
-                    "--ctx-size", "2048", "--parallel", "1"]
+                    "--ctx-size", "2048", "--parallel", "1", *extra]
 
     def start(self) -> None:
         self.log = open("/tmp/pagoda-single-stream-llama.log", "wb")
@@ -169,6 +170,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--per-round", type=int, default=2, help="requests to each peer per round")
     ap.add_argument("--threads", type=int, default=2, help="llama-server's --threads")
+    ap.add_argument("--llama-args", default="",
+                    help="more llama-server flags, e.g. '--no-repack' where its AMX path crashes")
     ap.add_argument("--prompt-tokens", type=int, default=300)
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--json", type=Path)
@@ -185,7 +188,7 @@ def main() -> None:
         elif q in wanted:
             print(f"pagoda {q}: skipped, `worker.main --help` does not offer --quantization {q}")
     if "llama" in wanted and args.llama_server:
-        peers.append(LlamaServer(args.llama_server, args.threads))
+        peers.append(LlamaServer(args.llama_server, args.threads, args.llama_args.split()))
     elif "llama" in wanted:
         print("llama.cpp: skipped, no --llama-server PATH and no LLAMA_SERVER")
 
