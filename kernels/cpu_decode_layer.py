@@ -32,10 +32,15 @@ INT8_WTYPE = 24
 # activations to bf16, but one within fp32's error of a rounding boundary can round the other way
 # (a bf16 step, 2^-8), which the next layers carry (measured up to 5e-3; 2e-7 where none did).
 BF16_DOT_TOL = 1e-2
-# Tokens from which a bf16 step takes the dot products: with fewer, the widened weights, one row
-# at a time, stream as fast or faster (1 token: 7.5 against 8.5 ms on a Zen 5 EPYC; 4: even; 8:
-# 21 against 13), and keep the activations in fp32.
+# Tokens from which a bf16 step takes the best products the CPU has (AMX tiles, else dot
+# products). With fewer it takes the widened weights, one row at a time, or where few_rows_dot
+# says so the dot products: on a Zen 5 EPYC the widened weights streamed as fast or faster (1
+# token: 7.5 against 8.5 ms; 4: even; 8: 21 against 13) and keep the activations in fp32; on an
+# AMX Xeon the dot products won from one token (11.8 against 14.7 ms; 4: 18.5 against 25.2) and
+# the tiles from 8 (20.2 against 22.6; 16: 27.6 against 37.5; at 1 and 2 tokens the tiles, 16
+# rows padded, lost: 13.2 and 16.0 against 11.8 and 15.2).
 BF16_DOT_MIN_TOKENS = 5
+few_rows_dot = False  # the machine's, measured at start-up (worker/startup_measurements.py)
 WTYPES = {**{kind: fmt[0] for kind, fmt in cpu_gemm_gguf.FORMATS.items()}, **{k: t for k, (t, _) in DENSE.items()},
           INT8: INT8_WTYPE}
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
@@ -125,25 +130,36 @@ def layers_array(weights: list[LayerWeights], kv_caches: list[tuple[torch.Tensor
 
 
 @functools.cache  # the CPU's, asked once (a bf16 step of 5 or more tokens asked at each step)
-def bf16_dot_here() -> bool:
-    """Whether decode steps over bf16 weights take AVX512-BF16 dot products here (else widened
+def bf16_dot_here() -> int:
+    """The products decode steps over bf16 weights may take here on activations rounded to bf16:
+    2 AMX tiles (or AVX512-BF16 dot products), 1 AVX512-BF16 dot products only, 0 neither (widened
     weights against fp32 activations). Call only after available()."""
-    return bool(_kernel.function("pagoda_decode_layer_bf16_dot", [], _i)())
+    return int(_kernel.function("pagoda_decode_layer_bf16_dot", [], _i)())
+
+
+def bf16_modes_here() -> list[int]:
+    """Every bf16_dot a bf16 step may take here: 0 (widened), then each product this CPU has."""
+    return list(range(bf16_dot_here() + 1))
 
 
 def decode_step(layers, shape: Shape, final_norm: torch.Tensor, h: torch.Tensor, cis: torch.Tensor,
                 positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
                 tables: torch.Tensor, k_cache: torch.Tensor, isa: int | None = None,
-                bf16_dot: bool | None = None) -> torch.Tensor:
+                bf16_dot: int | None = None) -> torch.Tensor:
     """The final-normed hidden states [T, H] of the step. h: the embeddings [T, H] (fp32,
     contiguous; summed into in place: the residual stream). cis: complex64 [positions, D / 2].
     positions, slots: int64 [T]; rows, lens: int32 [R]; tables: int32 [R, blocks] (the decode
     plan's, every token a row). k_cache: any layer's (for its layout and dtype). bf16_dot: bf16
-    weights' products in dot products on activations rounded to bf16, as torch's bf16 model
-    rounds them (None: from BF16_DOT_MIN_TOKENS tokens where this CPU has them). Call only after
-    available(), with bounds already checked (C checks none)."""
+    weights' products on activations rounded to bf16, as torch's bf16 model rounds them: 1
+    AVX512-BF16 dot products, 2 AMX tiles, True the best this CPU has, 0 widened weights (None:
+    the best from BF16_DOT_MIN_TOKENS tokens, dot products or widened
+    weights below, as few_rows_dot says). Call only after available(), with bounds already
+    checked (C checks none)."""
     if bf16_dot is None:
-        bf16_dot = shape.kind == "bf16" and h.shape[0] >= BF16_DOT_MIN_TOKENS and bf16_dot_here()
+        here = bf16_dot_here()
+        bf16_dot = here if h.shape[0] >= BF16_DOT_MIN_TOKENS else min(here, 1) if few_rows_dot else 0
+    elif bf16_dot is True:
+        bf16_dot = bf16_dot_here()
     T = h.shape[0]
     out = torch.empty_like(h)
     num_blocks, bs, num_kv_heads, head_dim = k_cache.shape
@@ -154,7 +170,7 @@ def decode_step(layers, shape: Shape, final_norm: torch.Tensor, h: torch.Tensor,
                    scale=shape.head_dim ** -0.5, cis=cis.data_ptr(), positions=positions.data_ptr(),
                    slots=slots.data_ptr(), rows=rows.data_ptr(), lens=lens.data_ptr(),
                    tables=tables.data_ptr(), ldt=tables.stride(0), final_norm=final_norm.data_ptr(),
-                   h=h.data_ptr(), out=out.data_ptr(), bf16_dot=int(bf16_dot and shape.kind == "bf16"),
+                   h=h.data_ptr(), out=out.data_ptr(), bf16_dot=int(bf16_dot) if shape.kind == "bf16" else 0,
                    prefetch=int(cpu_decode_attention.prefetch))
     _kernel.fn(ctypes.addressof(layers), len(layers), ctypes.byref(p))
     return out

@@ -152,7 +152,9 @@ DECODE_PAIRS = 7  # timed pairs of steps (one C call, layer by layer) per sequen
 def measure_decode_step_bound(runner) -> None:
     """Sets how many decodes a step may have for a dense model's one-C-call step
     (worker/fused_decode.py): --cpu-decode-step-tokens, else the count of DECODE_STEP_TOKENS up to
-    which it beats the layers one by one here, each count's steps timed back to back, alternating.
+    which it beats the layers one by one here, each count's steps timed back to back, alternating;
+    and for bf16 weights, whether steps of fewer than BF16_DOT_MIN_TOKENS tokens take the dot
+    products (kernels/cpu_decode_layer.py few_rows_dot), timed at one token first.
     The bound is the machine's: 8 paid on a Zen 3 EPYC in fp32 and bf16, 4 on a Zen 5
     (docs/benchmarks.md, "Stop 41"). Kept per machine and configuration."""
     step = getattr(runner.model.model, "fused_decode", None)
@@ -171,19 +173,29 @@ def measure_decode_step_bound(runner) -> None:
             v_cache[:most * need].zero_()
         previous, step.max_tokens = step.max_tokens, most
 
-        def ratio(n: int) -> float:
+        def median_ratio(n: int, flip) -> float:  # flip(True) / flip(False), n tokens, back to back
             inputs = runner.prepare_inputs(np.arange(n), np.ones(n, dtype=np.int64), batch)
             times = {True: [], False: []}
             for i in range(DECODE_PAIRS + 1):
                 for on in (True, False):
-                    fused_decode.enabled = on
+                    flip(on)
                     start = time.perf_counter()
                     runner.model(inputs.input_ids, inputs.positions, inputs.meta, runner.cache.kv_caches)
                     if i:  # the first pair pays one-time costs
                         times[on].append(time.perf_counter() - start)
             return statistics.median(times[True]) / statistics.median(times[False])
+
+        def few_rows_dot(on: bool) -> None:
+            cpu_decode_layer.few_rows_dot = on
+
+        def step_on(on: bool) -> None:
+            fused_decode.enabled = on
         try:
-            return {"max_tokens": bound(DECODE_STEP_TOKENS, ratio)}
+            dots = (step.shape.kind == "bf16" and cpu_decode_layer.bf16_dot_here() > 0
+                    and median_ratio(1, few_rows_dot) < 1)
+            few_rows_dot(dots)
+            most_tokens = bound(DECODE_STEP_TOKENS, lambda n: median_ratio(n, step_on))
+            return {"bf16_few_rows_dot": dots, "max_tokens": most_tokens}
         finally:
             fused_decode.enabled, step.max_tokens = True, previous
 
@@ -196,6 +208,9 @@ def measure_decode_step_bound(runner) -> None:
         build = cbuild.library_path(cpu_decode_layer.SOURCE, cpu_decode_layer.FLAGS).name
         key = machine_key(runner.config, runner.dtype, step.shape.kind, DECODE_CONTEXT, layers.CPU, build,
                           f"prefetch={cpu_decode_attention.prefetch}", timed(DECODE_STEP_TOKENS))
-        found, was_kept = kept("decode-step", key, timings, {"max_tokens"}, runner.args.measure_again)
+        found, was_kept = kept("decode-step", key, timings, {"max_tokens", "bf16_few_rows_dot"},
+                               runner.args.measure_again)
         step.max_tokens, said = found["max_tokens"], how(was_kept, started)
-    fused_decode.log.info("decode steps of up to %d tokens run as one C call (%s)", step.max_tokens, said)
+        cpu_decode_layer.few_rows_dot = found["bf16_few_rows_dot"]
+    fused_decode.log.info("decode steps of up to %d tokens run as one C call (%s)%s", step.max_tokens, said,
+                          ", bf16 products of 1-4 tokens in dot products" if cpu_decode_layer.few_rows_dot else "")

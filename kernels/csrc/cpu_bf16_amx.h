@@ -5,7 +5,7 @@
 // usual layout, B packed from the weights, would need a second copy of them (270 MB for
 // SmolLM2 in bf16) or a repack on every call.
 //
-// Included by cpu_gemm_bf16.c after its to_bf16 (one rounding, as the other paths round).
+// Included by cpu_gemm_bf16.c and by the one-call decode step (kernels/csrc/cpu_decode_layer.c).
 #ifndef PAGODA_CPU_BF16_AMX_H
 #define PAGODA_CPU_BF16_AMX_H
 
@@ -69,22 +69,81 @@ static inline void transpose16(__m512i r[16]) {
 // holding (x[m][32 s + 2 p], x[m][32 s + 2 p + 1]) for m = 0..15; rows of x past M are zeros.
 // A step's 16 rows of x, 16 pairs each, transposed as 32-bit values, are that tile.
 __attribute__((target("avx512f")))
-static uint16_t *amx_pack_x(const uint16_t *x, int64_t ldx, int M, int64_t K) {
+static inline void amx_pack_tile(const uint16_t *x, int64_t ldx, int M, int64_t b, int64_t s, uint16_t *tile) {
+    __m512i r[16];
+    for (int i = 0; i < 16; i++) {
+        const int64_t m = b * AMX_TILE + i;
+        r[i] = m < M ? _mm512_loadu_si512(x + m * ldx + s * AMX_K) : _mm512_setzero_si512();
+    }
+    transpose16(r);
+    for (int p = 0; p < 16; p++) _mm512_store_si512(tile + p * 2 * AMX_TILE, r[p]);
+}
+
+// Bytes of x [M, K] packed: aligned to 64 for the tiles' loads.
+static inline size_t amx_packed_bytes(int M, int64_t K) {
+    return (size_t)((M + AMX_TILE - 1) / AMX_TILE * (K / AMX_K) * AMX_B_VALUES) * sizeof(uint16_t);
+}
+
+static inline uint16_t *amx_pack_x(const uint16_t *x, int64_t ldx, int M, int64_t K) {
     const int64_t blocks = (M + AMX_TILE - 1) / AMX_TILE, steps = K / AMX_K;
-    uint16_t *packed = aligned_alloc(64, (size_t)(blocks * steps * AMX_B_VALUES) * sizeof(uint16_t));
+    uint16_t *packed = aligned_alloc(64, amx_packed_bytes(M, K));
     if (!packed) return NULL;
     for (int64_t b = 0; b < blocks; b++)
-        for (int64_t s = 0; s < steps; s++) {
-            __m512i r[16];
-            for (int i = 0; i < 16; i++) {
-                const int64_t m = b * AMX_TILE + i;
-                r[i] = m < M ? _mm512_loadu_si512(x + m * ldx + s * AMX_K) : _mm512_setzero_si512();
-            }
-            transpose16(r);
-            uint16_t *tile = packed + (b * steps + s) * AMX_B_VALUES;
-            for (int p = 0; p < 16; p++) _mm512_store_si512(tile + p * 2 * AMX_TILE, r[p]);
-        }
+        for (int64_t s = 0; s < steps; s++) amx_pack_tile(x, ldx, M, b, s, packed + (b * steps + s) * AMX_B_VALUES);
     return packed;
+}
+
+// The calling thread's tile configuration (thread state): eight 16 x 64-byte tiles.
+__attribute__((target("amx-tile"), noinline))
+static void amx_configure(void) {
+    struct amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = AMX_TILE;
+        cfg.colsb[t] = 64;
+    }
+    // GCC 12 drops the stores above as dead (it does not see ldtilecfg read them), leaving an
+    // invalid configuration (SIGSEGV): the empty asm makes them visible
+    __asm__ volatile("" : : "r"(&cfg) : "memory");
+    _tile_loadconfig(&cfg);
+}
+
+__attribute__((target("amx-tile"), noinline, unused))
+static void amx_release(void) {
+    _tile_release();
+}
+
+// 32 weight rows from w (ldw elements apart) against the packed blocks at b0 and, if both, the
+// next: c[t][n][m] = weight 16 (t % 2) + n times row 16 (t / 2) + m of those blocks, in fp32.
+// tmm0-3: C; 4, 5: A (the weights where they lie); 6, 7: B.
+__attribute__((target("amx-tile,amx-bf16")))
+static inline void amx_products(const uint16_t *w, int64_t ldw, const uint16_t *b0, int both, int64_t steps,
+                                float c[4][AMX_TILE][AMX_TILE]) {
+    const int64_t stride = ldw * (int64_t)sizeof(uint16_t);
+    const uint16_t *w1 = w + AMX_TILE * ldw, *b1 = b0 + steps * AMX_B_VALUES;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < steps; s++) {
+        _tile_loadd(4, w + s * AMX_K, stride);
+        _tile_loadd(5, w1 + s * AMX_K, stride);
+        _tile_loadd(6, b0 + s * AMX_B_VALUES, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        if (both) {
+            _tile_loadd(7, b1 + s * AMX_B_VALUES, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    if (both) {
+        _tile_stored(2, c[2], 64);
+        _tile_stored(3, c[3], 64);
+    }
 }
 
 // 16 floats rounded to bf16 as to_bf16 rounds (to nearest even, a NaN made quiet).
@@ -99,7 +158,7 @@ static inline __m256i round16_bf16(__m512i u) {
 
 // A C tile (c[n][m]: 16 weights x 16 rows) rounded into out's rows m0.. (mr of them), columns n0..
 __attribute__((target("avx512f,avx512bw")))
-static void amx_store(const float c[AMX_TILE][AMX_TILE], uint16_t *out, int64_t ldo, int m0, int mr,
+static inline void amx_store(const float c[AMX_TILE][AMX_TILE], uint16_t *out, int64_t ldo, int m0, int mr,
                       int64_t n0) {
     __m512i r[16];
     for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_si512(c[j]);
@@ -107,12 +166,26 @@ static void amx_store(const float c[AMX_TILE][AMX_TILE], uint16_t *out, int64_t 
     for (int i = 0; i < mr; i++) _mm256_storeu_si256((__m256i *)(out + (m0 + i) * ldo + n0), round16_bf16(r[i]));
 }
 
+// The same tile into fp32 rows, written or (add) added: the one-call decode step's projections.
+__attribute__((target("avx512f")))
+static inline void amx_store_f32(const float c[AMX_TILE][AMX_TILE], float *out, int64_t ldo, int m0, int mr, int64_t n0,
+                          int add) {
+    __m512i r[16];
+    for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_si512(c[j]);
+    transpose16(r);
+    for (int i = 0; i < mr; i++) {
+        float *o = out + (m0 + i) * ldo + n0;
+        const __m512 v = _mm512_castsi512_ps(r[i]);
+        _mm512_storeu_ps(o, add ? _mm512_add_ps(_mm512_loadu_ps(o), v) : v);
+    }
+}
+
 // The first N / 32 * 32 columns of out (returned; 0 where K is not a multiple of 32 or the
 // memory for packed x is short: the caller computes what is left another way). Tasks are groups
 // of 32 weight rows split over the threads; each takes every 32 rows of x in turn, its two A
 // tiles loaded once per step for both B tiles (its weights come from memory for the first rows
 // and from L2 after).
-__attribute__((target("amx-tile,amx-bf16")))
+__attribute__((target("amx-tile,amx-bf16"), unused))
 static int64_t xwt_amx(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, uint16_t *out,
                        int64_t ldo, int M, int64_t N, int64_t K, int threads) {
     const int64_t groups = N / AMX_GROUP, steps = K / AMX_K;
@@ -120,54 +193,21 @@ static int64_t xwt_amx(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_
     uint16_t *xp = amx_pack_x(x, ldx, M, K);
     if (!xp) return 0;
     const int blocks = (M + AMX_TILE - 1) / AMX_TILE;
-    const int64_t stride = ldw * (int64_t)sizeof(uint16_t);
     #pragma omp parallel num_threads(threads)
     {
-        struct amx_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; t++) {
-            cfg.rows[t] = AMX_TILE;
-            cfg.colsb[t] = 64;
-        }
-        _tile_loadconfig(&cfg);  // per thread: the configuration is thread state
+        amx_configure();
         float c[4][AMX_TILE][AMX_TILE];
         #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            const uint16_t *w0 = w + g * AMX_GROUP * ldw, *w1 = w0 + AMX_TILE * ldw;
+        for (int64_t g = 0; g < groups; g++)
             for (int b = 0; b < blocks; b += 2) {
                 const int both = b + 1 < blocks;
-                const uint16_t *b0 = xp + (int64_t)b * steps * AMX_B_VALUES, *b1 = b0 + steps * AMX_B_VALUES;
-                // tmm0-3: C (weights 0-15 / 16-31 x rows of block b / b + 1); 4, 5: A; 6, 7: B
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t s = 0; s < steps; s++) {
-                    _tile_loadd(4, w0 + s * AMX_K, stride);
-                    _tile_loadd(5, w1 + s * AMX_K, stride);
-                    _tile_loadd(6, b0 + s * AMX_B_VALUES, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 5, 6);
-                    if (both) {
-                        _tile_loadd(7, b1 + s * AMX_B_VALUES, 64);
-                        _tile_dpbf16ps(2, 4, 7);
-                        _tile_dpbf16ps(3, 5, 7);
-                    }
-                }
-                _tile_stored(0, c[0], 64);
-                _tile_stored(1, c[1], 64);
-                if (both) {
-                    _tile_stored(2, c[2], 64);
-                    _tile_stored(3, c[3], 64);
-                }
+                amx_products(w + g * AMX_GROUP * ldw, ldw, xp + (int64_t)b * steps * AMX_B_VALUES, both, steps, c);
                 for (int t = 0; t < (both ? 4 : 2); t++) {
                     const int m0 = (b + t / 2) * AMX_TILE;
                     amx_store(c[t], out, ldo, m0, M - m0 < AMX_TILE ? M - m0 : AMX_TILE,
                               g * AMX_GROUP + (t % 2) * AMX_TILE);
                 }
             }
-        }
         _tile_release();
     }
     free(xp);

@@ -23,6 +23,7 @@
 #include "cpu_gemm_gguf.c"
 #include "cpu_decode_attention.c"
 #include "cpu_bf16_tile.h"
+#include "cpu_bf16_amx.h"
 #include "cpu_dense_rows.h"
 
 #include <math.h>
@@ -49,8 +50,9 @@ typedef struct {
     const float *final_norm;       // [H]
     float *h;                      // [T, H]: in the embeddings; the residual stream, summed in place
     float *out;                    // [T, H]: the final norm of the last layer's stream
-    int bf16_dot;                  // bf16 weights: 1 AVX512-BF16 dot products on activations
-                                   // rounded to bf16 (pagoda_decode_layer_bf16_dot), 0 widened, fp32
+    int bf16_dot;                  // bf16 weights, on activations rounded to bf16: 1 AVX512-BF16 dot
+                                   // products, 2 AMX tiles (pagoda_decode_layer_bf16_dot says which
+                                   // this CPU has); 0 widened weights, fp32 activations
     int prefetch;                  // attention: pagoda_decode_attention's prefetch
 } DecodeStep;
 
@@ -141,10 +143,12 @@ static void gemv(dots_fn dots, int most, int avx2, const float *x, int64_t ldx, 
     }
 }
 
-// Whether this CPU has the dot products decode steps over bf16 weights can take (bf16_dot).
+// The products decode steps over bf16 weights can take here (bf16_dot): 2 AMX tiles (and the
+// dot products), 1 AVX512-BF16 dot products, 0 neither.
 int pagoda_decode_layer_bf16_dot(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+    if (!__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512bw")) return 0;
+    return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && amx_permitted() ? 2 : 1;
 }
 
 // gemv for bf16 weights in AVX512-BF16 dot products: x's rows rounded to bf16 once (into xb,
@@ -182,6 +186,40 @@ static void gemv_bf16_dot(const float *x, int64_t ldx, int T, const uint8_t *w, 
     }
 }
 
+// gemv for bf16 weights in AMX tiles (cpu_bf16_amx.h): x's rows rounded to bf16 (as
+// gemv_bf16_dot rounds them) and packed into B tiles once, then each task's 32 weight rows,
+// straight from W, against every 32 rows of x. Where N or K is not a multiple of 32, the dot
+// products. An orphaned worksharing loop, as gemv; the calling thread's tiles configured.
+__attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
+static void gemv_bf16_amx(const float *x, int64_t ldx, int T, const uint8_t *w, int64_t ldw, int64_t N,
+                          int64_t K, float *out, int64_t ldo, int add, uint16_t *xb, uint16_t *xp) {
+    if (N % AMX_GROUP || K % AMX_K) {
+        gemv_bf16_dot(x, ldx, T, w, ldw, N, K, out, ldo, add, xb);
+        return;
+    }
+    const int64_t ldr = ldw / 2, steps = K / AMX_K;
+    const int blocks = (T + AMX_TILE - 1) / AMX_TILE;
+    #pragma omp for schedule(static)
+    for (int t = 0; t < T; t++)
+        for (int64_t k = 0; k < K; k++) xb[t * K + k] = to_bf16(x[t * ldx + k]);
+    #pragma omp for schedule(static)
+    for (int64_t i = 0; i < blocks * steps; i++)
+        amx_pack_tile(xb, K, T, i / steps, i % steps, xp + i * AMX_B_VALUES);
+    float c[4][AMX_TILE][AMX_TILE];
+    #pragma omp for schedule(static)
+    for (int64_t g = 0; g < N / AMX_GROUP; g++)
+        for (int b = 0; b < blocks; b += 2) {
+            const int both = b + 1 < blocks;
+            amx_products((const uint16_t *)w + g * AMX_GROUP * ldr, ldr, xp + (int64_t)b * steps * AMX_B_VALUES, both,
+                         steps, c);
+            for (int t = 0; t < (both ? 4 : 2); t++) {
+                const int m0 = (b + t / 2) * AMX_TILE;
+                amx_store_f32(c[t], out, ldo, m0, T - m0 < AMX_TILE ? T - m0 : AMX_TILE,
+                              g * AMX_GROUP + (t % 2) * AMX_TILE, add);
+            }
+        }
+}
+
 // x * sigmoid(x), e^-|x| by exp_poly (which takes arguments <= 0).
 static inline float silu(float x) {
     const float e = exp_poly(-__builtin_fabsf(x));
@@ -191,13 +229,14 @@ static inline float silu(float x) {
 // One projection of the step: bf16 dot products where the step takes them, else gemv (WIDE:
 // the AVX-512 step, whose dots read no block sums).
 #define PROJECT(DOTS, MOST, WIDE, X, LDX, W, LDW, SCALE, N, K, OUT, LDO, ADD)                                \
-    if (p->bf16_dot) gemv_bf16_dot(X, LDX, T, W, LDW, N, K, OUT, LDO, ADD, xb);                         \
+    if (p->bf16_dot == 2) gemv_bf16_amx(X, LDX, T, W, LDW, N, K, OUT, LDO, ADD, xb, xp);                 \
+    else if (p->bf16_dot) gemv_bf16_dot(X, LDX, T, W, LDW, N, K, OUT, LDO, ADD, xb);                    \
     else gemv(DOTS, MOST, !WIDE, X, LDX, T, W, LDW, p->wtype, SCALE, N, K, OUT, LDO, ADD)
 
 #define STEP(ISA, TARGET, DOTS, MOST, WIDE)                                                            \
     __attribute__((target(TARGET)))                                                                    \
     static void step_##ISA(const DecodeLayer *layers, int num_layers, const DecodeStep *p, float *act, \
-                           float *qkv, float *attn, float *gu, uint16_t *xb, int width) {              \
+                           float *qkv, float *attn, float *gu, uint16_t *xb, uint16_t *xp, int width) { \
         const int T = p->T, H = p->H, D = p->D, I = p->I, Hq = p->Hq, Hkv = p->Hkv;                    \
         const int64_t nqkv = (int64_t)(Hq + 2 * Hkv) * D;                                              \
         const int grouped = attend_grouped_here(p->num_rows, Hq, Hkv, D, p->bs, p->cache_dtype,        \
@@ -205,6 +244,7 @@ static inline float silu(float x) {
         _Pragma("omp parallel num_threads(p->threads)")                                                \
         {                                                                                              \
             float *s = malloc(attend_scratch(Hq, Hkv, D, width) * sizeof(float));                      \
+            if (p->bf16_dot == 2) amx_configure();                                                     \
             int64_t first, last;  /* this thread's attention tasks: the same rows every layer */       \
             attend_share(p->lens, p->num_rows, grouped ? Hkv : Hq, p->bs, omp_get_thread_num(),        \
                          omp_get_num_threads(), &first, &last);                                        \
@@ -261,6 +301,7 @@ static inline float silu(float x) {
                 }                                                                                      \
                 PROJECT(DOTS, MOST, WIDE, act, I, L->down, L->ld_down, L->scale_down, H, I, p->h, H, 1); \
             }                                                                                          \
+            if (p->bf16_dot == 2) amx_release();                                                       \
             free(s);                                                                                   \
         }                                                                                              \
     }
@@ -284,8 +325,10 @@ void pagoda_decode_step(const DecodeLayer *layers, int num_layers, const DecodeS
     float *gu = malloc(T * 2 * p->I * sizeof(float));
     const int64_t widest = wide > (int64_t)p->Hq * p->D ? wide : (int64_t)p->Hq * p->D;
     uint16_t *xb = p->bf16_dot ? malloc(T * widest * sizeof(uint16_t)) : NULL;  // x rounded to bf16
-    (p->isa == 2 ? step_avx512 : step_avx2)(layers, num_layers, p, act, qkv, attn, gu, xb, width);
+    uint16_t *xp = p->bf16_dot == 2 ? aligned_alloc(64, amx_packed_bytes((int)T, widest)) : NULL;  // and packed
+    (p->isa == 2 ? step_avx512 : step_avx2)(layers, num_layers, p, act, qkv, attn, gu, xb, xp, width);
     free(xb);
+    free(xp);
     pagoda_rms_norm(p->h, p->final_norm, p->eps, p->T, p->H, p->out);
     free(act);
     free(qkv);

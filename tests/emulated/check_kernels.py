@@ -188,8 +188,8 @@ def main() -> int:
     modules = (cpu_gemm_bf16, cpu_gemm, cpu_gemm_int8, cpu_gemm_gguf, cpu_decode_attention, cpu_prefill_attention,
                cpu_decode_layer)
     dots = result.values.get(BF16_DOT_VALUE, 0)
-    print(f"{cpu_decode_layer.__name__}: bf16 dot products {'on' if dots else 'off'}")
-    if dots != (cpu_decode_layer.bf16_dot_here() if args.here else 1):
+    print(f"{cpu_decode_layer.__name__}: bf16 products {('widened', 'dot products', 'AMX tiles')[dots]}")
+    if dots != (cpu_decode_layer.bf16_dot_here() if args.here else 2):
         print("FAIL: the decode step's bf16 dot products are not what the CPU offers")
         failures += 1
     for module in modules:

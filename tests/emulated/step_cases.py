@@ -27,7 +27,7 @@ def relative(want: torch.Tensor, tol: float):
 def decode_step_cases(calls: bochs.Calls, buffers: dict[int, str], keep: list, here: bool = False) -> list[Case]:
     use_library(calls, cpu_decode_layer)
     calls.value(BF16_DOT_VALUE, "pagoda_decode_layer_bf16_dot")
-    dot_here = not here or cpu_decode_layer.bf16_dot_here()
+    products = 2 if not here else cpu_decode_layer.bf16_dot_here()  # the emulated Sapphire Rapids: AMX
     cis = RotaryEmbedding(SHAPE["head_dim"], 128, 10000.0).cis
     add_inputs(calls, buffers, cis)
     keep.append(cis)
@@ -44,7 +44,7 @@ def decode_step_cases(calls: bochs.Calls, buffers: dict[int, str], keep: list, h
                 inputs = [final_norm, h, positions, slots, rows, lens, tables, *_tensors(caches), *_tensors(weights)]
                 add_inputs(calls, buffers, *inputs)
                 keep.extend(inputs)
-                dots = [False, True] if kind == "bf16" and dot_here else [False]
+                dots = list(range(products + 1)) if kind == "bf16" else [0]  # widened, dot products, AMX
                 for dot in dots:
                     want = cpu_decode_layer.reference(weights, shape, final_norm, h, cis, positions, slots,
                                                       [(k.clone(), v.clone()) for k, v in caches], lens, tables, dot)

@@ -74,6 +74,9 @@ def _step(seqs, bs, dtype, g):
             torch.stack(tables).to(torch.int32))
 
 
+BF16_PRODUCTS = {0: "widened", 1: "AVX512-BF16 dots", 2: "AMX tiles"}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "int8", "f32", "bf16"])
 @pytest.mark.parametrize("step", list(STEPS))
@@ -88,9 +91,10 @@ def test_a_decode_step_equals_float64_on_every_isa_here(step, kind, dtype):
     T = positions.numel()
     h = torch.randn(T, SHAPE["hidden"], generator=g)
     cis = RotaryEmbedding(SHAPE["head_dim"], 128, 10000.0).cis
-    dots = [False, True] if kind == "bf16" and cpu_decode_layer.bf16_dot_here() else [False]
+    dots = cpu_decode_layer.bf16_modes_here() if kind == "bf16" else [0]  # widened, dot products, AMX
     isas = cpu_decode_layer.supported_isas()
-    print(f"decode layer paths here: {[cpu_decode_layer.ISA_NAMES[i] for i in isas]}, bf16 dot products {dots}")
+    print(f"decode layer paths here: {[cpu_decode_layer.ISA_NAMES[i] for i in isas]}, "
+          f"bf16 products {[BF16_PRODUCTS[d] for d in dots]}")
     for isa, dot in [(isa, dot) for isa in isas for dot in dots if isa == 2 or not dot]:
         ref_caches = [(k.clone(), v.clone()) for k, v in caches]
         want = cpu_decode_layer.reference(weights, shape, final_norm, h, cis, positions, slots, ref_caches,
@@ -101,7 +105,7 @@ def test_a_decode_step_equals_float64_on_every_isa_here(step, kind, dtype):
         got = cpu_decode_layer.decode_step(layers, shape, final_norm, stream, cis, positions, slots,
                                            torch.arange(T, dtype=torch.int32), lens, tables,
                                            run_caches[0][0], isa=isa, bf16_dot=dot)
-        name = (cpu_decode_layer.ISA_NAMES[isa], f"bf16 dot {dot}")
+        name = (cpu_decode_layer.ISA_NAMES[isa], f"bf16 products {BF16_PRODUCTS[dot]}")
         assert not got.isnan().any(), name
         err = ((got.double() - want).abs() / want.abs().clamp(min=1)).max().item()
         assert err <= (max(TOL[dtype], cpu_decode_layer.BF16_DOT_TOL) if dot else TOL[dtype]), (name, err)

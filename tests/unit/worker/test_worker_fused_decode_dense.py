@@ -5,6 +5,8 @@ model the step does not take (--cpu-matmul torch) runs layer by layer (int8 weig
 tests/unit/worker/test_worker_int8.py)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -112,3 +114,38 @@ def test_the_decode_step_bound_is_measured_at_a_machines_first_start_kept_and_ob
     assert timed == []
     pinned = ModelRunner(runner_args(folder, "--cpu-decode-step-tokens", "1", num_blocks=1024))
     assert pinned.model.model.fused_decode.max_tokens == 1 and timed == []
+
+
+def test_a_bf16_models_products_for_few_tokens_are_measured_at_first_start_kept_and_obeyed(
+        llama, monkeypatch, tmp_path):
+    """Where the CPU has bf16 dot products, start-up times one-token steps with them and with the
+    widened weights (back to back), keeps which won, and steps of 1-4 tokens take it; steps from
+    BF16_DOT_MIN_TOKENS take the best products here. The next start obeys what was kept."""
+    here = cpu_decode_layer.bf16_dot_here()
+    if not here:
+        pytest.skip("no bf16 dot products on this CPU")
+    hf, folder = llama
+    monkeypatch.setenv("PAGODA_MEASUREMENTS", str(tmp_path))
+    monkeypatch.setattr(cpu_decode_layer, "few_rows_dot", False)
+    calls = []  # (tokens, bf16 products) of every C step
+    fn = cpu_decode_layer._kernel.fn
+    monkeypatch.setattr(cpu_decode_layer._kernel, "fn",
+                        lambda layers, n, p: calls.append((p._obj.T, p._obj.bf16_dot)) or fn(layers, n, p))
+    runner = ModelRunner(runner_args(folder, "--dtype", "bfloat16", num_blocks=1024))
+    assert {(1, 0), (1, 1)} <= set(calls)  # timed both ways
+    assert {m for t, m in calls if t >= cpu_decode_layer.BF16_DOT_MIN_TOKENS} == {here}
+    kept = json.loads((tmp_path / "decode-step.json").read_text())
+    [chosen] = [entry["bf16_few_rows_dot"] for entry in kept.values()]
+    assert cpu_decode_layer.few_rows_dot is chosen
+    calls.clear()
+    for prompt, seq in zip(PROMPTS, PlanDriver(runner).generate(PROMPTS, NEW_TOKENS)):
+        ours, ref = torch.stack(seq.logits), reference_logits(hf, prompt, seq.output)
+        assert (ours - ref).abs().max() < 0.1 * ref.std()
+    assert calls and set(calls) == {(t, int(chosen)) for t, _ in calls}  # 1 and 2 tokens
+
+    for entry in kept.values():
+        entry["bf16_few_rows_dot"] = not chosen
+    (tmp_path / "decode-step.json").write_text(json.dumps(kept))
+    calls.clear()
+    ModelRunner(runner_args(folder, "--dtype", "bfloat16", num_blocks=1024))
+    assert cpu_decode_layer.few_rows_dot is (not chosen) and (1, int(chosen)) not in calls  # nothing timed
