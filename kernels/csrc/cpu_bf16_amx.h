@@ -117,16 +117,23 @@ static void amx_release(void) {
 // 32 weight rows from w (ldw elements apart) against the packed blocks at b0 and, if both, the
 // next: c[t][n][m] = weight 16 (t % 2) + n times row 16 (t / 2) + m of those blocks, in fp32.
 // tmm0-3: C; 4, 5: A (the weights where they lie); 6, 7: B.
+// ahead: the next group's weights (32 rows from there, ldw apart), fetched into L2 a share a step
+// (NULL: none). An A tile takes 16 rows 64 bytes at a time, too many streams for the hardware
+// prefetchers, so a group's first pass over x waited on memory for its weights.
 __attribute__((target("amx-tile,amx-bf16")))
 static inline void amx_products(const uint16_t *w, int64_t ldw, const uint16_t *b0, int both, int64_t steps,
-                                float c[4][AMX_TILE][AMX_TILE]) {
+                                float c[4][AMX_TILE][AMX_TILE], const uint16_t *ahead) {
     const int64_t stride = ldw * (int64_t)sizeof(uint16_t);
     const uint16_t *w1 = w + AMX_TILE * ldw, *b1 = b0 + steps * AMX_B_VALUES;
+    const int64_t lines = AMX_GROUP * stride / 64, per_step = (lines + steps - 1) / steps;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t s = 0; s < steps; s++) {
+        if (ahead)
+            for (int64_t i = s * per_step; i < (s + 1) * per_step && i < lines; i++)
+                _mm_prefetch((const char *)ahead + i * 64, _MM_HINT_T1);
         _tile_loadd(4, w + s * AMX_K, stride);
         _tile_loadd(5, w1 + s * AMX_K, stride);
         _tile_loadd(6, b0 + s * AMX_B_VALUES, 64);
@@ -201,7 +208,8 @@ static int64_t xwt_amx(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_
         for (int64_t g = 0; g < groups; g++)
             for (int b = 0; b < blocks; b += 2) {
                 const int both = b + 1 < blocks;
-                amx_products(w + g * AMX_GROUP * ldw, ldw, xp + (int64_t)b * steps * AMX_B_VALUES, both, steps, c);
+                amx_products(w + g * AMX_GROUP * ldw, ldw, xp + (int64_t)b * steps * AMX_B_VALUES, both, steps, c,
+                             b == 0 && g + 1 < groups ? w + (g + 1) * AMX_GROUP * ldw : NULL);
                 for (int t = 0; t < (both ? 4 : 2); t++) {
                     const int m0 = (b + t / 2) * AMX_TILE;
                     amx_store(c[t], out, ldo, m0, M - m0 < AMX_TILE ? M - m0 : AMX_TILE,
