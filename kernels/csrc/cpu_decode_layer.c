@@ -117,8 +117,9 @@ static void layer_dots_avx512(const float *x, int64_t ldx, int rows, const uint8
 
 // out[t, n] = (or +=) x[t] . W[n] for every weight row n, split over the team (an orphaned
 // worksharing loop: called from inside the step's parallel region; it ends at a barrier). avx2:
-// the dots are AVX2's, whose one-row Q4_1 products read the row's block sums (lone_row_sums; each
-// thread sums its own copy, x being complete when gemv is called).
+// the dots are AVX2's, which take weight panels from PANEL_MIN_ROWS rows. One-row Q4_1 products
+// read the row's block sums (lone_row_sums; each thread sums its own copy, x being complete when
+// gemv is called).
 static void gemv(dots_fn dots, int most, int avx2, const float *x, int64_t ldx, int T, const uint8_t *w,
                  int64_t ldw, int type, const float *scale, int64_t N, int64_t K, float *out, int64_t ldo,
                  int add) {
@@ -127,7 +128,7 @@ static void gemv(dots_fn dots, int most, int avx2, const float *x, int64_t ldx, 
         return;
     }
     float xs[2 * (K / QK)];
-    lone_row_sums(x, ldx, T, most, K, type, avx2, xs);
+    lone_row_sums(x, ldx, T, most, K, type, xs);
     #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         float s[8];

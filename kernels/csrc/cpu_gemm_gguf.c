@@ -87,10 +87,44 @@ static inline void body_avx512(const float *x, int64_t ldx, const uint8_t *w, in
     for (int m = 0; m < rows; m++) s[m] = _mm512_reduce_add_ps(_mm512_add_ps(a[m][0], a[m][1]));
 }
 
-__attribute__((target("avx512f,f16c")))
+// row_avx2's factoring in 16-float vectors: x . (d q + m) = d (x . q) + m sum(x), two sums that
+// alternate by block so that consecutive FMAs do not wait on each other. On an AMX Xeon a
+// single stream's Q4_1 step spent most of its time here, compute-bound (84 MB of weights).
+__attribute__((target("avx512f,f16c,fma"), always_inline))
+static inline float row_avx512(const float *x, const float *xs, const uint8_t *w, int64_t K, const int type) {
+    __m512 a[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m128 off = _mm_setzero_ps();
+    const int bytes = type == TYPE_Q8_0 ? 34 : 20;
+    const __m512i low4 = _mm512_set1_epi32(15);
+    for (int64_t k = 0, b = 0; k < K; k += QK, w += bytes, b ^= 1) {
+        __m512 q0, q1, d;
+        if (type == TYPE_Q8_0) {
+            d = _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(half_at(w))));
+            q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 2))));
+            q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 18))));
+        } else {
+            const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)bytes4_at(w)));
+            d = _mm512_broadcastss_ps(dm);
+            const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 4)));
+            q0 = _mm512_cvtepi32_ps(_mm512_and_si512(q, low4));   // weights 0 .. 15
+            q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));     // 16 .. 31
+            off = _mm_fmadd_ps(dm, _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(xs + 2 * (k / QK)))), off);
+        }
+        const __m512 t = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 16), q1, _mm512_mul_ps(_mm512_loadu_ps(x + k), q0));
+        a[b] = _mm512_fmadd_ps(d, t, a[b]);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1])) +
+           (type == TYPE_Q4_1 ? _mm_cvtss_f32(_mm_movehdup_ps(off)) : 0.0f);
+}
+
+// xs: row_sums of x's row where rows is 1 (row_avx512), else unread.
+__attribute__((target("avx512f,f16c,fma")))
 static void dots_avx512(const float *x, int64_t ldx, int rows, const uint8_t *w, int64_t K,
                         int type, const float *xs, float *s) {
-    (void)xs;
+    if (rows == 1) {
+        s[0] = type == TYPE_Q8_0 ? row_avx512(x, xs, w, K, TYPE_Q8_0) : row_avx512(x, xs, w, K, TYPE_Q4_1);
+        return;
+    }
     if (type == TYPE_Q8_0) {
         switch (rows) { ROWS_1_TO_4(body_avx512, TYPE_Q8_0) ROWS_5_TO_8(body_avx512, TYPE_Q8_0) }
     } else {
@@ -190,11 +224,10 @@ static inline void row_sums(const float *x, int64_t K, float *xs) {
     }
 }
 
-// Where x's last row (of M) is alone in its pass of `most` rows and the AVX2 dots read its block
-// sums (Q4_1: row_avx2), its row_sums into xs; else xs is left unread.
-static inline void lone_row_sums(const float *x, int64_t ldx, int M, int most, int64_t K, int type,
-                                 int avx2, float *xs) {
-    if (avx2 && type == TYPE_Q4_1 && M % most == 1) row_sums(x + (int64_t)(M - 1) * ldx, K, xs);
+// Where x's last row (of M) is alone in its pass of `most` rows, the dots read its block sums
+// (Q4_1: row_avx2, row_avx512): its row_sums into xs; else xs is left unread.
+static inline void lone_row_sums(const float *x, int64_t ldx, int M, int most, int64_t K, int type, float *xs) {
+    if (type == TYPE_Q4_1 && M % most == 1) row_sums(x + (int64_t)(M - 1) * ldx, K, xs);
 }
 
 // xs: row_sums of x's row where rows is 1 (row_avx2), else unread.
@@ -229,7 +262,7 @@ void pagoda_gguf_xwt(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw,
         isa == 3 ? dots_avx512 : dots_avx2;
     const int most = isa == 3 ? 8 : 4;  // rows of x a pass over a weight row takes
     float *xs = malloc((size_t)(K / QK) * 2 * sizeof(float));
-    lone_row_sums(x, ldx, M, most, K, type, isa != 3, xs);
+    lone_row_sums(x, ldx, M, most, K, type, xs);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wn = w + n * ldw;
