@@ -229,8 +229,8 @@ __attribute__((always_inline)) static inline float silu(float x) {
     return x * (x >= 0.0f ? 1.0f : e) / (1.0f + e);
 }
 
-// One projection of the step: bf16 dot products where the step takes them, else gemv (WIDE:
-// the AVX-512 step, whose dots read no block sums).
+// One projection of the step: AMX tiles or bf16 dot products where the step takes them, else gemv
+// (WIDE: the AVX-512 step, which takes no weight panels).
 #define PROJECT(DOTS, MOST, WIDE, X, LDX, W, LDW, SCALE, N, K, OUT, LDO, ADD)                                \
     if (p->bf16_dot == 2) gemv_bf16_amx(X, LDX, T, W, LDW, N, K, OUT, LDO, ADD, xb, xp);                 \
     else if (p->bf16_dot) gemv_bf16_dot(X, LDX, T, W, LDW, N, K, OUT, LDO, ADD, xb);                    \
@@ -331,7 +331,9 @@ void pagoda_decode_step(const DecodeLayer *layers, int num_layers, const DecodeS
     const int64_t widest = wide > (int64_t)p->Hq * p->D ? wide : (int64_t)p->Hq * p->D;
     uint16_t *xb = p->bf16_dot ? malloc(T * widest * sizeof(uint16_t)) : NULL;  // x rounded to bf16
     uint16_t *xp = p->bf16_dot == 2 ? aligned_alloc(64, amx_packed_bytes((int)T, widest)) : NULL;  // and packed
-    (p->isa == 2 ? step_avx512 : step_avx2)(layers, num_layers, p, act, qkv, attn, gu, xb, xp, width);
+    DecodeStep step = *p;
+    if (step.bf16_dot == 2 && !xp) step.bf16_dot = 1;  // no memory to pack x in: the dot products
+    (p->isa == 2 ? step_avx512 : step_avx2)(layers, num_layers, &step, act, qkv, attn, gu, xb, xp, width);
     free(xb);
     free(xp);
     pagoda_rms_norm(p->h, p->final_norm, p->eps, p->T, p->H, p->out);
