@@ -27,21 +27,22 @@ ISA_NAMES = {3: "AMX-BF16", 2: "AVX512-BF16", 1: "AVX2+FMA"}
 _kernel = cbuild.IsaKernel(
     SOURCE, FLAGS, "pagoda_bf16_isa", "pagoda_bf16_xwt",
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-     ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int],
+     ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int],
     ISA_NAMES, "using torch's bf16 matmul")
 available, isa, supported_isas = _kernel.available, _kernel.isa, _kernel.supported_isas
 
 
-def xwt(x: torch.Tensor, w: torch.Tensor, isa: int | None = None) -> torch.Tensor:
-    """x [M, K] @ w [N, K]^T -> [M, N], bf16 CPU tensors whose rows are contiguous. Call only
-    after available() returned True."""
+def xwt(x: torch.Tensor, w: torch.Tensor, isa: int | None = None, few_tiles: bool = False) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T -> [M, N], bf16 CPU tensors whose rows are contiguous. few_tiles:
+    1-4 rows in the AVX512-BF16 4 x 4 tiles instead of one weight row at a time (which is faster
+    is the CPU's: worker/cpu_matmul.py). Call only after available() returned True."""
     M, K = x.shape
     N = w.shape[0]
     x, w = cbuild.row_major(x, w)
     out = torch.empty(M, N, dtype=torch.bfloat16)
     if M and N:
         _kernel.fn(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), out.data_ptr(),
-                   N, M, N, K, torch.get_num_threads(), isa or _kernel.best)
+                   N, M, N, K, torch.get_num_threads(), isa or _kernel.best, int(few_tiles))
     return out
 
 

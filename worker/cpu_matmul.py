@@ -53,6 +53,7 @@ class CpuMatmul:
     fp32_kernel_rows: int = 0
     bf16_kernel_rows: int = 0
     bf16_widen: bool = False
+    bf16_few_rows_tiles: bool = False  # 1-4 rows in the bf16 kernel's 4 x 4 tiles (cpu_gemm_bf16.xwt)
 
 
 def choose(wanted: bool, shape: tuple[int, int], dtype: torch.dtype, again: bool = False) -> CpuMatmul:
@@ -74,6 +75,7 @@ def choose(wanted: bool, shape: tuple[int, int], dtype: torch.dtype, again: bool
     said = f"fp32 projections of {up_to(choice.fp32_kernel_rows)} rows run through kernels/cpu_gemm.c"
     if bf16:
         said += (f", bf16 ones of {up_to(choice.bf16_kernel_rows)} through kernels/cpu_gemm_bf16.c"
+                 + (" (1-4 rows in its 4 x 4 tiles)" if choice.bf16_few_rows_tiles else "")
                  + (" and larger ones in fp32 on widened operands" if choice.bf16_widen else ""))
     logger.info("%s (%s)", said, how(was_kept, started))
     return choice
@@ -94,8 +96,13 @@ def measure(fp32: bool, bf16: bool, shape: tuple[int, int]) -> CpuMatmul:
     pool = [torch.randn(*shape, generator=g).bfloat16() for _ in range(_pool_size(shape, 2))]
     widen = ratio(widened, F.linear, xb[:WIDEN_ROWS], pool, pairs=3) <= 1  # 5-10x either way
     other = widened if widen else F.linear
-    bf16_rows = bound(BF16_ROWS, lambda m: ratio(cpu_gemm_bf16.xwt, other, xb[:m], pool))
-    return CpuMatmul(fp32_rows, bf16_rows, widen)
+    tiles = max(cpu_gemm_bf16.supported_isas()) >= 2 and ratio(  # the AVX2 path has no such choice
+        lambda x, w: cpu_gemm_bf16.xwt(x, w, few_tiles=True), cpu_gemm_bf16.xwt, xb[:1], pool) < 1
+
+    def kernel(x, w):
+        return cpu_gemm_bf16.xwt(x, w, few_tiles=tiles)
+    bf16_rows = bound(BF16_ROWS, lambda m: ratio(kernel, other, xb[:m], pool))
+    return CpuMatmul(fp32_rows, bf16_rows, widen, tiles)
 
 
 def fp32_product(fp32_rows: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -52,7 +52,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if kernel_fits(x, weight):
         out = cpu_gemm.xwt(x, weight)
     elif bf16_kernel_fits(x, weight):
-        out = cpu_gemm_bf16.xwt(x, weight)
+        out = cpu_gemm_bf16.xwt(x, weight, few_tiles=CPU.bf16_few_rows_tiles)
     elif bf16_widens(x, weight):
         out = linear(x.float(), weight.float()).to(torch.bfloat16)
     else:

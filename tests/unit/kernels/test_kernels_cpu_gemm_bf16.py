@@ -1,5 +1,5 @@
 """kernels/csrc/cpu_gemm_bf16.c against a float64 product of the same bf16 values, on every
-instruction-set path this CPU has (the test names which ran): every row block and K tail,
+instruction-set path this CPU has (the test names which ran), 1-4 rows both ways: every row block and K tail,
 weight-row groups of 1 to 4, AMX's row blocks and weight tails, strided rows, any thread count."""
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ GEN = torch.Generator().manual_seed(0)
 PATHS = bf16.supported_isas() if bf16.available() else []
 
 
-def check(x: torch.Tensor, w: torch.Tensor, isa: int, threads: int = 2) -> None:
+def check(x: torch.Tensor, w: torch.Tensor, isa: int, threads: int = 2, few_tiles: bool = False) -> None:
     x, w = x.to(torch.bfloat16), w.to(torch.bfloat16)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = bf16.xwt(x, w, isa)
+        got = bf16.xwt(x, w, isa, few_tiles)
     finally:
         torch.set_num_threads(before)
     assert got.shape == (x.shape[0], w.shape[0]) and got.dtype == torch.bfloat16
@@ -33,8 +33,9 @@ def check(x: torch.Tensor, w: torch.Tensor, isa: int, threads: int = 2) -> None:
     (1, 576, 1536), (9, 17, 100), (1, 49152, 576), (7, 6, 9), (64, 37, 100), (100, 3, 8),
     # AMX's shapes (K a multiple of 32): one row block and a tail of weights, two blocks, three
     (5, 32, 32), (17, 70, 64), (33, 96, 96), (40, 33, 576)])
-def test_equals_float64(M, N, K, isa):
-    check(torch.randn(M, K, generator=GEN), torch.randn(N, K, generator=GEN), isa)
+@pytest.mark.parametrize("few_tiles", [False, True], ids=["rows", "tiles"])  # 1-4 rows' two ways
+def test_equals_float64(M, N, K, isa, few_tiles):
+    check(torch.randn(M, K, generator=GEN), torch.randn(N, K, generator=GEN), isa, few_tiles=few_tiles)
 
 
 @pytest.mark.parametrize("isa", PATHS, ids=lambda i: bf16.ISA_NAMES[i])

@@ -102,7 +102,7 @@ def test_a_measurement_is_kept_and_read_back_by_the_next_start(cache, measured):
     assert cpu_matmul.choose(True, SHAPE, BF16) == choice and calls == [SHAPE]
     assert cpu_matmul.choose(True, SHAPE, BF16) == choice and calls == [SHAPE]  # read, not measured
     (entry,) = json.loads(cache.read_text()).values()
-    assert entry == {"fp32_kernel_rows": 256, "bf16_kernel_rows": 8, "bf16_widen": True}
+    assert entry == {"fp32_kernel_rows": 256, "bf16_kernel_rows": 8, "bf16_widen": True, "bf16_few_rows_tiles": False}
     # Another shape, or another thread count, is another measurement.
     cpu_matmul.choose(True, (SHAPE[0] * 2, SHAPE[1]), BF16)
     threads = torch.get_num_threads()
@@ -124,7 +124,7 @@ def test_measure_again_measures_whatever_was_kept_and_keeps_the_new_bounds(cache
     assert calls == [SHAPE, SHAPE]
     assert cpu_matmul.choose(True, SHAPE, BF16) == again and calls == [SHAPE, SHAPE]  # kept, read back
     (entry,) = json.loads(cache.read_text()).values()
-    assert entry == {"fp32_kernel_rows": 64, "bf16_kernel_rows": 4, "bf16_widen": False}
+    assert entry == {"fp32_kernel_rows": 64, "bf16_kernel_rows": 4, "bf16_widen": False, "bf16_few_rows_tiles": False}
 
 
 @pytest.mark.parametrize("content", ["{not json", '["a list"]', None], ids=["garbled", "not-a-dict", "old-fields"])
@@ -183,8 +183,9 @@ def test_the_measurement_races_the_products_each_path_computes(monkeypatch):
         return 0.5 if x.shape[0] <= (512 if a.dtype == torch.float32 else 4) else 2.0
 
     monkeypatch.setattr(cpu_matmul, "ratio", ratio)
-    assert cpu_matmul.measure(True, True, SHAPE) == CpuMatmul(512, 4, True)
-    assert raced == ([(torch.float32, m) for m in FP32_ROWS] + [(BF16, WIDEN_ROWS)]
+    tiles = max(cpu_gemm_bf16.supported_isas()) >= 2  # one row in the 4 x 4 tiles against one at a time
+    assert cpu_matmul.measure(True, True, SHAPE) == CpuMatmul(512, 4, True, tiles)
+    assert raced == ([(torch.float32, m) for m in FP32_ROWS] + [(BF16, WIDEN_ROWS)] + [(BF16, 1)] * tiles
                      + [(BF16, m) for m in BF16_ROWS])
     raced.clear()
     assert cpu_matmul.measure(True, False, SHAPE) == CpuMatmul(512, 0, False)

@@ -155,10 +155,11 @@ def test_bf16_logits_go_through_the_bf16_kernel_or_fp32_and_equal_float64(rows, 
     if not cpu_gemm_bf16.available():
         pytest.skip(f"no bf16 kernel on this CPU ({torch.backends.cpu.get_cpu_capability()})")
     # The fp32 leg through the fp32 kernel where it runs.
-    monkeypatch.setattr("worker.layers.CPU", CpuMatmul(1024 if cpu_gemm.available() else 0, 4, widen))
+    # (1-4 rows in the 4 x 4 tiles or not: either way, as the choice says)
+    monkeypatch.setattr("worker.layers.CPU", CpuMatmul(1024 if cpu_gemm.available() else 0, 4, widen, widen))
     calls, widened = [], []
     real = cpu_gemm_bf16.xwt
-    monkeypatch.setattr(cpu_gemm_bf16, "xwt", lambda x, w: calls.append(x.shape) or real(x, w))
+    monkeypatch.setattr(cpu_gemm_bf16, "xwt", lambda x, w, **kw: calls.append((x.shape, kw)) or real(x, w, **kw))
     real_f = cpu_gemm.xwt
     monkeypatch.setattr(cpu_gemm, "xwt", lambda x, w: widened.append(x.dtype) or real_f(x, w))
     vocab, hidden = 1000, 64
@@ -168,7 +169,7 @@ def test_bf16_logits_go_through_the_bf16_kernel_or_fp32_and_equal_float64(rows, 
     model.config = type("C", (), {"tie_word_embeddings": False})()
     model.lm_head = type("L", (), {"weight": weight})()
     got = LlamaForCausalLM.compute_logits(model, h)
-    assert (len(calls) == 1) == (rows <= 4)
+    assert calls == ([((rows, hidden), {"few_tiles": widen})] if rows <= 4 else [])
     fp32_kernel = widen and rows > 4 and cpu_gemm.available()
     assert widened == ([torch.float32] if fp32_kernel else [])
     want = h.double() @ weight.double().t()
