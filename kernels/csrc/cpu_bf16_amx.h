@@ -109,7 +109,7 @@ static void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
-__attribute__((target("amx-tile"), noinline, unused))
+__attribute__((target("amx-tile"), noinline))
 static void amx_release(void) {
     _tile_release();
 }
@@ -163,27 +163,43 @@ static inline __m256i round16_bf16(__m512i u) {
     return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, even, quiet));
 }
 
-// A C tile (c[n][m]: 16 weights x 16 rows) rounded into out's rows m0.. (mr of them), columns n0..
+// How amx_group stores its tiles: rounded to bf16, or fp32 written or added.
+enum { AMX_BF16, AMX_F32, AMX_F32_ADD };
+
+// A C tile (c[n][m]: 16 weights x 16 rows) into out's rows m0.. (mr of them), columns n0..
 __attribute__((target("avx512f,avx512bw")))
-static inline void amx_store(const float c[AMX_TILE][AMX_TILE], uint16_t *out, int64_t ldo, int m0, int mr,
-                      int64_t n0) {
+static inline void amx_store(const float c[AMX_TILE][AMX_TILE], void *out, int64_t ldo, int m0, int mr,
+                             int64_t n0, int store) {
     __m512i r[16];
     for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_si512(c[j]);
     transpose16(r);  // r[i]: row i of x's 16 outputs
-    for (int i = 0; i < mr; i++) _mm256_storeu_si256((__m256i *)(out + (m0 + i) * ldo + n0), round16_bf16(r[i]));
+    for (int i = 0; i < mr; i++) {
+        const int64_t at = (m0 + i) * ldo + n0;
+        if (store == AMX_BF16) {
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), round16_bf16(r[i]));
+        } else {
+            float *o = (float *)out + at;
+            const __m512 v = _mm512_castsi512_ps(r[i]);
+            _mm512_storeu_ps(o, store == AMX_F32_ADD ? _mm512_add_ps(_mm512_loadu_ps(o), v) : v);
+        }
+    }
 }
 
-// The same tile into fp32 rows, written or (add) added: the one-call decode step's projections.
-__attribute__((target("avx512f")))
-static inline void amx_store_f32(const float c[AMX_TILE][AMX_TILE], float *out, int64_t ldo, int m0, int mr, int64_t n0,
-                          int add) {
-    __m512i r[16];
-    for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_si512(c[j]);
-    transpose16(r);
-    for (int i = 0; i < mr; i++) {
-        float *o = out + (m0 + i) * ldo + n0;
-        const __m512 v = _mm512_castsi512_ps(r[i]);
-        _mm512_storeu_ps(o, add ? _mm512_add_ps(_mm512_loadu_ps(o), v) : v);
+// One task: 32 weight rows (w, ldw apart) against every 32 rows of x packed at xp (M rows,
+// `steps` of 32 of k), into out's columns n0..n0 + 31; ahead: the next group's weights, fetched
+// while the first rows pass (NULL: none). The calling thread's tiles configured.
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw")))
+static inline void amx_group(const uint16_t *w, int64_t ldw, const uint16_t *xp, int M, int64_t steps,
+                             const uint16_t *ahead, void *out, int64_t ldo, int64_t n0, int store) {
+    const int blocks = (M + AMX_TILE - 1) / AMX_TILE;
+    float c[4][AMX_TILE][AMX_TILE];
+    for (int b = 0; b < blocks; b += 2) {
+        const int both = b + 1 < blocks;
+        amx_products(w, ldw, xp + (int64_t)b * steps * AMX_B_VALUES, both, steps, c, b == 0 ? ahead : NULL);
+        for (int t = 0; t < (both ? 4 : 2); t++) {
+            const int m0 = (b + t / 2) * AMX_TILE;
+            amx_store(c[t], out, ldo, m0, M - m0 < AMX_TILE ? M - m0 : AMX_TILE, n0 + (t % 2) * AMX_TILE, store);
+        }
     }
 }
 
@@ -199,24 +215,14 @@ static int64_t xwt_amx(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_
     if (groups == 0 || K % AMX_K) return 0;
     uint16_t *xp = amx_pack_x(x, ldx, M, K);
     if (!xp) return 0;
-    const int blocks = (M + AMX_TILE - 1) / AMX_TILE;
     #pragma omp parallel num_threads(threads)
     {
         amx_configure();
-        float c[4][AMX_TILE][AMX_TILE];
         #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++)
-            for (int b = 0; b < blocks; b += 2) {
-                const int both = b + 1 < blocks;
-                amx_products(w + g * AMX_GROUP * ldw, ldw, xp + (int64_t)b * steps * AMX_B_VALUES, both, steps, c,
-                             b == 0 && g + 1 < groups ? w + (g + 1) * AMX_GROUP * ldw : NULL);
-                for (int t = 0; t < (both ? 4 : 2); t++) {
-                    const int m0 = (b + t / 2) * AMX_TILE;
-                    amx_store(c[t], out, ldo, m0, M - m0 < AMX_TILE ? M - m0 : AMX_TILE,
-                              g * AMX_GROUP + (t % 2) * AMX_TILE);
-                }
-            }
-        _tile_release();
+            amx_group(w + g * AMX_GROUP * ldw, ldw, xp, M, steps, g + 1 < groups ? w + (g + 1) * AMX_GROUP * ldw : NULL,
+                      out, ldo, g * AMX_GROUP, AMX_BF16);
+        amx_release();
     }
     free(xp);
     return groups * AMX_GROUP;

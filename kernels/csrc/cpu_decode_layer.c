@@ -152,6 +152,15 @@ int pagoda_decode_layer_bf16_dot(void) {
     return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && amx_permitted() ? 2 : 1;
 }
 
+// x's T rows rounded to bf16 into xb [T, K], as a bf16 model's projections round their inputs
+// (an orphaned worksharing loop).
+__attribute__((always_inline))
+static inline void round_rows(const float *x, int64_t ldx, int T, int64_t K, uint16_t *xb) {
+    #pragma omp for schedule(static)
+    for (int t = 0; t < T; t++)
+        for (int64_t k = 0; k < K; k++) xb[t * K + k] = to_bf16(x[t * ldx + k]);
+}
+
 // gemv for bf16 weights in AVX512-BF16 dot products: x's rows rounded to bf16 once (into xb,
 // [T, K]), then 4 x 4 tiles (kernels/csrc/cpu_bf16_tile.h), as a bf16 model's projections round
 // their inputs in torch. Widened weights against fp32 activations took two FMAs and a widening
@@ -159,9 +168,7 @@ int pagoda_decode_layer_bf16_dot(void) {
 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 static void gemv_bf16_dot(const float *x, int64_t ldx, int T, const uint8_t *w, int64_t ldw, int64_t N,
                           int64_t K, float *out, int64_t ldo, int add, uint16_t *xb) {
-    #pragma omp for schedule(static)
-    for (int t = 0; t < T; t++)
-        for (int64_t k = 0; k < K; k++) xb[t * K + k] = to_bf16(x[t * ldx + k]);
+    round_rows(x, ldx, T, K, xb);
     const int64_t ldr = ldw / 2;  // bf16 elements per weight row
     #pragma omp for schedule(static)
     for (int64_t g = 0; g < (N + 3) / 4; g++) {
@@ -200,26 +207,16 @@ static void gemv_bf16_amx(const float *x, int64_t ldx, int T, const uint8_t *w, 
     }
     const int64_t ldr = ldw / 2, steps = K / AMX_K;
     const int blocks = (T + AMX_TILE - 1) / AMX_TILE;
-    #pragma omp for schedule(static)
-    for (int t = 0; t < T; t++)
-        for (int64_t k = 0; k < K; k++) xb[t * K + k] = to_bf16(x[t * ldx + k]);
+    round_rows(x, ldx, T, K, xb);
     #pragma omp for schedule(static)
     for (int64_t i = 0; i < blocks * steps; i++)
         amx_pack_tile(xb, K, T, i / steps, i % steps, xp + i * AMX_B_VALUES);
-    float c[4][AMX_TILE][AMX_TILE];
     #pragma omp for schedule(static)
-    for (int64_t g = 0; g < N / AMX_GROUP; g++)
-        for (int b = 0; b < blocks; b += 2) {
-            const int both = b + 1 < blocks;
-            const uint16_t *wg = (const uint16_t *)w + g * AMX_GROUP * ldr;
-            amx_products(wg, ldr, xp + (int64_t)b * steps * AMX_B_VALUES, both, steps, c,
-                         b == 0 && (g + 1) * AMX_GROUP < N ? wg + AMX_GROUP * ldr : NULL);
-            for (int t = 0; t < (both ? 4 : 2); t++) {
-                const int m0 = (b + t / 2) * AMX_TILE;
-                amx_store_f32(c[t], out, ldo, m0, T - m0 < AMX_TILE ? T - m0 : AMX_TILE,
-                              g * AMX_GROUP + (t % 2) * AMX_TILE, add);
-            }
-        }
+    for (int64_t g = 0; g < N / AMX_GROUP; g++) {
+        const uint16_t *wg = (const uint16_t *)w + g * AMX_GROUP * ldr;
+        amx_group(wg, ldr, xp, T, steps, (g + 1) * AMX_GROUP < N ? wg + AMX_GROUP * ldr : NULL, out, ldo,
+                  g * AMX_GROUP, add ? AMX_F32_ADD : AMX_F32);
+    }
 }
 
 // x * sigmoid(x), e^-|x| by exp_poly (which takes arguments <= 0): one division and no branch,
