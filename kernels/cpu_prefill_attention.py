@@ -4,8 +4,9 @@ kernels/cpu_attention.py's transposed layout), fp32 or bf16, q and out in the mo
 kernels/cpu_attention.py takes it for those sequences where it runs; torch's SDPA over a
 gathered copy stays for the other dtypes, shapes and CPUs.
 
-The instruction set is chosen at run time, as the decode kernel's (whose flags, path names and
-dtype codes it shares): AVX-512F, else AVX2 + FMA, else none (available() is False).
+The instruction set is chosen at run time, as the decode kernel's (whose flags and dtype codes it
+shares): AMX tiles for a bf16 cache and queries (kernels/csrc/cpu_prefill_attention_amx.h), else
+AVX-512F, else AVX2 + FMA, else none (available() is False).
 """
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ from pathlib import Path
 import torch
 
 from kernels import cbuild
-from kernels.cpu_decode_attention import DTYPES, FLAGS, ISA_NAMES
+from kernels.cpu_decode_attention import DTYPES, FLAGS
+
+# AMX-BF16 computes a bf16 cache with bf16 queries on the tiles; other dtypes take AVX-512F there.
+ISA_NAMES = {3: "AMX-BF16", 2: "AVX-512F", 1: "AVX2+FMA"}
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_prefill_attention.c"
 
@@ -71,22 +75,27 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start
 
 def agrees_with_reference() -> bool:
     """The best path against kernels/reference.py's float64 attention on a small random step
-    (two sequences, one with cached context, GQA, a partial last block; the start-up check)."""
+    (two sequences, one with cached context, GQA, a partial last block; the start-up check), in
+    fp32 and in bf16 (where the AMX tiles take it: head dims of 32)."""
     from kernels import cpu_attention, reference
     g = torch.Generator().manual_seed(0)
-    hq, hkv, d, bs = 4, 2, 16, 16
+    hq, hkv, d, bs = 4, 2, 32, 16
     lens, new = torch.tensor([21, 40]), torch.tensor([21, 19])
-    keys, v_cache = (torch.randn(8, bs, hkv, d, generator=g) for _ in range(2))
-    k_cache = torch.empty_like(keys)
-    cpu_attention.key_blocks(k_cache).copy_(keys.permute(0, 2, 3, 1))
+    keys, values = (torch.randn(8, bs, hkv, d, generator=g) for _ in range(2))
     tables = torch.tensor([[5, 1, 0], [2, 7, 3]], dtype=torch.int32)
-    q = torch.randn(int(new.sum()), hq, d, generator=g)
-    out = torch.empty_like(q)
+    queries = torch.randn(int(new.sum()), hq, d, generator=g)
     starts = torch.cumsum(new, 0) - new
-    prefill(q, k_cache, v_cache, starts, new, lens, tables, d ** -0.5, out)
-    want = reference.paged_attention_float64(q, keys, v_cache, tables, lens,
-                                             torch.cat([starts, new.sum()[None]]), d ** -0.5)
-    return bool(((out.double() - want).abs() <= 1e-5).all())
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        q, k, v_cache = (t.to(dtype) for t in (queries, keys, values))
+        k_cache = torch.empty_like(k)
+        cpu_attention.key_blocks(k_cache).copy_(k.permute(0, 2, 3, 1))
+        out = torch.empty_like(q)
+        prefill(q, k_cache, v_cache, starts, new, lens, tables, d ** -0.5, out)
+        want = reference.paged_attention_float64(q.float(), k.float(), v_cache.float(), tables, lens,
+                                                 torch.cat([starts, new.sum()[None]]), d ** -0.5)
+        if not bool(((out.double() - want).abs() <= tol).all()):
+            return False
+    return True
 
 
 _kernel.check = agrees_with_reference

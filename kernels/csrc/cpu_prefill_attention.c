@@ -31,12 +31,6 @@
 #define KC 16    // keys a chunk; the block size is a multiple of it
 #define MAX_G 8  // query heads a kv head
 
-int pagoda_prefill_attention_isa(void) {
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return 0;
-    return __builtin_cpu_supports("avx512f") ? 2 : 1;
-}
-
 int pagoda_prefill_attention_fits(int Hq, int Hkv, int D, int bs) {
     return Hq % Hkv == 0 && Hq / Hkv <= MAX_G && D % 16 == 0 && D <= 256 && bs % KC == 0;
 }
@@ -157,16 +151,30 @@ static inline size_t tile_scratch(int G, int D) {  // floats: queries, sums, sco
 TILE(tile16, v16, 16, load16, 12, 6)
 TILE(tile8, v8, 8, load8, 6, 2)
 
+#include "cpu_prefill_attention_amx.h"
+
+// 3: AMX tiles for a bf16 cache and queries (AVX-512F for the rest), 2: AVX-512F, 1: AVX2 + FMA.
+int pagoda_prefill_attention_isa(void) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return 0;
+    if (!__builtin_cpu_supports("avx512f")) return 1;
+    if (__builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") && amx_permitted())
+        return 3;
+    return 2;
+}
+
 // Tasks run the longest first (the last tiles of the longest sequences see the most keys), each
-// taken by the next free thread.
-#define RUN(ISA, TARGET, TILE_FN)                                                                  \
+// taken by the next free thread. BEFORE and AFTER: a thread's set-up and tear-down (the tiles').
+#define RUN(ISA, TARGET, TILE_CALL, SCRATCH, BEFORE, AFTER)                                        \
     __attribute__((target(TARGET))) static void run_##ISA(                                         \
         const Shape *sh, const int32_t *starts, const int32_t *ns, const int32_t *lens,            \
         const int32_t *tables, int64_t ldt, int num_seqs, const int64_t *first, int threads) {     \
         const int64_t tasks = first[num_seqs];                                                     \
         _Pragma("omp parallel num_threads(threads)")                                               \
         {                                                                                          \
-            float *scratch = aligned_alloc(64, (tile_scratch(sh->Hq / sh->Hkv, sh->D) * sizeof(float) + 63) / 64 * 64); \
+            float *scratch = aligned_alloc(64, ((SCRATCH) * sizeof(float) + 63) / 64 * 64);        \
+            BEFORE;                                                                                \
             _Pragma("omp for schedule(dynamic, 1)")                                                \
             for (int64_t t = 0; t < tasks; t++) {                                                  \
                 int i = 0;                                                                         \
@@ -175,19 +183,31 @@ TILE(tile8, v8, 8, load8, 6, 2)
                 const int tiles = (ns[i] + QT - 1) / QT;                                           \
                 const int tile = tiles - 1 - (int)(in_seq / sh->Hkv), h = (int)(in_seq % sh->Hkv); \
                 const int32_t *table = tables + i * ldt;                                           \
-                if (sh->cache_dtype == 0 && sh->io_dtype == 0)                                     \
-                    TILE_FN(sh, table, starts[i], ns[i], lens[i], tile * QT, h, scratch, 0, 0);    \
-                else if (sh->cache_dtype == 1 && sh->io_dtype == 1)                                \
-                    TILE_FN(sh, table, starts[i], ns[i], lens[i], tile * QT, h, scratch, 1, 1);    \
-                else                                                                               \
-                    TILE_FN(sh, table, starts[i], ns[i], lens[i], tile * QT, h, scratch, sh->cache_dtype, sh->io_dtype); \
+                TILE_CALL;                                                                         \
             }                                                                                      \
+            AFTER;                                                                                 \
             free(scratch);                                                                         \
         }                                                                                          \
     }
 
-RUN(avx512, "avx512f", tile16)
-RUN(avx2, "avx2,fma", tile8)
+// The fp32 tile, specialised for the two common dtype pairs.
+#define VECTOR_TILE(TILE_FN)                                                                       \
+    do {                                                                                           \
+        if (sh->cache_dtype == 0 && sh->io_dtype == 0)                                             \
+            TILE_FN(sh, table, starts[i], ns[i], lens[i], tile * QT, h, scratch, 0, 0);            \
+        else if (sh->cache_dtype == 1 && sh->io_dtype == 1)                                        \
+            TILE_FN(sh, table, starts[i], ns[i], lens[i], tile * QT, h, scratch, 1, 1);            \
+        else                                                                                       \
+            TILE_FN(sh, table, starts[i], ns[i], lens[i], tile * QT, h, scratch, sh->cache_dtype, sh->io_dtype); \
+    } while (0)
+
+#define VECTOR_SCRATCH tile_scratch(sh->Hq / sh->Hkv, sh->D)
+
+RUN(avx512, "avx512f", VECTOR_TILE(tile16), VECTOR_SCRATCH, (void)0, (void)0)
+RUN(avx2, "avx2,fma", VECTOR_TILE(tile8), VECTOR_SCRATCH, (void)0, (void)0)
+RUN(amx, "amx-tile,amx-bf16,avx512f,avx512bw,avx512vl",
+    tile_amx(sh, table, starts[i], ns[i], lens[i], tile * QT, h, scratch),
+    amx_tile_scratch(sh->Hq / sh->Hkv, sh->D), amx_configure(), amx_release())
 
 void pagoda_prefill_attention(const void *q, int64_t ldq, const void *k_cache, const void *v_cache, void *out,
                               int cache_dtype, int io_dtype, const int32_t *starts, const int32_t *ns,
@@ -197,6 +217,8 @@ void pagoda_prefill_attention(const void *q, int64_t ldq, const void *k_cache, c
     int64_t *first = malloc(((size_t)num_seqs + 1) * sizeof(int64_t));  // each sequence's first task
     first[0] = 0;
     for (int i = 0; i < num_seqs; i++) first[i + 1] = first[i] + (int64_t)((ns[i] + QT - 1) / QT) * Hkv;
-    (isa == 2 ? run_avx512 : run_avx2)(&sh, starts, ns, lens, tables, ldt, num_seqs, first, threads);
+    // the tiles take a bf16 cache and queries only
+    const int amx = isa == 3 && cache_dtype == 1 && io_dtype == 1 && amx_tile_fits(D);
+    (amx ? run_amx : isa >= 2 ? run_avx512 : run_avx2)(&sh, starts, ns, lens, tables, ldt, num_seqs, first, threads);
     free(first);
 }

@@ -11,13 +11,15 @@ from kernels import cpu_attention, cpu_prefill_attention
 from tests.unit.kernels.test_kernels import Batch
 
 # (cached context lengths, new tokens, q heads, kv heads, head dim, block size): tiles of 16
-# queries whole and cut, chunks of 16 keys inside blocks of 32, GQA 1 to 8, head dims past 64.
+# queries whole and cut, chunks of 16 keys inside blocks of 32 (and the tiles' of 32 across blocks of
+# 16), GQA 1 to 8, head dims past 64 (96: the tiles' P V in one pass of 4 tiles and one of 2).
 CASES = {
     "smollm2_fresh": ([0, 0, 0], [256, 37, 16], 9, 3, 64, 16),
     "smollm2_cached": ([48, 130, 5], [40, 18, 70], 9, 3, 64, 16),
     "gqa1_block_32": ([0, 33], [50, 31], 4, 4, 64, 32),
     "gqa8_head_dim_128": ([17, 0], [45, 20], 8, 1, 128, 16),
     "head_dim_80": ([3], [29], 6, 2, 80, 16),
+    "head_dim_96": ([7], [40], 4, 2, 96, 16),
     "head_dim_16_one_token": ([20, 0], [1, 2], 2, 1, 16, 16),
 }
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
