@@ -3,7 +3,8 @@ RMSNorm, the rotary turn of q and k in place, SiLU(gate) * up; one call each ove
 rounding where torch's bf16 ops round. worker/layers.py takes them for bf16 activations on a CPU
 where they run; fp32 stays on torch's ops, whose bits match transformers'.
 
-The instruction set is chosen at run time: AVX-512F, else AVX2 + FMA, else none (available() is
+The instruction set is chosen at run time: AVX-512 with AVX512-BF16 (its rounding instruction), else
+AVX-512 (F, BW, VL), else AVX2 + FMA, else none (available() is
 False). One library holds both paths.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from kernels import cbuild
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_pointwise.c"
 FLAGS = cbuild.EXP_KERNEL_FLAGS
-ISA_NAMES = {2: "AVX-512F", 1: "AVX2+FMA"}
+ISA_NAMES = {3: "AVX512-BF16", 2: "AVX-512", 1: "AVX2+FMA"}
 
 _c = ctypes
 _NORM_ARGS = [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_float, _c.c_int64, _c.c_int, _c.c_void_p, _c.c_int,

@@ -9,6 +9,8 @@
 #ifndef PAGODA_CPU_BF16_AMX_H
 #define PAGODA_CPU_BF16_AMX_H
 
+#include "cpu_bf16_vec.h"
+
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -151,16 +153,6 @@ static inline void amx_products(const uint16_t *w, int64_t ldw, const uint16_t *
         _tile_stored(2, c[2], 64);
         _tile_stored(3, c[3], 64);
     }
-}
-
-// 16 floats rounded to bf16 as to_bf16 rounds (to nearest even, a NaN made quiet).
-__attribute__((target("avx512f,avx512bw")))
-static inline __m256i round16_bf16(__m512i u) {
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i even = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_castsi512_ps(u), _mm512_castsi512_ps(u), _CMP_UNORD_Q);
-    return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, even, quiet));
 }
 
 // How amx_group stores its tiles: rounded to bf16, or fp32 written or added.

@@ -29,23 +29,6 @@ static inline size_t amx_tile_scratch(int G, int D) {
     return R * D / 2 + R * D + R * AKC + R * AKC / 2 + (size_t)D * AKC + 2 * (R + 16);
 }
 
-// e^x for 16 x <= 0 (exp_poly's polynomial; 2^n by vscalefps, 0 below -87).
-__attribute__((target("avx512f"))) static inline __m512 amx_exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
-                                     _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
 // Two runs of 16 bf16 woven into 32: (a0, b0, a1, b1, ...): a pair row of a B tile.
 __attribute__((target("avx512f,avx512bw"))) static inline __m512i amx_weave(__m256i a, __m256i b) {
     const __m512i idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
@@ -122,8 +105,8 @@ static void tile_amx(const Shape *sh, const int32_t *table, int64_t start, int n
             const float most_here = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
             const float most = most_here > mx[r] ? most_here : mx[r];
             const __m512 top = _mm512_set1_ps(most);
-            const __m256i w0 = round16_bf16(_mm512_castps_si512(_mm512_maskz_mov_ps(m0, amx_exp16(_mm512_sub_ps(x0, top)))));
-            const __m256i w1 = round16_bf16(_mm512_castps_si512(_mm512_maskz_mov_ps(m1, amx_exp16(_mm512_sub_ps(x1, top)))));
+            const __m256i w0 = round16_bf16(_mm512_castps_si512(_mm512_maskz_mov_ps(m0, exp16(_mm512_sub_ps(x0, top)))));
+            const __m256i w1 = round16_bf16(_mm512_castps_si512(_mm512_maskz_mov_ps(m1, exp16(_mm512_sub_ps(x1, top)))));
             _mm256_store_si256((__m256i *)pr, w0);
             _mm256_store_si256((__m256i *)(pr + 16), w1);
             const __m512 back0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w0), 16));
