@@ -28,6 +28,19 @@ def test_greedy_is_argmax(sampler):
     assert out.tolist() == logits.argmax(-1).tolist()
 
 
+def test_greedy_takes_the_first_of_tied_maxima_over_a_real_vocabulary(sampler):
+    """Rows as wide as SmolLM2's vocabulary (the reduction's vector path), ties placed where its
+    lanes and chunks split them, a row of -inf (a grammar's dead row) and a row with a NaN: the
+    first index, as argmax and transformers' greedy give."""
+    logits = torch.randn(6, 49152, generator=torch.Generator().manual_seed(3))
+    for row, (a, b) in enumerate([(5, 40000), (16, 17), (0, 49151), (1023, 1024)]):
+        logits[row, [a, b]] = 50.0
+    logits[4] = float("-inf")
+    logits[5, 777] = float("nan")
+    out = sampler(logits, [cfg()] * 6, [0] * 6)
+    assert out.tolist() == [5, 16, 0, 1023, 0, 777] == logits.argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("params", [cfg(temperature=1.0, top_k=1), cfg(temperature=2.0, top_p=1e-6),
                                     cfg(temperature=1.0, top_k=1, seed=7)])
 def test_degenerate_filters_are_argmax(sampler, params):
