@@ -120,6 +120,10 @@ static void layer_dots_avx512(const float *x, int64_t ldx, int rows, const uint8
 // the dots are AVX2's, which take weight panels from PANEL_MIN_ROWS rows. One-row Q4_1 products
 // read the row's block sums (lone_row_sums; each thread sums its own copy, x being complete when
 // gemv is called).
+// gemv's weight rows are requested GEMV_AHEAD rows ahead, into L2: a thread walks its share of
+// the rows in order, yet the hardware alone streamed them at 6 GB/s a core (an fp32 step of 8
+// tokens on an AMX Xeon: 59.5-63.2 ms without, 49.0-50.3 with; 1 token 28.1-29.6 -> 25.7-26.6).
+#define GEMV_AHEAD 4
 static void gemv(dots_fn dots, int most, int avx2, const float *x, int64_t ldx, int T, const uint8_t *w,
                  int64_t ldw, int type, const float *scale, int64_t N, int64_t K, float *out, int64_t ldo,
                  int add) {
@@ -132,6 +136,10 @@ static void gemv(dots_fn dots, int most, int avx2, const float *x, int64_t ldx, 
     #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         float s[8];
+        if (n + GEMV_AHEAD < N) {
+            const char *next = (const char *)(w + (n + GEMV_AHEAD) * ldw);
+            for (int64_t b = 0; b < ldw; b += 64) __builtin_prefetch(next + b, 0, 2);
+        }
         for (int m = 0; m < T; m += most) {
             const int rows = T - m < most ? T - m : most;
             dots(x + m * ldx, ldx, rows, w + n * ldw, K, type, xs, s);
