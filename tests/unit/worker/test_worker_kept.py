@@ -1,0 +1,44 @@
+"""worker/kept.py's key for a machine's measurements: a CPU is told apart by more than its model
+name, which a VM gives many Xeon generations alike."""
+from __future__ import annotations
+
+from worker.kept import cpu_identity, machine_key
+
+SPR = """processor\t: 0
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 143
+model name\t: Intel(R) Xeon(R) Processor
+stepping\t: 8
+flags\t\t: fpu sse2 avx2 avx512f avx512bw amx_tile amx_bf16
+
+processor\t: 1
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 143
+model name\t: Intel(R) Xeon(R) Processor
+stepping\t: 8
+flags\t\t: fpu sse2 avx2 avx512f avx512bw amx_tile amx_bf16
+"""
+ICX = SPR.replace("143", "106").replace("stepping\t: 8", "stepping\t: 6").replace(" amx_tile amx_bf16", "")
+
+
+def test_the_same_name_with_other_flags_or_model_is_another_cpu():
+    assert cpu_identity(SPR).startswith("Intel(R) Xeon(R) Processor (6/143/8, flags ")
+    assert cpu_identity(ICX).startswith("Intel(R) Xeon(R) Processor (6/106/6, flags ")
+    assert cpu_identity(SPR) != cpu_identity(ICX)
+    assert cpu_identity(SPR.replace(" amx_tile amx_bf16", "")) != cpu_identity(SPR)  # flags alone
+
+
+def test_the_identity_is_the_first_cpus_and_ignores_the_flags_order():
+    shuffled = SPR.replace("fpu sse2 avx2 avx512f avx512bw amx_tile amx_bf16",
+                           "amx_bf16 avx2 fpu amx_tile sse2 avx512bw avx512f")
+    assert cpu_identity(shuffled) == cpu_identity(SPR)
+    mixed = SPR.split("\n\n")[0] + "\n\n" + ICX.split("\n\n")[1]
+    assert cpu_identity(mixed) == cpu_identity(SPR)
+    assert cpu_identity("") == ""
+
+
+def test_this_machines_key_names_its_cpu_then_the_parts():
+    key = machine_key("shape=1x2")
+    assert key.endswith("|shape=1x2") and "|threads=" in key and "flags " in key.split("|")[0]
