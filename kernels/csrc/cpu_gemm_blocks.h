@@ -93,9 +93,9 @@ static inline __m256 blk_fold(__m512 a) {
     return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
 }
 
-#define BLOCK512(MR, NR)                                                                       \
+#define BLOCK512(NAME, MR, NR, PREFETCH)                                                       \
 __attribute__((target("avx512f,avx2,fma")))                                                    \
-static void block512_##MR##x##NR(const float *x, int64_t ldx, const float *w, int64_t ldw,  \
+static void NAME##_##MR##x##NR(const float *x, int64_t ldx, const float *w, int64_t ldw,  \
                                  float *out, int64_t ldo, int K) {                          \
     __m512 acc[MR][NR];                                                                      \
     for (int i = 0; i < MR; i++)                                                             \
@@ -105,7 +105,7 @@ static void block512_##MR##x##NR(const float *x, int64_t ldx, const float *w, in
         __m512 wv[NR];                                                                       \
         for (int j = 0; j < NR; j++) {                                                       \
             wv[j] = _mm512_loadu_ps(w + j * ldw + k);                                        \
-            _mm_prefetch((const char *)(w + (NR + j) * ldw + k), _MM_HINT_T0);               \
+            if (PREFETCH) _mm_prefetch((const char *)(w + (NR + j) * ldw + k), _MM_HINT_T0); \
         }                                                                                    \
         for (int i = 0; i < MR; i++) {                                                       \
             __m512 xv = _mm512_loadu_ps(x + i * ldx + k);                                    \
@@ -128,8 +128,13 @@ static void block512_##MR##x##NR(const float *x, int64_t ldx, const float *w, in
     }                                                                                        \
 }
 
-BLOCK512(6, 4) BLOCK512(5, 4) BLOCK512(4, 4) BLOCK512(3, 4) BLOCK512(2, 4) BLOCK512(1, 4)
-BLOCK512(6, 1) BLOCK512(5, 1) BLOCK512(4, 1) BLOCK512(3, 1) BLOCK512(2, 1) BLOCK512(1, 1)
+#define BLOCKS512(NAME, PREFETCH)                                                                      \
+    BLOCK512(NAME, 6, 4, PREFETCH) BLOCK512(NAME, 5, 4, PREFETCH) BLOCK512(NAME, 4, 4, PREFETCH)           \
+    BLOCK512(NAME, 3, 4, PREFETCH) BLOCK512(NAME, 2, 4, PREFETCH) BLOCK512(NAME, 1, 4, PREFETCH)           \
+    BLOCK512(NAME, 6, 1, PREFETCH) BLOCK512(NAME, 5, 1, PREFETCH) BLOCK512(NAME, 4, 1, PREFETCH)           \
+    BLOCK512(NAME, 3, 1, PREFETCH) BLOCK512(NAME, 2, 1, PREFETCH) BLOCK512(NAME, 1, 1, PREFETCH)
+BLOCKS512(block512, 1)
+BLOCKS512(resident512, 0)
 
 typedef void (*block_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int);
 
@@ -145,6 +150,10 @@ static const Blocks AVX2_RESIDENT_BLOCKS = {3, {0, resident_1x4, resident_2x4, r
                                             {0, resident_1x1, resident_2x1, resident_3x1}};
 static const Blocks AVX512_BLOCKS = {6, {0, block512_1x4, block512_2x4, block512_3x4, block512_4x4, block512_5x4, block512_6x4},
                                      {0, block512_1x1, block512_2x1, block512_3x1, block512_4x1, block512_5x1, block512_6x1}};
+static const Blocks AVX512_RESIDENT_BLOCKS = {6, {0, resident512_1x4, resident512_2x4, resident512_3x4, resident512_4x4,
+                                                  resident512_5x4, resident512_6x4},
+                                              {0, resident512_1x1, resident512_2x1, resident512_3x1, resident512_4x1,
+                                               resident512_5x1, resident512_6x1}};
 
 /* Rows of x taken as one chunk that stays in L2 while a share of the weights passes over it. */
 #define MAX_ROW_CHUNK 96
