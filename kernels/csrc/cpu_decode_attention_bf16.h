@@ -40,11 +40,11 @@ static inline void attend_group16_bf16(const float *q, const uint16_t *k_cache, 
                 qq[((int64_t)g * pairs + d / 2) * 16 + l] = q[g * D + d + (l >= 8)] * scale;
     const int nblocks = (len + bs - 1) / bs;
     for (int j = 0; j < nblocks; j++) {
-        prefetch_keys(k_cache, table, j, nblocks, h, Hkv, D, bs, 1, ahead);
         const uint16_t *kb = k_cache + ((int64_t)table[j] * Hkv + h) * D * bs;
         v16 e[4], o[4];
         for (int g = 0; g < G; g++) e[g] = o[g] = (v16){0};
         for (int d = 0; d < D; d += 2) {
+            prefetch_keys(k_cache, table, j, nblocks, h, Hkv, D, bs, 1, ahead, (int64_t)d * bs * 2, 2 * bs * 2);  // a line a step
             v16 ke, ko;
             widen_pairs(kb + (int64_t)d * bs, &ke, &ko);
             for (int g = 0; g < G; g++) {
