@@ -42,3 +42,42 @@ def test_the_identity_is_the_first_cpus_and_ignores_the_flags_order():
 def test_this_machines_key_names_its_cpu_then_the_parts():
     key = machine_key("shape=1x2")
     assert key.endswith("|shape=1x2") and "|threads=" in key and "flags " in key.split("|")[0]
+
+
+def test_a_figure_measured_while_others_took_the_cpus_is_measured_again(tmp_path, monkeypatch):
+    """The launcher starts the gateway and its grammar checkers beside the worker: a measurement
+    they disturbed is taken once more, and the second figure is kept."""
+    from worker import kept as kept_module
+    monkeypatch.setenv("PAGODA_MEASUREMENTS", str(tmp_path))
+    clock = iter([0.0, 1.0, 1.0, 2.0])  # monotonic: each measurement takes a second
+    monkeypatch.setattr(kept_module.time, "monotonic", lambda: next(clock))
+    # every process's CPU seconds, this one's: 2 CPUs busy in the first second, 0.5 of them others'
+    # beyond this process's own 1.5; the second second this process's 1.9 alone
+    cpu = iter([(0.0, 0.0), (2.0, 0.0), (2.0, 0.0), (3.9, 1.9)])
+    monkeypatch.setattr(kept_module, "_cpu_seconds", lambda: next(cpu))
+    monkeypatch.setattr(kept_module.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(kept_module.torch, "get_num_threads", lambda: 2)
+    figures = iter([{"rows": 1024}, {"rows": 64}])
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return next(figures)
+
+    value, was_kept = kept_module.kept("m", "key", measure, {"rows"})
+    assert (value, was_kept, len(calls)) == ({"rows": 64}, False, 2)
+    assert kept_module.kept("m", "key", measure, {"rows"}) == ({"rows": 64}, True)
+
+
+def test_a_quiet_measurement_is_taken_once(tmp_path, monkeypatch):
+    from worker import kept as kept_module
+    monkeypatch.setenv("PAGODA_MEASUREMENTS", str(tmp_path))
+    clock = iter([0.0, 1.0])
+    monkeypatch.setattr(kept_module.time, "monotonic", lambda: next(clock))
+    cpu = iter([(0.0, 0.0), (2.1, 1.98)])  # others: 0.12 of a CPU, within the allowance
+    monkeypatch.setattr(kept_module, "_cpu_seconds", lambda: next(cpu))
+    monkeypatch.setattr(kept_module.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(kept_module.torch, "get_num_threads", lambda: 2)
+    calls = []
+    value, _ = kept_module.kept("m", "key", lambda: calls.append(1) or {"rows": 8}, {"rows"})
+    assert value == {"rows": 8} and len(calls) == 1
