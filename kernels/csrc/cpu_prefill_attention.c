@@ -18,9 +18,10 @@
 //   anything: the tests poison them with NaN);
 // - values: RV rows at a time, their sums for up to four vectors of d in registers over the
 //   chunk's keys, each V vector loaded once for the RV rows.
-// The body is compiled for AVX-512F (16-float vectors) and AVX2 + FMA (8-float vectors). A bf16
-// cache is widened to fp32 as it is read: no bf16 dot products yet (with 16-32 queries torch's
-// bf16 matmuls, which use them, are as fast).
+// The body is compiled for AVX-512F (16-float vectors) and AVX2 + FMA (8-float vectors); a bf16
+// cache is widened to fp32 as it is read. Where the CPU has AMX, a bf16 cache with bf16 queries
+// takes the tiles instead (cpu_prefill_attention_amx.h: the same tasks, both products in
+// TDPBF16PS).
 #include "cpu_attention_math.h"
 
 #include <stdint.h>

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -89,6 +90,8 @@ def test_hello_plan_heartbeat_reregister_shutdown(tiny_model, scheduler_socket):
             proc.kill()
         output = proc.communicate()[0]
     assert "Traceback" not in output, output
+    frozen = re.search(r"(\d+) start-up objects frozen out of the garbage collector's passes", output)
+    assert frozen and int(frozen[1]) > 10000, output  # torch and the model, before the hello
 
 
 def test_sigterm_says_goodbye_and_exits_cleanly(tiny_model, scheduler_socket):
