@@ -1,18 +1,10 @@
-"""worker/kept.py's key for a machine's measurements: a CPU is told apart by more than its model
-name, which a VM gives many Xeon generations alike."""
+"""worker/kept.py: a machine's measurements are keyed by more of its CPU than the model name,
+which a VM gives many Xeon generations alike, and one disturbed by other processes is taken again."""
 from __future__ import annotations
 
 from worker.kept import cpu_identity, machine_key
 
-SPR = """processor\t: 0
-vendor_id\t: GenuineIntel
-cpu family\t: 6
-model\t\t: 143
-model name\t: Intel(R) Xeon(R) Processor
-stepping\t: 8
-flags\t\t: fpu sse2 avx2 avx512f avx512bw amx_tile amx_bf16
-
-processor\t: 1
+ENTRY = """processor\t: {n}
 vendor_id\t: GenuineIntel
 cpu family\t: 6
 model\t\t: 143
@@ -20,6 +12,7 @@ model name\t: Intel(R) Xeon(R) Processor
 stepping\t: 8
 flags\t\t: fpu sse2 avx2 avx512f avx512bw amx_tile amx_bf16
 """
+SPR = "\n".join(ENTRY.format(n=n) for n in range(2))  # two CPUs, a blank line between
 ICX = SPR.replace("143", "106").replace("stepping\t: 8", "stepping\t: 6").replace(" amx_tile amx_bf16", "")
 
 
