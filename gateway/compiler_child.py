@@ -40,6 +40,13 @@ class CompilerChild:
 
     async def spawn(self) -> None:
         """Starts a child's imports now, without waiting for them or for the vocabulary."""
+        # Under the lock that started() holds: the gateway's start spawns while a worker's
+        # ClusterInfo may already warm the same child, which then found the child's process but
+        # not yet its pipes (AttributeError: readiness said SERVING without the child).
+        async with self._starting:
+            await self._spawn_if_dead()
+
+    async def _spawn_if_dead(self) -> None:
         if not self.alive():
             await self.close()
             await self._spawn()
@@ -52,7 +59,7 @@ class CompilerChild:
     async def _start(self) -> None:
         if self.alive() and self._ready:
             return
-        await self.spawn()
+        await self._spawn_if_dead()
         proc = self.proc
         vocab_size, eos_token_ids = self.vocabulary()
         told = json.dumps({"vocab_size": vocab_size, "eos_token_ids": eos_token_ids}).encode() + b"\n"

@@ -65,6 +65,24 @@ def test_a_child_spawned_early_is_told_the_vocabulary_when_warmed():
     assert told == f"{{'vocab_size': 49152, 'eos_token_ids': [2, 7]}} {spawned}"
 
 
+def test_warming_while_the_spawn_is_under_way_waits_for_it():
+    """The gateway's start spawns the children in a task, and a worker's ClusterInfo, already
+    there when the gateway connects, warms them in another: the warm waited for nothing, found a
+    process without its pipes yet, and failed, so readiness came without the children."""
+    async def main():
+        c = checker(STAND_IN, vocabulary=lambda: (49152, [2]))
+        try:
+            spawning = asyncio.ensure_future(c.spawn())
+            await asyncio.sleep(0)  # the spawn task is inside its first await, as in the gateway
+            await asyncio.gather(spawning, c.warm())
+            return [child._ready for child in c._children], await c.check(Spec("regex", "told"))
+        finally:
+            await c.close()
+
+    ready, told = uvloop.run(main())
+    assert ready == [True, True] and told.startswith("{'vocab_size': 49152, 'eos_token_ids': [2]}")
+
+
 def test_the_compiler_child_starts_without_forking_the_gateway():
     # uvloop's subprocess_exec fork()s, and in the gRPC-running gateway gRPC's fork handlers can
     # abort the child before exec (CI: "did not say ready"). Python's fork handlers stand witness.
