@@ -157,13 +157,14 @@ class HttpApi:
                                  f"`{self.model_name}`", "invalid_request_error", "model",
                             "model_not_found")
 
-    async def _generations(self, reqs: list[pagoda_pb2.GenerateRequest], tenant: str
+    async def _generations(self, reqs: list[pagoda_pb2.GenerateRequest], tenant: str, whole: bool
                            ) -> AsyncIterator[tuple[int, pagoda_pb2.GenerateResponse]]:
         """The responses of every request, tagged with its position; one request is the usual
         case, a completions batch runs its prompts side by side. Streamed inside even for a
-        whole response: n > 1 needs the stream (unary Generate carries one index)."""
+        whole response: n > 1 needs the stream (unary Generate carries one index). whole: a
+        response not streamed to the client, read once the requests end (gateway/inbox.py)."""
         started = time.monotonic()
-        gens = [self.servicer.responses(r, started, unary=False, tenant=tenant) for r in reqs]
+        gens = [self.servicer.responses(r, started, unary=False, tenant=tenant, whole=whole) for r in reqs]
         if len(gens) == 1:
             async with aclosing(gens[0]) as g:
                 async for response in g:
@@ -275,7 +276,7 @@ class HttpApi:
         collector = Collector(self.tokenizer, body.n, len(reqs), chat, bool(logprobs), echo, tools)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = now()
-        gen = self._generations(reqs, tenant)
+        gen = self._generations(reqs, tenant, whole=not body.stream)
         # Watched from here: before its first response (a request queued behind others; a beam
         # search, whose answer comes whole at its end) a client that hangs up aborts it too.
         first = await self._until_disconnect(request, self._first(gen, chat))

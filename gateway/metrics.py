@@ -15,7 +15,7 @@ REQUESTS = Counter("pagoda_gateway_requests_total",
                    "Finished RPCs by method and gRPC status code", ["method", "code"])
 IN_FLIGHT = Gauge("pagoda_gateway_requests_in_flight", "Generate RPCs being served now")
 TIME_TO_FIRST_TOKEN = Histogram("pagoda_gateway_time_to_first_token_seconds",
-                                "From request arrival to the first token sent", buckets=_LATENCY_BUCKETS)
+                                "From request arrival to the first token at the gateway", buckets=_LATENCY_BUCKETS)
 # Per finished index: (last token - first token) / (output tokens - 1), as vLLM's TPOT.
 TIME_PER_OUTPUT_TOKEN = Histogram("pagoda_gateway_time_per_output_token_seconds",
                                   "Mean time between output tokens of one finished sequence",

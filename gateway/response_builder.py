@@ -70,6 +70,7 @@ class ResponseBuilder:
             for i in range(v.n)]
         self.prompt_logprobs: dict[int, pagoda_pb2.TokenLogprob] = {}  # by prompt position
         self.sent_first = False  # index 0's first message carries the prompt's extras
+        self.saw_first_token = False  # the request's first token, of any index: the TTFT metric
 
     @property
     def all_done(self) -> bool:
@@ -89,13 +90,18 @@ class ResponseBuilder:
             for i, entry in enumerate(entries):
                 self.indices[lp.index].logprobs[first + i] = entry
 
-    def on_update(self, update: Update) -> pagoda_pb2.GenerateResponse | None:
+    def on_update(self, update: Update, arrived: float | None = None) -> pagoda_pb2.GenerateResponse | None:
+        """arrived: when the index's first tokens reached the gateway (Inbox.first_token_at),
+        the time to first token's end, however late its reader took them."""
         news = update.news if update.news is not None else _NO_NEWS
         ix = self.indices[update.index]
         start = len(ix.detok.token_ids)
         text, ids = ix.detok.add_many(update.token_ids)
         if ids and ix.first_token_at is None:
-            ix.first_token_at = time.monotonic()
+            ix.first_token_at = arrived if arrived is not None else time.monotonic()
+            if not self.saw_first_token:
+                self.saw_first_token = True
+                metrics.TIME_TO_FIRST_TOKEN.observe(ix.first_token_at - self.started)
         ix.cached_prompt_tokens = news.cached_prompt_tokens or ix.cached_prompt_tokens
         if news.prompt_tokens:  # the first news and the last carry the scheduler's figures
             ix.queue_time_s, ix.num_preemptions = news.queue_time_s, news.num_preemptions

@@ -139,15 +139,11 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         code = grpc.StatusCode.OK
         metrics.IN_FLIGHT.inc()
         try:
-            first = True
             # aclosing: a cancel that lands while this handler waits at `yield` must still run
             # responses' finally (the abort) now, not whenever the generator is collected.
             async with aclosing(self.responses(request, started, unary=False,
                                                tenant=self._tenant(context))) as responses:
                 async for response in responses:
-                    if first and response.token_ids:
-                        metrics.TIME_TO_FIRST_TOKEN.observe(time.monotonic() - started)
-                        first = False
                     yield response
         except RpcFailed as e:
             code = e.code
@@ -168,11 +164,9 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         metrics.IN_FLIGHT.inc()
         try:
             out = pagoda_pb2.GenerateResponse()
-            async with aclosing(self.responses(request, started, unary=True,
+            async with aclosing(self.responses(request, started, unary=True, whole=True,
                                                tenant=self._tenant(context))) as responses:
                 async for response in responses:
-                    if response.token_ids and not out.token_ids:
-                        metrics.TIME_TO_FIRST_TOKEN.observe(time.monotonic() - started)
                     if request.HasField("beam_search"):  # beam_width whole answers
                         add_completion(out, response)
                         continue
@@ -245,10 +239,13 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         return tenant_of(context.invocation_metadata(), self.api_keys) if self.api_keys else ""
 
     async def responses(self, request: pagoda_pb2.GenerateRequest, started: float, unary: bool,
-                        tenant: str = "") -> AsyncIterator[pagoda_pb2.GenerateResponse]:
+                        tenant: str = "", whole: bool = False) -> AsyncIterator[pagoda_pb2.GenerateResponse]:
         """The responses of one request, for GenerateStream, Generate and the HTTP API alike;
         raises RpcFailed. Closing it early aborts the request at the scheduler. tenant
-        namespaces the public request id by API key."""
+        namespaces the public request id by API key. whole: the caller answers only once the
+        request has ended, so its tokens need not be read step by step (gateway/inbox.py);
+        a request with stop strings is read as it goes all the same, so that a stop ends it
+        at once."""
         limits = self._limits()
         if not self.client.has_room():  # before tokenizing: a full gateway refuses cheaply
             raise RpcFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -275,7 +272,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
             v.add.cache_salt = tenant + v.add.cache_salt
         builder = ResponseBuilder(self.tokenizer, v, v.public_id, started)
         try:
-            queue = self.client.open(internal_id, v.n)
+            queue = self.client.open(internal_id, v.n, whole=whole and not v.stop)
         except SchedulerBusy as e:
             raise RpcFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         metrics.PROMPT_TOKENS.inc(len(v.prompt_token_ids))
@@ -297,7 +294,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
                 if item.index >= v.n or builder.indices[item.index].done:
                     continue  # e.g. tokens of an index already ended by a stop string
                 ix = builder.indices[item.index]
-                response = builder.on_update(item)
+                response = builder.on_update(item, queue.first_token_at(item.index))
                 if ix.detok.stopped and not ix.finished_by_scheduler and v.n > 1:
                     # A stop string ended this sequence while its siblings go on: free its
                     # blocks now rather than when the whole request ends.

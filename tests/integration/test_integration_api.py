@@ -181,3 +181,13 @@ def test_last_message_carries_metrics(stub, hf_tokenizer):
     assert 0 <= m.queue_time_s <= m.time_to_first_token_s <= m.e2e_time_s
     assert m.num_preemptions == 0
     assert not any(msg.HasField("metrics") for msg in messages[:-1])
+
+
+def test_a_unary_answer_times_its_first_token_when_it_came_not_when_it_was_read(stub, hf_tokenizer):
+    """Unary Generate reads its tokens only at the end (gateway/inbox.py): the time to first
+    token is still the first token's arrival, one prefill and no decode steps after the request,
+    so here well under the time of the 31 decode steps that follow it."""
+    reply = stub.Generate(greedy(chat_ids(hf_tokenizer, "Hi"), 32, ignore_eos=True), timeout=120)
+    assert len(reply.token_ids) == 32
+    m = reply.metrics
+    assert 0 <= m.queue_time_s <= m.time_to_first_token_s < m.e2e_time_s / 2
