@@ -46,14 +46,43 @@ def xwt(x: torch.Tensor, w: torch.Tensor, isa: int | None = None, few_tiles: boo
     return out
 
 
+def greedy(x: torch.Tensor, w: torch.Tensor, few_tiles: bool = False, isa: int | None = None) -> torch.Tensor | None:
+    """The index of each row's largest product, int64 [M]: torch's max(dim=-1) over xwt(x, w,
+    few_tiles=few_tiles, isa=isa) without writing the [M, N] logits (kernels/csrc/cpu_bf16_greedy.h);
+    None where the path has none (AVX2: no AVX512-BF16). x [M, K], w [N, K]: bf16 CPU tensors
+    with contiguous rows. Call only after available() returned True."""
+    M, K = x.shape
+    N = w.shape[0]
+    isa = isa or _kernel.best
+    if not M or not N or isa < 2:
+        return None
+    x, w = cbuild.row_major(x, w)
+    out = torch.empty(M, dtype=torch.int64)
+    fn = _kernel.function("pagoda_bf16_greedy", [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                                 ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                                                 ctypes.c_int, ctypes.c_int, ctypes.c_void_p], ctypes.c_int)
+    if fn(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), M, N, K, torch.get_num_threads(), isa,
+          int(few_tiles), out.data_ptr()) != 0:
+        return None
+    return out
+
+
 def agrees_with_reference() -> bool:
     """The best path against float64 on small random products (the start-up check): the shared
     one of 3 rows, and one of 20 rows, K a multiple of 32 and 70 weight rows, which takes the AMX
-    tiles (their 32-row groups and a tail of 6) where the CPU has them."""
+    tiles (their 32-row groups and a tail of 6) where the CPU has them; and greedy's indices
+    against the max of those products' logits, both ways for few rows."""
     from kernels.reference import matmul_within, xwt_agrees
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(20, 96, generator=g).bfloat16(), torch.randn(70, 96, generator=g).bfloat16()
-    return xwt_agrees(xwt, torch.bfloat16, 2.0 ** -7) and matmul_within(xwt(x, w), x, w, 2.0 ** -7)
+    return (xwt_agrees(xwt, torch.bfloat16, 2.0 ** -7) and matmul_within(xwt(x, w), x, w, 2.0 ** -7)
+            and all(_greedy_agrees(x[:m], w, tiles) for m in (3, 20) for tiles in (False, True)))
+
+
+def _greedy_agrees(x: torch.Tensor, w: torch.Tensor, few_tiles: bool) -> bool:
+    """greedy's indices are torch's max over xwt's logits (where greedy has a path)."""
+    got = greedy(x, w, few_tiles)
+    return got is None or torch.equal(got, xwt(x, w, few_tiles=few_tiles).float().max(dim=-1).indices)
 
 
 _kernel.check = agrees_with_reference

@@ -71,6 +71,16 @@ class PlanDriver:
             self.sampled_logits = compute(hidden)
             return self.sampled_logits
         runner.model.compute_logits = capture
+        # A greedy step may take its tokens from the LM head's own max (greedy_tokens) and
+        # compute no logits: those it took them from are computed beside it.
+        greedy = runner.model.greedy_tokens
+
+        def capture_greedy(hidden):
+            tokens = greedy(hidden)
+            if tokens is not None:
+                self.sampled_logits = compute(hidden)
+            return tokens
+        runner.model.greedy_tokens = capture_greedy
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  sampling: internal_pb2.SamplingConfig | None = None) -> list[_Seq]:

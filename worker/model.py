@@ -14,7 +14,8 @@ from worker.attention import PagedAttention
 from worker.attention_metadata import AttentionMetadata
 from worker.fused_decode import FusedDecode
 from worker.model_config import ModelConfig
-from kernels import cpu_gemm_gguf, cpu_gemm_int8
+from kernels import cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8
+from worker import layers
 from worker.layers import (Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary, bf16_kernel_fits,
                            bf16_widens, gguf_linear, int8_linear, kernel_fits, linear)
 from worker.parallel import TensorParallel, row_parallel_linear
@@ -228,6 +229,17 @@ class LlamaForCausalLM(nn.Module):
             torch.mm(hidden, weight[start:start + _VOCAB_SLICE].t(),
                      out=logits[:, start:start + _VOCAB_SLICE])
         return logits.float()
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's max of compute_logits (the first of tied maxima, the first NaN), int64 [rows],
+        where pagoda's bf16 kernel computes the vocab projection (it then takes the max as it goes,
+        without writing the logits: kernels/csrc/cpu_bf16_greedy.h); None elsewhere."""
+        if self.lm_head_int8 is not None or self.lm_head_gguf is not None:
+            return None
+        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        if hidden.device.type != "cpu" or not bf16_kernel_fits(hidden, weight):
+            return None
+        return cpu_gemm_bf16.greedy(hidden, weight, few_tiles=layers.CPU.bf16_few_rows_tiles)
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

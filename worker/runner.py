@@ -32,7 +32,7 @@ from worker.model import build_model, projection_shapes
 from worker.parallel import FORGET, PLAN, TensorParallel, shard_config
 from worker.plan_checks import check_compile, check_plan
 from worker.device import resolve_device, resolve_dtype
-from worker.sampler import Sampler
+from worker.sampler import Sampler, plain_greedy
 from worker.speculative import build_speculator, result_columns
 from worker.startup_measurements import (measure_attention_prefetch, measure_decode_step_bound, measure_prefill,
                                          profile_peak_memory)
@@ -309,14 +309,20 @@ class ModelRunner:
         if not len(sampled_slots):
             return np.zeros(0, np.int64), None
         idx, speculated = inputs.logits_indices, spec is not None and bool(spec.rows)
+        slot_list = sampled_slots.tolist()
+        params = [batch.sampling[s] for s in slot_list]
+        rows = self.grammar.constrained(slot_list)
+        if not speculated and not rows and not self.grammar.failed and all(map(plain_greedy, params)):
+            # The max of each row's logits, the LM head and the max in one pass where a kernel
+            # does both (None: not here)
+            tokens = self.model.greedy_tokens(hidden[idx])
+            if tokens is not None:
+                return tokens.numpy(), None
         if speculated:  # the proposals' positions too, in the same pass over the LM head
             idx = torch.cat([idx, self.speculator.draft_logits_indices(spec, counts).to(idx.device)])
         logits = self.model.compute_logits(hidden[idx])
         logits, draft_logits = logits[:len(sampled_slots)], logits[len(sampled_slots):]
-        params = [batch.sampling[s] for s in sampled_slots.tolist()]
-        history = [batch.tokens(s) for s in sampled_slots.tolist()]
-        slot_list = sampled_slots.tolist()
-        rows = self.grammar.constrained(slot_list)
+        history = [batch.tokens(s) for s in slot_list]
         allowed = (rows, self.grammar.mask(slot_list, rows, logits.shape[1])) if rows else None
         sampled = self.sampler(logits, params, inputs.sample_positions, history,
                                batch.num_prompt[sampled_slots].tolist(), allowed)

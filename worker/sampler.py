@@ -51,6 +51,15 @@ def race(probs: torch.Tensor, seed: int | None, position: int, generator: torch.
     return int(probs.div(noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax())
 
 
+def plain_greedy(p: SamplingParams) -> bool:
+    """Whether a row's token is the max of its raw logits: greedy, no logits processor that
+    could apply (min_tokens over stop ids, logit_bias, penalties), no logprobs or beam
+    candidates asked. (Its grammar, if any, the caller asks worker/grammar.py.)"""
+    return (p.temperature < SAMPLING_EPS and not p.HasField("logprobs") and not p.beam_candidates
+            and not p.logit_bias and not (p.min_tokens and p.stop_token_ids)
+            and p.repetition_penalty in (0.0, 1.0) and not p.frequency_penalty and not p.presence_penalty)
+
+
 class Sampler:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator  # for unseeded rows, seeded once by --seed

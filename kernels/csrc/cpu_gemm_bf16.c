@@ -232,3 +232,43 @@ void pagoda_bf16_xwt(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t 
         for (int r = 0; r < M; r++) out[r * ldo + n] = to_bf16(s[r]);
     }
 }
+
+#include "cpu_bf16_greedy.h"
+
+// out[m] = the index n of the largest x[m] . w[n] (M rows, N columns), each product computed and
+// rounded as pagoda_bf16_xwt computes and rounds it for the same arguments (cpu_bf16_greedy.h):
+// torch's max over xwt's output gives the same indices. Returns 0, or -1 where this CPU has no
+// path for it (isa < 2) or memory ran short; out is then untouched.
+int pagoda_bf16_greedy(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, int M, int64_t N,
+                       int64_t K, int threads, int isa, int few_tiles, int64_t *out) {
+    if (isa < 2 || M < 1 || N < 1 || N > INT32_MAX || threads < 1) return -1;
+    uint16_t *xp = NULL;
+    int64_t tiled = 0;  // the columns the AMX tiles take, as xwt_amx takes them
+    if (isa == 3 && M > ROW_AT_A_TIME && N >= AMX_GROUP && K % AMX_K == 0) {
+        xp = amx_pack_x(x, ldx, M, K);
+        if (xp) tiled = N / AMX_GROUP * AMX_GROUP;
+    }
+    Best *each = calloc((size_t)threads, sizeof(Best));
+    int ok = each != NULL;
+    for (int t = 0; ok && t < threads; t++) ok = best_init(&each[t], M);
+    if (ok) {
+        #pragma omp parallel num_threads(threads)
+        {
+            Best *b = &each[omp_get_thread_num()];
+            if (tiled) {
+                amx_configure();
+                greedy_amx(xp, w, ldw, M, tiled / AMX_GROUP, K / AMX_K, b);
+                amx_release();
+            }
+            if (tiled < N) {
+                if (M > ROW_AT_A_TIME || few_tiles) greedy_tiles(x, ldx, w + tiled * ldw, ldw, M, N - tiled, K, tiled, b);
+                else greedy_dots(x, ldx, w + tiled * ldw, ldw, M, N - tiled, K, tiled, b);
+            }
+        }
+        best_merge(each, threads, M, out);
+    }
+    for (int t = 0; each && t < threads; t++) best_free(&each[t]);
+    free(each);
+    free(xp);
+    return ok ? 0 : -1;
+}

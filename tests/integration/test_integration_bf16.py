@@ -54,3 +54,28 @@ def test_bf16_decodes_in_one_c_step_within_bf16s_rounding_of_fp32(bf16_stub, smo
             assert row.max() - row[token] <= MARGIN, (text, i)
             assert abs(entry.logprob - row[token].item()) <= LOGPROB_ERROR, (text, i)
     assert "run as one C call (kernels/cpu_decode_layer.c, bf16 weights" in log.read_text()
+
+
+def test_plain_greedy_answers_the_heads_max_the_same_tokens_as_the_samplers(bf16_stub, smollm2_hf):
+    """A step whose rows are all plain greedy takes their tokens from the LM head's own max
+    (worker/model.py greedy_tokens); one with a row that asks for logprobs computes the logits
+    and samples every row from them. Plain requests alone (the head's max) answer what they
+    answer side by side with logprobs requests (the sampler's), which answer the same."""
+    from transformers import AutoTokenizer
+
+    from modelfiles.resolve import cache_dir, resolve_model
+    stub, _ = bf16_stub
+    tokenizer = AutoTokenizer.from_pretrained(str(cache_dir(resolve_model(""), "tokenizer")))
+
+    def ask(text: str, logprobs: bool):
+        sampling = pb.SamplingParams(temperature=0, logprobs=1) if logprobs else pb.SamplingParams(temperature=0)
+        return stub.Generate.future(pb.GenerateRequest(
+            prompt_token_ids=tokenizer.encode(text, add_special_tokens=False), sampling=sampling,
+            stopping=pb.StoppingCriteria(max_tokens=TOKENS, ignore_eos=True)), timeout=300)
+
+    together = [ask(text, plain) for text in PROMPTS for plain in (False, True)]
+    answers = [list(f.result().token_ids) for f in together]
+    for i in range(0, len(answers), 2):
+        assert len(answers[i]) == TOKENS and answers[i] == answers[i + 1]
+    alone = [list(ask(text, False).result().token_ids) for text in PROMPTS]
+    assert alone == answers[::2]
