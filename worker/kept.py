@@ -43,7 +43,7 @@ def cpu_identity(cpuinfo: str) -> str:
     """The first CPU of /proc/cpuinfo's text: its model name, family, model and stepping, and a
     digest of its feature flags ("" if it names none). A VM names many Xeons "Intel(R) Xeon(R)
     Processor": keyed by the name alone, bounds measured on an AVX-512 Xeon steered an AMX one
-    (pagoda's fp32 kernel kept for 2048-row prefills, where MKL ran 1.45x faster there)."""
+    (pagoda's fp32 kernel kept for 2048-row prefills, where MKL ran 1.3-1.5x faster past 128 rows)."""
     name, ids, flags = "", {}, ""
     for line in cpuinfo.splitlines():
         field, _, value = (p.strip() for p in line.partition(":"))
@@ -99,7 +99,7 @@ def kept(name: str, key: str, measure: Callable[[], dict], fields: set[str],
 # The CPUs other processes may take during a measurement before it is taken again: the launcher
 # starts the gateway, its grammar checkers and the worker together, and the worker's first
 # measurements, made while they loaded, once kept pagoda's fp32 kernel for 2048-row prefills
-# that MKL ran 1.4x faster (an AMX Xeon, 2 cores).
+# that MKL ran 1.3-1.5x faster past 128 rows (an AMX Xeon, 2 cores).
 OTHERS_CPUS = 0.15
 
 
