@@ -71,6 +71,7 @@ class ResponseBuilder:
         self.prompt_logprobs: dict[int, pagoda_pb2.TokenLogprob] = {}  # by prompt position
         self.sent_first = False  # index 0's first message carries the prompt's extras
         self.saw_first_token = False  # the request's first token, of any index: the TTFT metric
+        self.sent_at: float | None = None  # when the AddRequest went to the scheduler
 
     @property
     def all_done(self) -> bool:
@@ -92,13 +93,17 @@ class ResponseBuilder:
 
     def on_update(self, update: Update, arrived: float | None = None) -> pagoda_pb2.GenerateResponse | None:
         """arrived: when the index's first tokens reached the gateway (Inbox.first_token_at),
-        the time to first token's end, however late its reader took them."""
+        the time to first token's end, however late its reader took them; a final_only request's
+        (AddRequest.final_only) is the scheduler's first_token_s after the request went out."""
         news = update.news if update.news is not None else _NO_NEWS
         ix = self.indices[update.index]
         start = len(ix.detok.token_ids)
         text, ids = ix.detok.add_many(update.token_ids)
         if ids and ix.first_token_at is None:
-            ix.first_token_at = arrived if arrived is not None else time.monotonic()
+            if news.first_token_s and self.sent_at is not None:  # final_only: the scheduler's time
+                ix.first_token_at = min(self.sent_at + news.first_token_s, time.monotonic())
+            else:
+                ix.first_token_at = arrived if arrived is not None else time.monotonic()
             if not self.saw_first_token:
                 self.saw_first_token = True
                 metrics.TIME_TO_FIRST_TOKEN.observe(ix.first_token_at - self.started)

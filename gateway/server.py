@@ -271,8 +271,12 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
             # of one tenant can equal another tenant's salted one.
             v.add.cache_salt = tenant + v.add.cache_salt
         builder = ResponseBuilder(self.tokenizer, v, v.public_id, started)
+        whole = whole and not v.stop
+        # Nothing read step by step: the scheduler sends the tokens with the finish (none of
+        # the per-position extras that come in their own messages: logprobs)
+        v.add.final_only = whole and v.logprobs is None and v.prompt_logprobs is None and v.beam is None
         try:
-            queue = self.client.open(internal_id, v.n, whole=whole and not v.stop)
+            queue = self.client.open(internal_id, v.n, whole=whole)
         except SchedulerBusy as e:
             raise RpcFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         metrics.PROMPT_TOKENS.inc(len(v.prompt_token_ids))
@@ -280,6 +284,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         try:
             try:
                 self.client.add(v.add)
+                builder.sent_at = time.monotonic()
             except SchedulerUnavailable as e:
                 raise RpcFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
             sent = True

@@ -26,7 +26,8 @@ class FinishReason(enum.IntEnum):
 # What derive() carries over: the request's parameters and stop rule, never its progress.
 _PARAMETERS = ("request_id", "index", "gateway", "prompt_token_ids", "sampling", "max_tokens",
                "ignore_eos", "stop_token_ids", "priority", "arrival", "public_id", "cache_salt",
-               "tenant", "arrival_time", "stop_set", "length_limit", "min_stop_len", "worker")
+               "tenant", "arrival_time", "stop_set", "length_limit", "min_stop_len", "worker",
+               "final_only")
 
 
 @dataclass(eq=False, slots=True)  # slots: attribute access in the per-step loops is faster
@@ -52,6 +53,8 @@ class Request:
     tenant: str = ""                # whose quota it counts against (scheduler/tenants.py)
     arrival_time: float = 0.0       # time.monotonic() at the scheduler
     queue_time: float = -1.0        # arrival to first scheduled, once known
+    final_only: bool = False        # its tokens go out with its finish (AddRequest.final_only)
+    first_token_time: float = 0.0   # time.monotonic() of its first output token (final_only: 0 before)
 
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0    # including those of plans still on the worker

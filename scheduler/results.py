@@ -3,6 +3,7 @@ stops, full blocks enter the prefix cache, and tokens stream to the gateways. Th
 sequence every step, so the plain decode case is kept to one lean pass."""
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from proto import internal_pb2 as pb
@@ -66,6 +67,10 @@ def apply_result(sched: Batch, step: Step, result: pb.StepResult,
             sched.finish(req, FinishReason.STOP)
         elif len(tokens) >= req.length_limit:
             sched.finish(req, FinishReason.LENGTH)
+        elif req.final_only:  # its tokens wait for its finish: the gateway answers only then
+            req.first_token_time = req.first_token_time or time.monotonic()
+            req.num_unstreamed += 1
+            continue
         elif req.stream_started and not req.num_unstreamed:
             appends = streams.get(req.gateway) or open_stream(streams, outboxes, req.gateway)
             add_id, add_index, add_count, add_offset, add_token = appends
@@ -124,6 +129,10 @@ def accept_run(sched: Batch, req: Request, run: list[int], outboxes: Outboxes,
     kv = sched.kv
     if kv.prefix_caching and req.status is Status.RUNNING:
         kv.cache_blocks(req)  # only the accepted tokens count as computed, so only they are hashed
+    if req.final_only and req.status is not Status.FINISHED:  # its tokens wait for its finish
+        req.first_token_time = req.first_token_time or time.monotonic()
+        req.num_unstreamed += kept
+        return False
     if req.status is Status.FINISHED or not req.stream_started or req.num_unstreamed:
         req.num_unstreamed += kept
         return True

@@ -154,7 +154,7 @@ class Router:
                         ignore_eos=add.ignore_eos, stop_token_ids=frozenset(add.stop_token_ids),
                         priority=add.priority, arrival=next(self.arrivals),
                         public_id=add.public_id, arrival_time=time.monotonic(),
-                        cache_salt=add.cache_salt, tenant=add.tenant)]
+                        cache_salt=add.cache_salt, tenant=add.tenant, final_only=add.final_only)]
         reqs += [reqs[0].derive(seq_id=f"{add.request_id}#{i}", index=i,
                                 sampling=seeded_sampling(add, i)) for i in range(1, n)]
         for req in reqs:
@@ -382,6 +382,8 @@ class Router:
                 delta.finish = int(req.finish_reason)
                 if error is not None:
                     delta.error.CopyFrom(error)
+                if req.final_only and req.num_tokens > req.num_prompt_tokens:
+                    delta.first_token_s = (req.first_token_time or time.monotonic()) - req.arrival_time
                 seqs = self.seqs.get(req.request_id)
                 if seqs is not None and all(s.is_finished for s in seqs):
                     self._forget(req.request_id)

@@ -7,6 +7,7 @@ import pytest
 
 from proto import internal_pb2 as pb
 from proto.columns import unpack_list
+from proto.token_stream import updates
 from scheduler.router import Rejected
 from tests.fake_worker import EOS, EOS_MARK, FakeWorker, reference_output
 from tests.unit.scheduler.test_scheduler import GW, check, make_router, run, step, with_workers
@@ -209,3 +210,40 @@ def test_length_is_known_ahead_and_costs_no_extra_step():
     computed += sum(sum(unpack_list(p.running_num_tokens)) for p in plans)
     assert computed == 3 + 3  # the prompt, then outputs 1..3 as inputs; output 4 ends it
     assert out[("l", 0)]["tokens"] == reference_output([5, 6, 7], 4)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_final_only_request_sends_its_tokens_with_its_finish_alone(n):
+    """AddRequest.final_only: no token of it goes out step by step; its finish carries them all,
+    the usage figures and the time to its first token, while its streamed twin beside it sends
+    a token every step, the same tokens."""
+    import time
+    router = make_router()
+    workers = with_workers(router, FakeWorker(64))
+    started = time.monotonic()
+    add(router, "whole", [5, 6, 7, 8], 12, final_only=True, n=n)
+    add(router, "twin", [5, 6, 7, 8], 12, n=n)
+    messages = []
+    for _ in range(200):
+        plans = router.plans()
+        for wid, plan in plans:
+            router.on_result(wid, workers[wid].execute(plan))
+        messages += router.take_outbox().values()
+        if not plans:
+            break
+    elapsed = time.monotonic() - started
+    carrying = {"whole": 0, "twin": 0}
+    tokens: dict[tuple[str, int], list[int]] = {}
+    for msg in messages:
+        for rid in set(msg.request_ids) | {d.request_id for d in msg.deltas}:
+            carrying[rid] += 1
+        for u in updates(msg):
+            tokens.setdefault((u.request_id, u.index), []).extend(u.token_ids)
+    assert carrying["whole"] == 1 and carrying["twin"] >= 12
+    assert tokens[("whole", 0)] == reference_output([5, 6, 7, 8], 12)
+    for i in range(n):
+        assert tokens[("whole", i)] == tokens[("twin", i)] and len(tokens[("whole", i)]) == 12
+    finals = [d for msg in messages for d in msg.deltas if d.request_id == "whole"]
+    assert len(finals) == n and all(d.finish == pb.LENGTH and d.prompt_tokens == 4 for d in finals)
+    assert all(0 < d.first_token_s <= elapsed for d in finals)
+    assert all(d.first_token_s == 0 for msg in messages for d in msg.deltas if d.request_id == "twin")
