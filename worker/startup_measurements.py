@@ -115,7 +115,7 @@ def measure_attention_prefetch(runner) -> None:
     if sum(need) > runner.cache.num_blocks:
         said = "the default: the KV cache is too small to time it in"
     else:
-        def timings() -> dict:
+        def timings(with_bound: bool = True) -> dict:
             order = torch.randperm(runner.cache.num_blocks, generator=g)[:sum(need)].to(torch.int32)
             tables = torch.zeros(PREFETCH_ROWS, max(need), dtype=torch.int32)
             for i, (at, n) in enumerate(zip(np.cumsum([0] + need[:-1]), need)):
@@ -154,7 +154,9 @@ def measure_decode_step_bound(runner) -> None:
     (worker/fused_decode.py): --cpu-decode-step-tokens, else the count of DECODE_STEP_TOKENS up to
     which it beats the layers one by one here, each count's steps timed back to back, alternating;
     and for bf16 weights, whether steps of fewer than BF16_DOT_MIN_TOKENS tokens take the dot
-    products (kernels/cpu_decode_layer.py few_rows_dot), timed at one token first.
+    products (kernels/cpu_decode_layer.py few_rows_dot), timed at one token first, with the flag
+    too (it pins the bound only: without the timing an AMX Xeon's single stream took the widened
+    weights, 14.7 ms a token against 11.8).
     The bound is the machine's: 8 paid on a Zen 3 EPYC in fp32 and bf16, 4 on a Zen 5
     (docs/benchmarks.md, "Stop 41"). Kept per machine and configuration."""
     step = getattr(runner.model.model, "fused_decode", None)
@@ -163,7 +165,7 @@ def measure_decode_step_bound(runner) -> None:
     need = -(-(DECODE_CONTEXT + 1) // runner.block_size)
     most = max(DECODE_STEP_TOKENS)
 
-    def timings() -> dict:
+    def timings(with_bound: bool = True) -> dict:
         batch = InputBatch(runner.max_model_len, runner.block_size)
         for i in range(most):
             batch.add(i, [0] * (DECODE_CONTEXT + 1), range(i * need, (i + 1) * need), DECODE_CONTEXT,
@@ -194,23 +196,25 @@ def measure_decode_step_bound(runner) -> None:
             dots = (step.shape.kind == "bf16" and cpu_decode_layer.bf16_dot_here() > 0
                     and median_ratio(1, few_rows_dot) < 1)
             few_rows_dot(dots)
-            most_tokens = bound(DECODE_STEP_TOKENS, lambda n: median_ratio(n, step_on))
+            most_tokens = bound(DECODE_STEP_TOKENS, lambda n: median_ratio(n, step_on)) if with_bound else 0
             return {"bf16_few_rows_dot": dots, "max_tokens": most_tokens}
         finally:
             fused_decode.enabled, step.max_tokens = True, previous
 
     started = time.perf_counter()
-    if runner.args.cpu_decode_step_tokens is not None:
-        step.max_tokens, said = runner.args.cpu_decode_step_tokens, "--cpu-decode-step-tokens"
-    elif most * need > runner.cache.num_blocks:
+    pinned = runner.args.cpu_decode_step_tokens  # the bound, not timed; the products still are
+    if most * need > runner.cache.num_blocks:
         said = "the default: the KV cache is too small to time it in"
     else:
         build = cbuild.library_path(cpu_decode_layer.SOURCE, cpu_decode_layer.FLAGS).name
         key = machine_key(runner.config, runner.dtype, step.shape.kind, DECODE_CONTEXT, layers.CPU, build,
-                          f"prefetch={cpu_decode_attention.prefetch}", timed(DECODE_STEP_TOKENS))
-        found, was_kept = kept("decode-step", key, timings, {"max_tokens", "bf16_few_rows_dot"},
-                               runner.args.measure_again)
+                          f"prefetch={cpu_decode_attention.prefetch}",
+                          timed(DECODE_STEP_TOKENS) if pinned is None else "products only")
+        found, was_kept = kept("decode-step", key, lambda: timings(pinned is None),
+                               {"max_tokens", "bf16_few_rows_dot"}, runner.args.measure_again)
         step.max_tokens, said = found["max_tokens"], how(was_kept, started)
         cpu_decode_layer.few_rows_dot = found["bf16_few_rows_dot"]
+    if pinned is not None:
+        step.max_tokens, said = pinned, "--cpu-decode-step-tokens"
     fused_decode.log.info("decode steps of up to %d tokens run as one C call (%s)%s", step.max_tokens, said,
                           ", bf16 products of 1-4 tokens in dot products" if cpu_decode_layer.few_rows_dot else "")

@@ -149,3 +149,15 @@ def test_a_bf16_models_products_for_few_tokens_are_measured_at_first_start_kept_
     calls.clear()
     ModelRunner(runner_args(folder, "--dtype", "bfloat16", num_blocks=1024))
     assert cpu_decode_layer.few_rows_dot is (not chosen) and (1, int(chosen)) not in calls  # nothing timed
+
+    # --cpu-decode-step-tokens pins the bound, but the products of few tokens are still timed
+    # (once: kept apart from the full measurement), and obeyed.
+    monkeypatch.setattr(cpu_decode_layer, "few_rows_dot", not chosen)
+    calls.clear()
+    pinned = ModelRunner(runner_args(folder, "--dtype", "bfloat16", "--cpu-decode-step-tokens", "3",
+                                     num_blocks=1024))
+    assert pinned.model.model.fused_decode.max_tokens == 3
+    assert {(1, 0), (1, 1)} <= set(calls) and {t for t, _ in calls} == {1}  # no bound timed
+    assert len(json.loads((tmp_path / "decode-step.json").read_text())) == 2
+    assert cpu_decode_layer.few_rows_dot is [e["bf16_few_rows_dot"] for e in json.loads(
+        (tmp_path / "decode-step.json").read_text()).values()][-1]
