@@ -95,30 +95,10 @@ static inline __m512 rounded4(__m128 sums) {
 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 static void greedy_tiles(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, int M, int64_t N,
                          int64_t K, int64_t col0, Best *b) {
-    const int64_t groups = (N + 3) / 4;
-    const int64_t fit = 24576 / (4 * 2 * K), per_block = fit < 1 ? 1 : fit > 4 ? 4 : fit;
-    const int64_t blocks = (groups + per_block - 1) / per_block;
-    const int64_t tiles = (M + 3) / 4 * per_block, block_rows = 4 * per_block;
-    const int64_t per_tile = (block_rows + tiles - 1) / tiles;
-    #pragma omp for schedule(static)
-    for (int64_t blk = 0; blk < blocks; blk++) {
-        const int64_t g1 = (blk + 1) * per_block < groups ? (blk + 1) * per_block : groups;
-        const int64_t next = g1 * 4, end = next + block_rows < N ? next + block_rows : N;
-        int64_t t = 0;
-        for (int m = 0; m < M; m += 4) {
-            const int mr = M - m < 4 ? M - m : 4;
-            for (int64_t g = blk * per_block; g < g1; g++, t++) {
-                const int64_t n = g * 4;
-                const int nr = N - n < 4 ? (int)(N - n) : 4;
-                const uint16_t *rows[4];
-                for (int j = 0; j < 4; j++) rows[j] = w + (n + (j < nr ? j : nr - 1)) * ldw;
-                __m128 sums[4];
-                tile_sums(x + m * ldx, ldx, rows, w, ldw, K, sums, mr, next, end, t, per_tile);
-                for (int i = 0; i < mr; i++)
-                    best_update(b, m + i, rounded4(sums[i]), (int32_t)(col0 + n), (__mmask16)((1u << nr) - 1));
-            }
-        }
-    }
+    BF16_TILES(x, ldx, w, ldw, M, N, K, {
+        for (int i = 0; i < mr; i++)
+            best_update(b, m + i, rounded4(sums[i]), (int32_t)(col0 + n), (__mmask16)((1u << nr) - 1));
+    });
 }
 
 // pagoda_bf16_xwt's one weight row at a time (1-4 rows of x, few_tiles off), columns [0, N).

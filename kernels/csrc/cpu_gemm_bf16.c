@@ -99,32 +99,42 @@ static inline void store_rounded(const __m128 sums[4], int mr, int nr, uint16_t 
 // The next block is prefetched a few rows a tile over all of the block's tiles: prefetched only
 // while the first rows of x passed (as before), memory idled while the others did, and 8-48 rows
 // ran 5-19% slower (bench/bench_gemm.py --dtype bfloat16).
+// That walk as an orphaned worksharing loop over the blocks (its callers' threads split them, in a
+// static schedule): BODY sees each tile's sums (rows m .. m + mr - 1 of x, weight rows n .. n + nr
+// - 1). Shared by xwt_avx512bf16 and the greedy max (cpu_bf16_greedy.h), which must compute every
+// product as this computes it.
+#define BF16_TILES(x, ldx, w, ldw, M, N, K, BODY)                                                       \
+    do {                                                                                                 \
+        const int64_t groups_ = ((N) + 3) / 4;                                                           \
+        const int64_t fit_ = 24576 / (4 * 2 * (K)), per_block_ = fit_ < 1 ? 1 : fit_ > 4 ? 4 : fit_;     \
+        const int64_t blocks_ = (groups_ + per_block_ - 1) / per_block_;                                 \
+        const int64_t tiles_ = ((M) + 3) / 4 * per_block_, block_rows_ = 4 * per_block_;                 \
+        const int64_t per_tile_ = (block_rows_ + tiles_ - 1) / tiles_;                                   \
+        _Pragma("omp for schedule(static)")                                                              \
+        for (int64_t b_ = 0; b_ < blocks_; b_++) {                                                       \
+            const int64_t g1_ = (b_ + 1) * per_block_ < groups_ ? (b_ + 1) * per_block_ : groups_;       \
+            const int64_t next_ = g1_ * 4, end_ = next_ + block_rows_ < (N) ? next_ + block_rows_ : (N); \
+            int64_t t_ = 0;                                                                              \
+            for (int m = 0; m < (M); m += 4) {                                                           \
+                const int mr = (M) - m < 4 ? (M) - m : 4;                                                \
+                for (int64_t g_ = b_ * per_block_; g_ < g1_; g_++, t_++) {                               \
+                    const int64_t n = g_ * 4;                                                            \
+                    const int nr = (N) - n < 4 ? (int)((N) - n) : 4;                                     \
+                    const uint16_t *rows_[4];                                                            \
+                    for (int j_ = 0; j_ < 4; j_++) rows_[j_] = (w) + (n + (j_ < nr ? j_ : nr - 1)) * (ldw); \
+                    __m128 sums[4];                                                                      \
+                    tile_sums((x) + m * (ldx), ldx, rows_, w, ldw, K, sums, mr, next_, end_, t_, per_tile_); \
+                    BODY                                                                                 \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+    } while (0)
+
 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 static void xwt_avx512bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, uint16_t *out,
                            int64_t ldo, int M, int64_t N, int64_t K, int threads) {
-    const int64_t groups = (N + 3) / 4;
-    const int64_t fit = 24576 / (4 * 2 * K), per_block = fit < 1 ? 1 : fit > 4 ? 4 : fit;
-    const int64_t blocks = (groups + per_block - 1) / per_block;
-    const int64_t tiles = (M + 3) / 4 * per_block, block_rows = 4 * per_block;
-    const int64_t per_tile = (block_rows + tiles - 1) / tiles;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t g1 = (b + 1) * per_block < groups ? (b + 1) * per_block : groups;
-        const int64_t next = g1 * 4, end = next + block_rows < N ? next + block_rows : N;  // the next block
-        int64_t t = 0;
-        for (int m = 0; m < M; m += 4) {
-            const int mr = M - m < 4 ? M - m : 4;
-            for (int64_t g = b * per_block; g < g1; g++, t++) {
-                const int64_t n = g * 4;
-                const int nr = N - n < 4 ? (int)(N - n) : 4;
-                const uint16_t *rows[4];
-                for (int j = 0; j < 4; j++) rows[j] = w + (n + (j < nr ? j : nr - 1)) * ldw;
-                __m128 sums[4];
-                tile_sums(x + m * ldx, ldx, rows, w, ldw, K, sums, mr, next, end, t, per_tile);
-                store_rounded(sums, mr, nr, out + m * ldo + n, ldo);
-            }
-        }
-    }
+    #pragma omp parallel num_threads(threads)
+    BF16_TILES(x, ldx, w, ldw, M, N, K, store_rounded(sums, mr, nr, out + m * ldo + n, ldo););
 }
 
 // The AVX2 path, in the fp32 kernel's blocks (kernels/csrc/cpu_gemm.c): four weight rows at a

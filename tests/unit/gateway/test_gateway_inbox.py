@@ -16,11 +16,17 @@ async def _turns(n: int = 5) -> None:
         await asyncio.sleep(0)
 
 
+async def _waiting(inbox: Inbox) -> asyncio.Future:
+    """A reader blocked in inbox.get()."""
+    reader = asyncio.ensure_future(inbox.get())
+    await _turns()
+    return reader
+
+
 def test_a_whole_answer_reader_sleeps_through_plain_tokens_and_wakes_for_the_finish(run):
     async def body():
         inbox = Inbox("r", limit=256, whole=True)
-        reader = asyncio.ensure_future(inbox.get())
-        await _turns()
+        reader = await _waiting(inbox)
         for offset in range(20):
             assert inbox.put(Update("r", 0, offset, [100 + offset]))
             await _turns(1)
@@ -37,8 +43,7 @@ def test_a_whole_answer_reader_sleeps_through_plain_tokens_and_wakes_for_the_fin
 def test_a_streaming_reader_wakes_for_each_step(run):
     async def body():
         inbox = Inbox("r", limit=256)
-        reader = asyncio.ensure_future(inbox.get())
-        await _turns()
+        reader = await _waiting(inbox)
         assert inbox.put(Update("r", 0, 0, [5]))
         assert list((await asyncio.wait_for(reader, 5)).token_ids) == [5]
     run(body())
@@ -47,8 +52,7 @@ def test_a_streaming_reader_wakes_for_each_step(run):
 def test_a_whole_answer_reader_wakes_at_half_the_unread_bound(run):
     async def body():
         inbox = Inbox("r", limit=10, whole=True)
-        reader = asyncio.ensure_future(inbox.get())
-        await _turns()
+        reader = await _waiting(inbox)
         for offset in range(4):
             assert inbox.put(Update("r", 0, offset, [offset]))
         await _turns()
@@ -62,12 +66,10 @@ def test_a_whole_answer_reader_wakes_at_half_the_unread_bound(run):
 def test_a_whole_answer_reader_wakes_for_logprobs_and_for_a_failure(run):
     async def body():
         inbox = Inbox("r", limit=256, whole=True)
-        reader = asyncio.ensure_future(inbox.get())
-        await _turns()
+        reader = await _waiting(inbox)
         assert inbox.put(ipb.Logprobs(request_id="r"))
         assert isinstance(await asyncio.wait_for(reader, 5), ipb.Logprobs)
-        reader = asyncio.ensure_future(inbox.get())
-        await _turns()
+        reader = await _waiting(inbox)
         inbox.fail("UNAVAILABLE", "gone")
         item = await asyncio.wait_for(reader, 5)
         assert item.finish == ipb.ERROR and item.news.error.code == "UNAVAILABLE"
