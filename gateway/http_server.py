@@ -162,7 +162,7 @@ class HttpApi:
         """The responses of every request, tagged with its position; one request is the usual
         case, a completions batch runs its prompts side by side. Streamed inside even for a
         whole response: n > 1 needs the stream (unary Generate carries one index). whole: a
-        response not streamed to the client, read once the requests end (gateway/inbox.py)."""
+        response not streamed to the client (the scheduler may send it whole: GenerationServicer.responses)."""
         started = time.monotonic()
         gens = [self.servicer.responses(r, started, unary=False, tenant=tenant, whole=whole) for r in reqs]
         if len(gens) == 1:

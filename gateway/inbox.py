@@ -8,12 +8,6 @@ the handler is busy merge into the last one: a handler that is merely slower tha
 (a fast model, a busy gateway) catches up with one response of many tokens instead of
 falling behind by one response per step.
 
-A reader that answers only at the end (unary Generate, a non-streamed HTTP answer: `whole`) is
-not woken for plain tokens: they merge unread until news comes (a finish, an error, logprobs) or
-half of `limit` is waiting, so its handler runs a few times a request instead of once a step. On a
-machine with few cores the handlers' turns took CPU from the worker's forward, whose threads then
-waited at their barriers for the one preempted.
-
 Exactly once: each update with tokens names the output index of its first token (its offset),
 and a finish names how many came before it. An update that does not continue the stream exactly
 means a message was lost or repeated; the request ends with UNAVAILABLE rather than stream a
@@ -22,7 +16,6 @@ hole, a repeat, or wait for tokens that will never come.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
 
 from proto import internal_pb2
@@ -32,22 +25,15 @@ _ENDS = (internal_pb2.LENGTH, internal_pb2.STOP, internal_pb2.ABORT)
 
 
 class Inbox:
-    def __init__(self, request_id: str, limit: int, n: int = 1, whole: bool = False) -> None:
+    def __init__(self, request_id: str, limit: int, n: int = 1) -> None:
         self.request_id = request_id
         self.limit = limit
         self.n = n  # sequences: an index outside [0, n) is malformed (gateway/scheduler_checks.py)
-        self.whole = whole  # the reader answers at the end: plain tokens do not wake it
         self.closed = False  # failed: nothing more goes in
         self._items: deque = deque()
         self._unread = 0  # tokens, plus 1 per queued message without any
         self._ready = asyncio.Event()
         self._received: dict[int, int] = {}  # index -> output tokens received
-        self._first_token_at: dict[int, float] = {}  # index -> when its first tokens came
-
-    def first_token_at(self, index: int) -> float | None:
-        """When index's first tokens reached the gateway (time.monotonic), however late the
-        reader took them."""
-        return self._first_token_at.get(index)
 
     def __len__(self) -> int:
         return self._unread
@@ -70,16 +56,13 @@ class Inbox:
                           f"got {item.offset}: a message was lost or repeated")
                 return False
             self._received[item.index] = got + len(item.token_ids)
-            if item.token_ids:
-                self._first_token_at.setdefault(item.index, time.monotonic())
         self._unread += weight
         last = self._items[-1] if self._items else None
         if _plain(item) and _plain(last) and last.index == item.index:
             last.token_ids.extend(item.token_ids)
-        else:
-            self._items.append(item)
-        if not (self.whole and _plain(item)) or 2 * self._unread >= self.limit:
-            self._ready.set()
+            return True
+        self._items.append(item)
+        self._ready.set()
         return True
 
     def fail(self, code: str, message: str) -> None:

@@ -91,10 +91,9 @@ class ResponseBuilder:
             for i, entry in enumerate(entries):
                 self.indices[lp.index].logprobs[first + i] = entry
 
-    def on_update(self, update: Update, arrived: float | None = None) -> pagoda_pb2.GenerateResponse | None:
-        """arrived: when the index's first tokens reached the gateway (Inbox.first_token_at),
-        the time to first token's end, however late its reader took them; a final_only request's
-        (AddRequest.final_only) is the scheduler's first_token_s after the request went out."""
+    def on_update(self, update: Update) -> pagoda_pb2.GenerateResponse | None:
+        """A final_only request's (AddRequest.final_only) tokens all come with its finish: its time
+        to first token is the scheduler's first_token_s after the request went out."""
         news = update.news if update.news is not None else _NO_NEWS
         ix = self.indices[update.index]
         start = len(ix.detok.token_ids)
@@ -103,7 +102,7 @@ class ResponseBuilder:
             if news.first_token_s and self.sent_at is not None:  # final_only: the scheduler's time
                 ix.first_token_at = min(self.sent_at + news.first_token_s, time.monotonic())
             else:
-                ix.first_token_at = arrived if arrived is not None else time.monotonic()
+                ix.first_token_at = time.monotonic()
             if not self.saw_first_token:
                 self.saw_first_token = True
                 metrics.TIME_TO_FIRST_TOKEN.observe(ix.first_token_at - self.started)

@@ -129,16 +129,16 @@ class SchedulerClient:
     def new_request_id(self) -> str:
         return f"{self.gateway_id}-{next(self._counter)}"
 
-    def open(self, request_id: str, n: int = 1, whole: bool = False) -> Inbox:
+    def open(self, request_id: str, n: int = 1) -> Inbox:
         """Registers a request of n sequences before its AddRequest goes out, so no delta can
-        arrive unrouted. whole: its reader answers only at the end (Inbox)."""
+        arrive unrouted."""
         if not self.has_room(n):
             limit = self.info.max_sequences if self.info is not None else 0
             raise SchedulerBusy(
                 f"the scheduler is full: this gateway has {self._open_sequences} sequences in "
                 f"flight and the scheduler holds at most {limit} (waiting plus running); retry "
                 "later")
-        inbox = Inbox(request_id, self.max_unread, n, whole)
+        inbox = Inbox(request_id, self.max_unread, n)
         self._queues[request_id] = inbox
         self._open_sequences += n
         return inbox

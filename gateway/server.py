@@ -243,9 +243,8 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         """The responses of one request, for GenerateStream, Generate and the HTTP API alike;
         raises RpcFailed. Closing it early aborts the request at the scheduler. tenant
         namespaces the public request id by API key. whole: the caller answers only once the
-        request has ended, so its tokens need not be read step by step (gateway/inbox.py);
-        a request with stop strings is read as it goes all the same, so that a stop ends it
-        at once."""
+        request has ended, so the scheduler may send its tokens with the finish
+        (AddRequest.final_only)."""
         limits = self._limits()
         if not self.client.has_room():  # before tokenizing: a full gateway refuses cheaply
             raise RpcFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -271,12 +270,13 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
             # of one tenant can equal another tenant's salted one.
             v.add.cache_salt = tenant + v.add.cache_salt
         builder = ResponseBuilder(self.tokenizer, v, v.public_id, started)
-        whole = whole and not v.stop
-        # Nothing read step by step: the scheduler sends the tokens with the finish (none of
-        # the per-position extras that come in their own messages: logprobs)
-        v.add.final_only = whole and v.logprobs is None and v.prompt_logprobs is None and v.beam is None
+        # Nothing to read step by step: the scheduler sends the tokens with the finish. Not with
+        # stop strings (the gateway ends the request when it sees one) nor with the per-position
+        # extras that come in their own messages (logprobs); a beam search is whole anyway.
+        v.add.final_only = (whole and not v.stop and v.logprobs is None and v.prompt_logprobs is None
+                            and v.beam is None)
         try:
-            queue = self.client.open(internal_id, v.n, whole=whole)
+            queue = self.client.open(internal_id, v.n)
         except SchedulerBusy as e:
             raise RpcFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         metrics.PROMPT_TOKENS.inc(len(v.prompt_token_ids))
@@ -299,7 +299,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
                 if item.index >= v.n or builder.indices[item.index].done:
                     continue  # e.g. tokens of an index already ended by a stop string
                 ix = builder.indices[item.index]
-                response = builder.on_update(item, queue.first_token_at(item.index))
+                response = builder.on_update(item)
                 if ix.detok.stopped and not ix.finished_by_scheduler and v.n > 1:
                     # A stop string ended this sequence while its siblings go on: free its
                     # blocks now rather than when the whole request ends.

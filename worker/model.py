@@ -154,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.quantize_int8()
-        head = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        head = self._head_weight()
         self.lm_head_int8 = cpu_gemm_int8.quantize(head)
         if not self.config.tie_word_embeddings:
             del self.lm_head
@@ -216,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
             return int8_linear(hidden, *self.lm_head_int8, vocab=True).float()
         if self.lm_head_gguf is not None:
             return gguf_linear(hidden, *self.lm_head_gguf, vocab=True).float()
-        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        weight = self._head_weight()
         if (hidden.device.type != "cpu" or kernel_fits(hidden, weight) or bf16_kernel_fits(hidden, weight)
                 or bf16_widens(hidden, weight)):
             return linear(hidden, weight).float()
@@ -230,13 +230,16 @@ class LlamaForCausalLM(nn.Module):
                      out=logits[:, start:start + _VOCAB_SLICE])
         return logits.float()
 
+    def _head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Each row's max of compute_logits (the first of tied maxima, the first NaN), int64 [rows],
         where pagoda's bf16 kernel computes the vocab projection (it then takes the max as it goes,
         without writing the logits: kernels/csrc/cpu_bf16_greedy.h); None elsewhere."""
         if self.lm_head_int8 is not None or self.lm_head_gguf is not None:
             return None
-        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        weight = self._head_weight()
         if hidden.device.type != "cpu" or not bf16_kernel_fits(hidden, weight):
             return None
         return cpu_gemm_bf16.greedy(hidden, weight, few_tiles=layers.CPU.bf16_few_rows_tiles)

@@ -115,7 +115,7 @@ def measure_attention_prefetch(runner) -> None:
     if sum(need) > runner.cache.num_blocks:
         said = "the default: the KV cache is too small to time it in"
     else:
-        def timings(with_bound: bool = True) -> dict:
+        def timings() -> dict:
             order = torch.randperm(runner.cache.num_blocks, generator=g)[:sum(need)].to(torch.int32)
             tables = torch.zeros(PREFETCH_ROWS, max(need), dtype=torch.int32)
             for i, (at, n) in enumerate(zip(np.cumsum([0] + need[:-1]), need)):

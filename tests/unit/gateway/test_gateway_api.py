@@ -362,3 +362,18 @@ def test_unexpected_error_is_internal_without_details(run, monkeypatch, rpc):
             out = await calls[rpc]()
             assert (out.text if rpc == "Detokenize" else text_of(out)) == REPLY
     run(body())
+
+
+def test_only_an_answer_read_at_its_end_asks_the_scheduler_for_its_tokens_with_the_finish(run):
+    """AddRequest.final_only: unary Generate without stop strings, logprobs or beams; a stream,
+    a stop string or logprobs keep the tokens coming step by step."""
+    async def body():
+        async with harness() as h:
+            greedy = pb.SamplingParams(temperature=0)
+            await h.stub.Generate(pb.GenerateRequest(prompt="x", sampling=greedy))
+            await h.stream(prompt="x", sampling=greedy)
+            await h.stub.Generate(pb.GenerateRequest(prompt="x", sampling=greedy,
+                                                     stopping=pb.StoppingCriteria(stop=["zz"])))
+            await h.stub.Generate(pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(logprobs=1)))
+            assert [a.final_only for a in h.scheduler.adds] == [True, False, False, False]
+    run(body())

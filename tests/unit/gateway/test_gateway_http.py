@@ -38,11 +38,13 @@ def test_chat_whole_and_streamed(run):
             prompt_tokens = len(h.scheduler.adds[-1].prompt_token_ids)
             assert (whole.usage.prompt_tokens, whole.usage.completion_tokens,
                     whole.usage.total_tokens) == (prompt_tokens, reply_tokens, prompt_tokens + reply_tokens)
-            # What the scheduler got: the chat template's prompt, max_tokens as sent.
-            assert h.scheduler.adds[-1].max_tokens == 50
+            # What the scheduler got: the chat template's prompt, max_tokens as sent; the answer
+            # whole (AddRequest.final_only), as it is not streamed.
+            assert h.scheduler.adds[-1].max_tokens == 50 and h.scheduler.adds[-1].final_only
 
             stream = await c.chat.completions.create(model=MODEL, messages=CHAT, stream=True,
                                                      stream_options={"include_usage": True})
+            assert not h.scheduler.adds[-1].final_only
             chunks = [ch async for ch in stream]
             assert chunks[0].choices[0].delta.role == "assistant"
             text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
