@@ -75,6 +75,7 @@ class Gateway:
             ("grpc.max_connection_age_ms", int(edge.max_connection_age * 1000)),
             ("grpc.max_connection_age_grace_ms", int(edge.max_connection_age_grace * 1000)),
             ("grpc.max_connection_idle_ms", int(edge.grpc_max_connection_idle * 1000)),
+            ("grpc.server_handshake_timeout_ms", int(edge.grpc_handshake_timeout * 1000)),
         ])
         self.edge = edge
         self.servicer = GenerationServicer(tokenizer, self.client, limits, api_keys, edge=edge)

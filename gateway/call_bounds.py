@@ -71,8 +71,8 @@ class CallSlots:
 
 
 class CallBounds(grpc.aio.ServerInterceptor):
-    """Wraps every unary-request handler: Generation's take a slot and all of them (health's
-    Check and Watch too) get their request within `first_message_timeout` seconds."""
+    """Wraps every (async) handler: Generation's take a slot, and every call, health's and
+    reflection's too, gets its first request message within `first_message_timeout` seconds."""
 
     def __init__(self, slots: CallSlots, first_message_timeout: float) -> None:
         self.slots = slots
@@ -81,25 +81,38 @@ class CallBounds(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is None or handler.request_streaming or not _is_async(handler):
-            return handler  # unknown, or reflection: nothing to wait for before it runs
+        if handler is None or not _is_async(handler):
+            return handler  # unknown method (UNIMPLEMENTED), or a sync handler: none here
         wrapped = self._wrapped.get(details.method)
         if wrapped is None:
             slots = self.slots if details.method.startswith(GENERATION_PREFIX) else None
-            wrapped = self._wrapped[details.method] = bounded(handler, slots, self.timeout)
+            wrapped = self._wrapped[details.method] = (
+                first_of_stream(handler, self.timeout) if handler.request_streaming
+                else bounded(handler, slots, self.timeout))
         return wrapped
 
 
+def _behaviour(handler: grpc.RpcMethodHandler):
+    return {(False, False): handler.unary_unary, (False, True): handler.unary_stream,
+            (True, False): handler.stream_unary, (True, True): handler.stream_stream}[
+        (handler.request_streaming, handler.response_streaming)]
+
+
 def _is_async(handler: grpc.RpcMethodHandler) -> bool:
-    behaviour = handler.unary_stream if handler.response_streaming else handler.unary_unary
+    behaviour = _behaviour(handler)
     return inspect.iscoroutinefunction(behaviour) or inspect.isasyncgenfunction(behaviour)
+
+
+def _deadline_exceeded(timeout: float) -> str:
+    return (f"no request message within {timeout:g} s of the call's headers "
+            f"(--grpc-first-message-timeout)")
 
 
 def bounded(handler: grpc.RpcMethodHandler, slots: CallSlots | None,
             timeout: float) -> grpc.RpcMethodHandler:
     """`handler` (unary request) as a request-streaming handler that takes a slot of `slots`
     (None: none) and waits at most `timeout` seconds for the request."""
-    behaviour = handler.unary_stream if handler.response_streaming else handler.unary_unary
+    behaviour = _behaviour(handler)
 
     async def first_request(requests, context):
         if slots is not None:
@@ -111,9 +124,7 @@ def bounded(handler: grpc.RpcMethodHandler, slots: CallSlots | None,
         try:
             request = await asyncio.wait_for(context.read(), timeout)
         except asyncio.TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"no request message within {timeout:g} s of the call's headers "
-                                f"(--grpc-first-message-timeout)")
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, _deadline_exceeded(timeout))
         except DecodeError:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "request: not a valid protobuf message of this method's type")
@@ -139,5 +150,39 @@ def bounded(handler: grpc.RpcMethodHandler, slots: CallSlots | None,
     else:  # a coroutine that writes with context.write
         async def stream(requests, context):
             await behaviour(await first_request(requests, context), context)
+    return grpc.stream_stream_rpc_method_handler(
+        stream, handler.request_deserializer, handler.response_serializer)
+
+
+def first_of_stream(handler: grpc.RpcMethodHandler, timeout: float) -> grpc.RpcMethodHandler:
+    """A request-streaming `handler` that gets its first message within `timeout` seconds (the
+    ones after it may take their time: the client has shown it speaks gRPC)."""
+    behaviour = _behaviour(handler)
+
+    async def requests_of(requests, context):
+        try:
+            first = await asyncio.wait_for(anext(requests), timeout)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, _deadline_exceeded(timeout))
+        except StopAsyncIteration:
+            return
+        yield first
+        async for request in requests:
+            yield request
+
+    if not handler.response_streaming:
+        async def unary(requests, context):
+            return await behaviour(requests_of(requests, context), context)
+        return grpc.stream_unary_rpc_method_handler(
+            unary, handler.request_deserializer, handler.response_serializer)
+
+    if inspect.isasyncgenfunction(behaviour):
+        async def stream(requests, context):
+            async with aclosing(behaviour(requests_of(requests, context), context)) as responses:
+                async for response in responses:
+                    yield response
+    else:
+        async def stream(requests, context):
+            await behaviour(requests_of(requests, context), context)
     return grpc.stream_stream_rpc_method_handler(
         stream, handler.request_deserializer, handler.response_serializer)

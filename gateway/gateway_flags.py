@@ -98,6 +98,9 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="seconds a gRPC connection may stay without calls in flight; then it "
                         "gets GOAWAY and is closed (clients reconnect when they call again) "
                         "(default: %(default)s)")
+    g.add_argument("--grpc-handshake-timeout", type=POSITIVE_SECONDS, default=10.0,
+                   help="seconds a new gRPC connection gets to finish its TLS handshake and send "
+                        "HTTP/2's preface and settings; then it is closed (default: %(default)s)")
     g.add_argument("--max-grammar-compile-seconds", type=POSITIVE_SECONDS, default=5.0,
                    help="seconds a structured-output spec (schema, regex, grammar) may take to "
                         "compile in the gateway's check; a slower one gets INVALID_ARGUMENT / 400 "

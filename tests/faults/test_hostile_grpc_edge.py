@@ -6,6 +6,7 @@ and liveness) answers within 1 s, a keyed Generate from a fresh channel is serve
 gateway's RSS grows less than 100 MB; afterwards the attacker's connections, idle, are closed."""
 from __future__ import annotations
 
+import socket
 import time
 
 import grpc
@@ -28,6 +29,7 @@ CALLS, PER_CONNECTION = 1_100, 550   # two connections: below --max-streams-per-
 PER_PEER = 64
 FIRST_MESSAGE_TIMEOUT = 3.0
 IDLE = 2.0
+HANDSHAKE = 1.0
 RSS_GROWTH = 100e6
 METHODS = ("/pagoda.v1.Generation/Generate", "/pagoda.v1.Generation/GenerateStream")
 OK_STATUS, UNAUTHENTICATED, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED = "0", "16", "8", "4"
@@ -40,7 +42,8 @@ def stack(tmp_path_factory):
         gateway_flags=["--api-key", KEY_A, "--api-key", KEY_B,
                        "--max-rpcs-per-peer", str(PER_PEER),
                        "--grpc-first-message-timeout", str(FIRST_MESSAGE_TIMEOUT),
-                       "--grpc-max-connection-idle", str(IDLE)],
+                       "--grpc-max-connection-idle", str(IDLE),
+                       "--grpc-handshake-timeout", str(HANDSHAKE)],
         worker_flags=["--num-gpu-blocks-override", "20000", "--step-delay", "0.01"]).start()
     yield c
     c.stop()
@@ -161,3 +164,18 @@ def test_a_connection_that_never_calls_is_closed_when_idle(stack):
         assert took > IDLE * 0.75  # by the idle timer (its own clock is coarse), not sooner
     finally:
         client.close()
+
+
+def test_a_connection_that_never_speaks_http2_is_closed_after_the_handshake_timeout(stack):
+    sock = socket.create_connection(("127.0.0.1", stack.grpc_port), source_address=(ATTACKER, 0))
+    sock.settimeout(HANDSHAKE + 5)
+    started = time.monotonic()
+    try:
+        while sock.recv(1024):  # the server's own settings; then the end
+            pass
+        took = time.monotonic() - started
+        print(f"\na connection that sent nothing closed after {took:.1f} s "
+              f"(--grpc-handshake-timeout {HANDSHAKE:g})")
+        assert took > HANDSHAKE * 0.75
+    finally:
+        sock.close()

@@ -12,6 +12,7 @@ import types
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from gateway.app import Gateway
 from gateway.call_bounds import GENERATION_PREFIX, CallSlots, peer_host
@@ -75,16 +76,19 @@ async def gateway(per_peer: int = 2, total: int | None = 3, api_keys=(KEY,)):
 _stopped: asyncio.Event | None = None
 
 
+async def half_open_requests():
+    """Request messages that never come (until the test's gateway stops)."""
+    await _stopped.wait()
+    return
+    yield  # pragma: no cover - an async generator that yields nothing
+
+
 def half_open(channel, method: str = GENERATE, metadata=AUTH, response=pb.GenerateResponse):
     """A call on `method` that sends its headers and never its message (as a stream, which a
     unary request is on the wire)."""
-    async def never():
-        await _stopped.wait()
-        return
-        yield  # pragma: no cover - an async generator that yields nothing
     call = channel.stream_unary(method, request_serializer=lambda m: m.SerializeToString(),
                                 response_deserializer=response.FromString)
-    return call(never(), metadata=metadata)
+    return call(half_open_requests(), metadata=metadata)
 
 
 async def status_of(call) -> tuple[grpc.StatusCode, str, float]:
@@ -144,6 +148,22 @@ def test_a_call_whose_message_never_comes_ends_at_the_deadline_and_frees_its_slo
             code, _, _ = await status_of(half_open(channel, "/grpc.health.v1.Health/Check", (),
                                                    health_pb2.HealthCheckResponse))
             assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+            # And reflection's, a request stream, for its first message; then it serves.
+            reflect = channel.stream_stream(
+                "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+            started = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in reflect(half_open_requests()):
+                    pass
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert time.monotonic() - started < FIRST_MESSAGE_TIMEOUT + 1
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            replies = [r async for r in stub.ServerReflectionInfo(iter(
+                [reflection_pb2.ServerReflectionRequest(list_services="")]))]
+            assert GENERATION_PREFIX.strip("/") in {
+                s.name for s in replies[0].list_services_response.service}
     run(main())
 
 
