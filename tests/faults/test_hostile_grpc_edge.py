@@ -64,7 +64,9 @@ def check_undisturbed(stack, stream: Stream, i: int, max_tokens: int, rss_before
                                              ignore_eos=True)
     check_health(stack)
     assert wait_for(stack.idle_and_free, 30), stack.scheduler_metrics()
-    assert rss_bytes(stack.gateway.pid) - rss_before < RSS_GROWTH
+    grown = rss_bytes(stack.gateway.pid) - rss_before
+    print(f"the gateway's RSS grew {grown / 1e6:.1f} MB")
+    assert grown < RSS_GROWTH
 
 
 def check_health(stack) -> None:
