@@ -12,7 +12,8 @@ past the peer's or the total), reads the one request message within the deadline
 (DEADLINE_EXCEEDED past it) and then runs the handler it wraps unchanged. The slot is freed when
 grpc.aio is done with the call, not when the handler returns: a stream whose client reads
 nothing keeps its call (and its queued messages) until the connection's age ends it, and keeps
-its slot as long, as under grpc.aio's own bound.
+its slot as long, as under grpc.aio's own bound. Every other call (health's, reflection's) takes
+no slot but gets its first request message within the same deadline.
 """
 from __future__ import annotations
 
