@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway import metrics
+from gateway.call_bounds import CallBounds, CallSlots
 from gateway.client_auth import ApiKeyInterceptor, server_credentials
 from gateway.edge import EdgeConfig
 from gateway.http_listener import HttpServer
@@ -58,10 +59,12 @@ class Gateway:
                                                 keys_dir=keys_dir, model=tokenizer.name)
         self.health = health.aio.HealthServicer()
         self.ssl = ssl  # (certfile, keyfile): TLS on the gRPC port
-        interceptors = [ApiKeyInterceptor(api_keys)] if api_keys else []
-        # Past max_concurrent_rpcs gRPC itself answers RESOURCE_EXHAUSTED.
-        self.server = grpc.aio.server(interceptors=interceptors,
-                                      maximum_concurrent_rpcs=max_concurrent_rpcs, options=[
+        # Outermost first: a call without a key is refused before it takes a slot. The bound
+        # on calls is CallBounds', not grpc.aio's maximum_concurrent_rpcs, which counts health.
+        self.slots = CallSlots(max_concurrent_rpcs, edge.max_rpcs_per_peer)
+        interceptors = ([ApiKeyInterceptor(api_keys)] if api_keys else []) + [
+            CallBounds(self.slots, edge.grpc_first_message_timeout)]
+        self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", max_request_bytes or max_message_bytes),
             # The largest valid response (gateway/grpc_bounds.py largest_response), from main.py.
             ("grpc.max_send_message_length", max_response_bytes or max_message_bytes),
@@ -71,6 +74,8 @@ class Gateway:
             ("grpc.max_allowed_incoming_connections", edge.max_grpc_connections),
             ("grpc.max_connection_age_ms", int(edge.max_connection_age * 1000)),
             ("grpc.max_connection_age_grace_ms", int(edge.max_connection_age_grace * 1000)),
+            ("grpc.max_connection_idle_ms", int(edge.grpc_max_connection_idle * 1000)),
+            ("grpc.server_handshake_timeout_ms", int(edge.grpc_handshake_timeout * 1000)),
         ])
         self.edge = edge
         self.servicer = GenerationServicer(tokenizer, self.client, limits, api_keys, edge=edge)

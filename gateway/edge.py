@@ -18,6 +18,10 @@ class EdgeConfig:
     # hold its RPC slots: past age it gets GOAWAY, past age + grace it is closed.
     max_connection_age: float = 1800.0
     max_connection_age_grace: float = 600.0
+    max_rpcs_per_peer: int = 256          # Generation calls in flight from one client address
+    grpc_first_message_timeout: float = 5.0  # from a call's headers to its request message
+    grpc_max_connection_idle: float = 300.0  # a connection without calls this long is closed
+    grpc_handshake_timeout: float = 10.0  # from connect to TLS and HTTP/2 settings done
     http_header_timeout: float = 10.0     # from connect (or the last response) to whole headers
     http_body_timeout: float = 30.0       # to read a whole request body
     http_write_timeout: float = 30.0      # a client that reads nothing this long is hung up on

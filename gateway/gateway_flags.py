@@ -85,6 +85,22 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--max-connection-age-grace", type=POSITIVE_SECONDS, default=600.0,
                    help="seconds a gRPC connection's open streams may run past "
                         "--max-connection-age before it is closed (default: %(default)s)")
+    g.add_argument("--max-rpcs-per-peer", type=COUNT, default=256,
+                   help="Generation calls one client address (its IP, whatever its port or "
+                        "connection) may have in flight at once, from their headers on; past it, "
+                        "RESOURCE_EXHAUSTED. Behind a proxy or NAT every client shares one "
+                        "address: raise it to --max-concurrent-rpcs there (default: %(default)s)")
+    g.add_argument("--grpc-first-message-timeout", type=POSITIVE_SECONDS, default=5.0,
+                   help="seconds a gRPC call may take from its headers to its request message; "
+                        "past it, DEADLINE_EXCEEDED, and its slot is free again "
+                        "(default: %(default)s)")
+    g.add_argument("--grpc-max-connection-idle", type=POSITIVE_SECONDS, default=300.0,
+                   help="seconds a gRPC connection may stay without calls in flight; then it "
+                        "gets GOAWAY and is closed (clients reconnect when they call again) "
+                        "(default: %(default)s)")
+    g.add_argument("--grpc-handshake-timeout", type=POSITIVE_SECONDS, default=10.0,
+                   help="seconds a new gRPC connection gets to finish its TLS handshake and send "
+                        "HTTP/2's preface and settings; then it is closed (default: %(default)s)")
     g.add_argument("--max-grammar-compile-seconds", type=POSITIVE_SECONDS, default=5.0,
                    help="seconds a structured-output spec (schema, regex, grammar) may take to "
                         "compile in the gateway's check; a slower one gets INVALID_ARGUMENT / 400 "
@@ -150,7 +166,8 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "tokens counts 1); past it the request is aborted with RESOURCE_EXHAUSTED "
                         "(default: %(default)s)")
     g.add_argument("--max-concurrent-rpcs", type=COUNT, default=1024,
-                   help="RPCs one gateway serves at once; past it, RESOURCE_EXHAUSTED "
+                   help="Generation calls one gateway serves at once, from their headers on; "
+                        "past it, RESOURCE_EXHAUSTED (health and reflection are not counted) "
                         "(default: %(default)s)")
     g.add_argument("--shutdown-grace-period", type=SECONDS, default=30.0,
                    help="on SIGTERM, seconds that streams in flight get to finish (new calls get "
