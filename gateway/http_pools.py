@@ -107,12 +107,12 @@ class ConnectionPools:
             self._count_peer(conn, client)
         if tenant is None or conn in self._admitted:
             return None
-        if len(self._admitted) >= self.limits.max_admitted:
-            return Refusal(503, f"the gateway has {len(self._admitted)} HTTP connections of "
-                                "clients open (--max-http-connections)", "service_unavailable_error")
         if tenant and self._per_key[tenant] >= self.limits.max_per_key:
             return Refusal(429, f"this API key has {self._per_key[tenant]} HTTP connections open "
                                 "(--max-http-connections-per-key)", "rate_limit_error")
+        if len(self._admitted) >= self.limits.max_admitted:
+            return Refusal(503, f"the gateway has {len(self._admitted)} HTTP connections of "
+                                "clients open (--max-http-connections)", "service_unavailable_error")
         self._waiting.pop(conn, None)
         self._admitted[conn] = tenant
         self._per_key[tenant] += 1
