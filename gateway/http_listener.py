@@ -86,6 +86,8 @@ class _TimedProtocol(HttpToolsProtocol):
         self._head_bytes = 0      # bytes of the current head taken so far
         self._line = bytearray()  # the head's last, unfinished line
         self._header_count = 0
+        self._body_in_piece = 0   # body bytes the parser gave in the piece being fed
+        self._lined = False       # a body's framing or trailers are being fed by lines
         self._too_large: str | None = None  # why the head is refused, set inside the parser
         self._refused = False     # 431 sent: what the client still sends is dropped
         if not self.pools.opened(self, self.client[0] if self.client else ""):
@@ -114,7 +116,10 @@ class _TimedProtocol(HttpToolsProtocol):
     # The parser (httptools) would keep every header byte until the blank line, copying a
     # header it got in n pieces n times. Here a head gets --max-http-header-bytes (the request
     # line counts) and --max-http-headers, each checked before the bytes past it are kept, and
-    # the parser is fed whole lines only, so that it copies each byte once.
+    # the parser is fed whole lines only, so that it copies each byte once. Trailers (headers
+    # after a chunked body, which the parser keeps the same way) get the same: once a piece of
+    # a body brings no body bytes, what follows is fed by lines within the same bound, until
+    # body bytes come again.
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -125,13 +130,15 @@ class _TimedProtocol(HttpToolsProtocol):
     def _receive(self, data: bytes) -> None:
         pos = 0
         while pos < len(data) and not self._refused and not self.transport.is_closing():
-            pos = self._take_head(data, pos) if self._in_head else self._take_body(data, pos)
+            if self._in_head or self._lined:
+                pos = self._take_lines(data, pos)
+            else:
+                pos = self._take_body(data, pos)
 
-    def _take_head(self, data: bytes, pos: int) -> int:
+    def _take_lines(self, data: bytes, pos: int) -> int:
         stop = min(len(data), pos + self.edge.max_http_header_bytes - self._head_bytes)
         if stop == pos:
-            self._refuse_head(f"the request's headers exceed {self.edge.max_http_header_bytes} "
-                              "bytes (--max-http-header-bytes)")
+            self._too_long()
             return len(data)
         self._head_bytes += stop - pos
         end = data.rfind(b"\n", pos, stop) + 1
@@ -140,25 +147,43 @@ class _TimedProtocol(HttpToolsProtocol):
             return stop
         piece = bytes(self._line) + data[pos:end] if self._line else memoryview(data)[pos:end]
         self._line = bytearray(memoryview(data)[end:stop])
-        heads = self._heads
+        heads, in_body = self._heads, not self._in_head
+        self._body_in_piece = 0
         self._feed(piece)
-        if self._heads != heads:
-            if not self._in_head:  # a body follows; the bytes after the last line are its
-                self._head_bytes = 0
-                rest, self._line = bytes(self._line), bytearray()
-                self._receive(rest)
-            else:  # the message ended inside the piece; a next one may have begun in it
-                self._head_bytes = len(self._line) + (len(piece) if self._mid_head else 0)
+        if self._refused or self.transport.is_closing():
+            return len(data)
+        if self._in_head and (self._heads != heads or in_body):
+            # A message ended inside the piece; a next one may have begun in it.
+            self._lined = False
+            self._head_bytes = len(self._line) + (len(piece) if self._mid_head else 0)
+        elif not self._in_head and (self._heads != heads or self._body_in_piece):
+            # A body follows (or goes on): the bytes after the last line are its.
+            self._lined = False
+            self._head_bytes = 0
+            rest, self._line = bytes(self._line), bytearray()
+            self._receive(rest)
         return stop
 
     def _take_body(self, data: bytes, pos: int) -> int:
         # In pieces no longer than a head may be: a request pipelined behind this body may begin
         # inside one, and is charged the whole piece.
         stop = min(len(data), pos + self.edge.max_http_header_bytes)
+        self._body_in_piece = 0
         self._feed(memoryview(data)[pos:stop])
         if self._in_head:
             self._head_bytes = stop - pos if self._mid_head else 0
+        elif not self._body_in_piece:  # chunk framing, or trailers: by lines from here
+            self._lined = True
+            self._head_bytes = stop - pos
         return stop
+
+    def _too_long(self) -> None:
+        if self._in_head:
+            self._refuse_head(f"the request's headers exceed {self.edge.max_http_header_bytes} "
+                              "bytes (--max-http-header-bytes)")
+        else:  # trailers: the request is being answered, and there is no room for a 431
+            self._refused = True
+            self._hang_up()
 
     def _feed(self, piece) -> None:
         try:
@@ -214,7 +239,7 @@ class _TimedProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm("_header_timer")
-        self._in_head = self._mid_head = False
+        self._in_head = self._mid_head = self._lined = False
         self._heads += 1
         refusal = self._admit()
         if refusal is None:
@@ -225,6 +250,10 @@ class _TimedProtocol(HttpToolsProtocol):
             super().on_headers_complete()
         finally:
             self.app = app
+
+    def on_body(self, body: bytes) -> None:
+        self._body_in_piece += len(body)
+        super().on_body(body)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

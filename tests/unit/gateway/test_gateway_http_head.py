@@ -184,6 +184,31 @@ def test_a_body_and_a_pipelined_request_in_the_same_bytes_are_served(run):
     run(main())
 
 
+def test_chunk_framing_and_trailers_are_bounded_as_a_head_is(run):
+    async def main():
+        proto, transport = connect()
+        start = b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        small_chunks = b"".join(b"1\r\n%c\r\n" % (97 + i % 26) for i in range(2000))  # 12 KB
+        proto.data_received(start + small_chunks + b"0\r\nX-Trailer: t\r\n\r\n")
+        await settle()
+        assert statuses(transport.sent) == [200] and not transport.closed
+        proto, transport = connect()
+        proto.data_received(start + b"3\r\nabc\r\n")
+        proto.data_received(b"0\r\n")  # the last chunk: no body bytes, so lines from here
+        fed = len(proto.parser.pieces)
+        proto.data_received(b"X-Endless: ")
+        for _ in range(4 * LIMIT // 100):  # 100 bytes at a time: never fed in pieces either
+            proto.data_received(b"t" * 100)
+        assert transport.closed and len(proto.parser.pieces) == fed
+        proto, transport = connect()  # trailers in the bound are read
+        proto.data_received(start + b"3\r\nabc\r\n")
+        for byte in b"0\r\nX-T: " + b"t" * 500 + b"\r\n\r\n":
+            proto.data_received(bytes([byte]))
+        await settle()
+        assert statuses(transport.sent) == [200] and not transport.closed
+    run(main())
+
+
 def test_a_keyed_request_moves_its_connection_to_the_admitted_pool(run):
     async def main():
         pools = ConnectionPools(PoolLimits(max_unauthenticated=4))
