@@ -108,11 +108,13 @@ def test_endless_header_lines_get_431_without_the_gateway_keeping_them(stack):
     slowest = max(health_took(stack) for _ in range(5))
     for t in threads:
         t.join(30)
-    print(f"\n8 endless header lines: {sum(sent) >> 10} KiB sent; /health within {slowest:.3f} s")
+    grown = rss_bytes(stack.gateway.pid) - rss
+    print(f"\n8 endless header lines: {sum(sent) >> 20} MiB sent; /health within {slowest:.3f} s; "
+          f"RSS {grown / 1e6:+.1f} MB")
     assert [status_of(h) for h in heads] == [431] * 8, heads
     assert all(b"(--max-http-header-bytes)" in h for h in heads)
     assert slowest < 1.0
-    assert rss_bytes(stack.gateway.pid) - rss < RSS_GROWTH
+    assert grown < RSS_GROWTH
     check_undisturbed(stack, stream, 31)
     assert health_took(stack) < 1.0
 
@@ -161,7 +163,9 @@ def test_idle_sockets_without_a_key_cannot_keep_a_keyed_client_out(stack):
         kept.close()
         for sock in idle:
             sock.close()
-    assert rss_bytes(stack.gateway.pid) - rss < RSS_GROWTH
+    grown = rss_bytes(stack.gateway.pid) - rss
+    print(f"\n{2 * WAITING} idle sockets: RSS {grown / 1e6:+.1f} MB")
+    assert grown < RSS_GROWTH
     check_undisturbed(stack, stream, 33)
 
 
