@@ -22,6 +22,7 @@ pytestmark = pytest.mark.integration
 HEADER_BYTES, HEADERS = 64 << 10, 100   # the flags' defaults
 WAITING, PER_PEER, PER_KEY, ADMITTED = 24, 4, 4, 6
 RSS_GROWTH = 100e6
+PROXY = "127.0.7.1"
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +30,7 @@ def stack(tmp_path_factory):
     c = FakeCluster(
         tmp_path_factory.mktemp("hostile_http"), http=True, gateway_address_space=3 << 30,
         gateway_flags=["--api-key", KEY_A, "--api-key", KEY_B, "--http-header-timeout", "5",
+                       "--trusted-proxies", PROXY + "/32",
                        "--max-http-unauthenticated-connections", str(WAITING),
                        "--max-http-connections-per-peer", str(PER_PEER),
                        "--max-http-connections-per-key", str(PER_KEY),
@@ -71,12 +73,16 @@ def status_of(head: bytes) -> int:
     return int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/1.1 ") else 0
 
 
-def keyed(stack, key: str, source: str = "127.0.0.1") -> http.client.HTTPConnection:
+def keyed(stack, key: str, source: str = "127.0.0.1",
+          forwarded_for: str | None = None) -> http.client.HTTPConnection:
     """A keep-alive connection from `source` that has made one request with `key`; its status
     is .status. (uvicorn closes it after 5 s without a request.)"""
     conn = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=5,
                                       source_address=(source, 0))
-    conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {key}"})
+    headers = {"Authorization": f"Bearer {key}"}
+    if forwarded_for:
+        headers["X-Forwarded-For"] = forwarded_for
+    conn.request("GET", "/v1/models", headers=headers)
     response = conn.getresponse()
     response.read()
     conn.status = response.status
@@ -221,3 +227,24 @@ def test_keyed_connections_are_bounded_per_key_and_in_total(stack):
         return conn.status == 200
     assert wait_for(served, 5)
     check_undisturbed(stack, stream, 34)
+
+
+def test_behind_a_trusted_proxy_the_bound_counts_the_forwarded_client(stack):
+    # Through the proxy: the proxy's own address is not bounded, the clients it names are.
+    # A client's own X-Forwarded-For entries (left of the proxy's) are not believed.
+    conns = [keyed(stack, (KEY_A, KEY_B)[i % 2], PROXY, "203.0.113.1") for i in range(PER_PEER)]
+    held: list[socket.socket] = []
+    try:
+        assert [c.status for c in conns] == [200] * PER_PEER
+        over = keyed(stack, KEY_A, PROXY, "192.0.2.77, 203.0.113.1")
+        assert over.status == 429 and over.sock is None  # the proxy's fifth: for the client
+        # From an address that is not a proxy, X-Forwarded-For changes nothing.
+        direct = [keyed(stack, KEY_B, "127.0.7.2", f"198.51.100.{i}") for i in range(2)]
+        conns += direct
+        assert [c.status for c in direct] == [200] * 2
+        held = [socket_from(stack, "127.0.7.2") for _ in range(PER_PEER - 1)]
+        assert closed_by_gateway(held[-1], 2)
+        assert not any(closed_by_gateway(sock, 0.05) for sock in held[:-1])
+    finally:
+        for conn in [*conns, *held]:
+            conn.close()
