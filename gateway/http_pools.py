@@ -57,13 +57,15 @@ def cidr(text: str) -> str:
     try:
         return str(ipaddress.ip_network(text.strip(), strict=False))
     except ValueError:
-        raise ValueError(f"--trusted-proxies wants addresses or CIDR networks, got {text!r}") from None
+        raise ValueError(f"--trusted-proxies wants addresses or CIDR networks, got {text!r}") \
+            from None
 
 
 class ConnectionPools:
     def __init__(self, limits: PoolLimits = PoolLimits()) -> None:
         self.limits = limits
-        self._proxies = _TrustedHosts(list(limits.trusted_proxies)) if limits.trusted_proxies else None
+        proxies = list(limits.trusted_proxies)
+        self._proxies = _TrustedHosts(proxies) if proxies else None
         self._waiting: OrderedDict[Connection, None] = OrderedDict()  # oldest first
         self._admitted: dict[Connection, str] = {}  # its tenant
         self._per_key: Counter[str] = Counter()
@@ -112,7 +114,8 @@ class ConnectionPools:
                                 "(--max-http-connections-per-key)", "rate_limit_error")
         if len(self._admitted) >= self.limits.max_admitted:
             return Refusal(503, f"the gateway has {len(self._admitted)} HTTP connections of "
-                                "clients open (--max-http-connections)", "service_unavailable_error")
+                                "clients open (--max-http-connections)",
+                           "service_unavailable_error")
         self._waiting.pop(conn, None)
         self._admitted[conn] = tenant
         self._per_key[tenant] += 1

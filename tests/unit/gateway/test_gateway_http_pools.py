@@ -65,7 +65,8 @@ def test_admitted_connections_are_bounded_per_key_and_in_total():
     assert pools.admit(conns[1], "kA/", "10.0.0.1") is None
     refusal = pools.admit(conns[2], "kA/", "10.0.0.1")
     assert (refusal.status, refusal.type) == (429, "rate_limit_error")
-    assert refusal.message == "this API key has 2 HTTP connections open (--max-http-connections-per-key)"
+    assert refusal.message == ("this API key has 2 HTTP connections open "
+                               "(--max-http-connections-per-key)")
     assert pools.admit(conns[2], "kB/", "10.0.0.1") is None
     refusal = pools.admit(conns[3], "kB/", "10.0.0.1")
     assert refusal.status == 503 and "(--max-http-connections)" in refusal.message
