@@ -90,6 +90,7 @@ class _TimedProtocol(HttpToolsProtocol):
         self._lined = False       # a body's framing or trailers are being fed by lines
         self._too_large: str | None = None  # why the head is refused, set inside the parser
         self._refused = False     # 431 sent: what the client still sends is dropped
+        self._stash = bytearray()  # read behind a pipelined request, not yet parsed
         if not self.pools.opened(self, self.client[0] if self.client else ""):
             self._hang_up()
 
@@ -125,11 +126,19 @@ class _TimedProtocol(HttpToolsProtocol):
         if self._refused:
             return
         self._unset_keepalive_if_required()
-        self._receive(data)
+        if self._stash:
+            self._stash += data
+        else:
+            self._receive(data)
 
     def _receive(self, data: bytes) -> None:
         pos = 0
         while pos < len(data) and not self._refused and not self.transport.is_closing():
+            if self.pipeline:
+                # A request waits behind the one being answered: the rest of what was read
+                # waits unparsed (uvicorn parsed it all, queueing a request per 18 bytes).
+                self._stash += memoryview(data)[pos:]
+                return
             if self._in_head or self._lined:
                 pos = self._take_lines(data, pos)
             else:
@@ -140,13 +149,15 @@ class _TimedProtocol(HttpToolsProtocol):
         if stop == pos:
             self._too_long()
             return len(data)
-        self._head_bytes += stop - pos
-        end = data.rfind(b"\n", pos, stop) + 1
-        if end == 0:
+        end = taken = self._head_end(data, pos, stop)
+        if not end:  # the head goes on: feed its whole lines, keep the unfinished one
+            end, taken = data.rfind(b"\n", pos, stop) + 1, stop
+        self._head_bytes += taken - pos
+        if not end:
             self._line += memoryview(data)[pos:stop]
             return stop
         piece = bytes(self._line) + data[pos:end] if self._line else memoryview(data)[pos:end]
-        self._line = bytearray(memoryview(data)[end:stop])
+        self._line = bytearray(memoryview(data)[end:taken])
         heads, in_body = self._heads, not self._in_head
         self._body_in_piece = 0
         self._feed(piece)
@@ -162,7 +173,18 @@ class _TimedProtocol(HttpToolsProtocol):
             self._head_bytes = 0
             rest, self._line = bytes(self._line), bytearray()
             self._receive(rest)
-        return stop
+        return taken
+
+    def _head_end(self, data: bytes, pos: int, stop: int) -> int:
+        """Just past the first empty line in data[pos:stop] (0: none), so that one piece holds
+        at most one head and what follows it is parsed only once that request may start. (A
+        guess is harmless: a piece that ends elsewhere is only a shorter piece.)"""
+        if not self._line and data.startswith(b"\r\n", pos, stop):
+            return pos + 2
+        if self._line == b"\r" and data.startswith(b"\n", pos, stop):
+            return pos + 1
+        found = data.find(b"\n\r\n", pos, stop)
+        return found + 3 if found >= 0 else 0
 
     def _take_body(self, data: bytes, pos: int) -> int:
         # In pieces no longer than a head may be: a request pipelined behind this body may begin
@@ -241,6 +263,13 @@ class _TimedProtocol(HttpToolsProtocol):
         self._disarm("_header_timer")
         self._in_head = self._mid_head = self._lined = False
         self._heads += 1
+        if self._refused:
+            return
+        if len(self.pipeline) >= _MAX_PIPELINED:
+            # Requests pipelined behind a body in one read, each a cycle kept until its turn.
+            self._refused = True
+            self._hang_up()
+            return
         refusal = self._admit()
         if refusal is None:
             super().on_headers_complete()
@@ -276,10 +305,15 @@ class _TimedProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        super().on_response_complete()  # starts the request that waited, if one did
+        if self.transport.is_closing():
+            return
+        if self._stash and not self.pipeline:
+            data, self._stash = bytes(self._stash), bytearray()
+            self._receive(data)
         # The next request's headers get the same bound (uvicorn's keep-alive timer covers only
-        # the silence before its first byte).
-        if not self.transport.is_closing():
+        # the silence before its first byte); not while one is being answered.
+        if self.idle:
             self._arm_header_timer()
 
     def pause_writing(self) -> None:
@@ -308,6 +342,7 @@ class _HeadTooLarge(Exception):
 
 
 _LINGER_S = 1.0
+_MAX_PIPELINED = 16  # requests queued behind the one being answered; more close the connection
 
 
 def _refusal_app(refusal: Refusal):

@@ -209,6 +209,34 @@ def test_chunk_framing_and_trailers_are_bounded_as_a_head_is(run):
     run(main())
 
 
+def test_pipelined_requests_wait_unparsed_behind_the_one_being_answered(run):
+    async def main():
+        proto, transport = connect()
+        proto.data_received(head_of(40) * 1000)  # 40 KB: uvicorn queued 1,000 requests
+        assert len(proto.pipeline) == 1 and len(proto._stash) == 40 * 998
+        for _ in range(1000):
+            await settle()
+            if len(statuses(transport.sent)) == 1000:
+                break
+        assert statuses(transport.sent) == [200] * 1000 and not transport.closed
+        assert len(proto._stash) == 0 and proto._header_timer is not None
+    run(main())
+
+
+def test_a_burst_pipelined_behind_a_body_closes_the_connection(run):
+    async def main():
+        proto, transport = connect()
+        # In the body's piece the parser reads on past the body: 24 requests at once.
+        proto.data_received(b"POST / HTTP/1.1\r\nContent-Length: 1\r\n\r\n{" + head_of(40) * 24)
+        assert transport.closed and len(proto.pipeline) == 16
+        proto, transport = connect()
+        proto.data_received(b"POST / HTTP/1.1\r\nContent-Length: 1\r\n\r\n{" + head_of(40) * 16)
+        for _ in range(100):
+            await settle()
+        assert statuses(transport.sent) == [200] * 17 and not transport.closed
+    run(main())
+
+
 def test_a_keyed_request_moves_its_connection_to_the_admitted_pool(run):
     async def main():
         pools = ConnectionPools(PoolLimits(max_unauthenticated=4))
