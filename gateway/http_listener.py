@@ -34,8 +34,10 @@ class HttpServer:
         protocol = type("EdgeProtocol", (_TimedProtocol,),
                         {"edge": edge, "pools": pools, "keys": api.api_keys})
         tls = {"ssl_certfile": ssl[0], "ssl_keyfile": ssl[1]} if ssl else {}
+        # ws="none": no route speaks WebSocket, and an upgraded connection would leave the
+        # protocol, its bounds and its pools (wsproto is installed, so "auto" would take it).
         config = uvicorn.Config(api.app, host=host, port=port, loop="none", lifespan="off",
-                                http=protocol, log_level="warning", access_log=False,
+                                http=protocol, ws="none", log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=edge.shutdown_grace_period, **tls)
         self.server = _EmbeddedUvicorn(config)
         self.host, self.port = host, port
@@ -211,10 +213,9 @@ class _TimedProtocol(HttpToolsProtocol):
         try:
             self.parser.feed_data(piece)
         except httptools.HttpParserUpgrade:
-            if self._should_upgrade():
-                self.handle_websocket_upgrade()
-            else:
-                self._unsupported_upgrade_warning()
+            # Served as plain HTTP/1.1 (an h2c client asks, and takes that), unlogged: one line
+            # per request would let any client fill the log.
+            pass
         except httptools.HttpParserError:
             if self._too_large is not None:
                 self._refuse_head(self._too_large)

@@ -248,3 +248,17 @@ def test_behind_a_trusted_proxy_the_bound_counts_the_forwarded_client(stack):
     finally:
         for conn in [*conns, *held]:
             conn.close()
+
+
+def test_a_websocket_upgrade_is_answered_as_plain_http_and_leaks_no_slot(stack):
+    # An upgraded connection would leave the gateway's protocol and never be uncounted: the
+    # address would be locked out after --max-http-connections-per-peer of them.
+    for _ in range(PER_PEER + 2):
+        sock = socket_from(stack, "127.0.8.1")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+                     b"Upgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                     b"Sec-WebSocket-Version: 13\r\n\r\n")
+        sock.settimeout(5)
+        assert status_of(sock.recv(4096)) == 200
+        sock.close()
+        time.sleep(0.05)  # the gateway sees the close

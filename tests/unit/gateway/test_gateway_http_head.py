@@ -74,7 +74,7 @@ async def ok(scope, receive, send) -> None:
 def connect(edge=EDGE, pools=None, keys=(), peer="127.0.0.1"):
     cls = type("P", (_TimedProtocol,), {"edge": edge, "keys": keys,
                                         "pools": pools or ConnectionPools()})
-    config = uvicorn.Config(ok, loop="none", lifespan="off", log_level="warning")
+    config = uvicorn.Config(ok, loop="none", lifespan="off", ws="none", log_level="warning")
     config.load()
     proto = cls(config=config, server_state=ServerState(), app_state={},
                 _loop=asyncio.get_running_loop())
@@ -234,6 +234,20 @@ def test_a_burst_pipelined_behind_a_body_closes_the_connection(run):
         for _ in range(100):
             await settle()
         assert statuses(transport.sent) == [200] * 17 and not transport.closed
+    run(main())
+
+
+def test_an_upgrade_is_served_as_plain_http_and_the_connection_stays(run):
+    async def main():
+        proto, transport = connect()
+        for upgrade in (b"h2c", b"websocket"):
+            proto.data_received(b"GET / HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: " + upgrade
+                                + b"\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                                  b"Sec-WebSocket-Version: 13\r\n\r\n")
+            await settle()
+        proto.data_received(head_of(100))
+        await settle()
+        assert statuses(transport.sent) == [200] * 3 and not transport.closed
     run(main())
 
 
