@@ -219,8 +219,7 @@ class _TimedProtocol(HttpToolsProtocol):
         except httptools.HttpParserError:
             if self._too_large is not None:
                 self._refuse_head(self._too_large)
-            else:
-                self.logger.warning("Invalid HTTP request received.")
+            else:  # unlogged too, as an Upgrade is
                 self.send_400_response("Invalid HTTP request received.")
 
     def _refuse_head(self, message: str) -> None:
