@@ -11,7 +11,13 @@ class EdgeConfig:
     max_batch_prompts: int = 256          # prompts in one /v1/completions batch
     shared_prefix_cache: bool = False     # tenants share prefix-cache blocks
     max_streams_per_connection: int = 1024  # gRPC: HTTP/2 streams one connection may hold
-    max_http_connections: int = 1024      # open HTTP connections and requests; past it, 503
+    max_http_connections: int = 1024      # HTTP connections with a key (all, without keys); 503
+    max_http_unauthenticated_connections: int = 256  # before a key: the oldest idle is closed
+    max_http_connections_per_key: int = 512    # HTTP connections of one tenant; past it, 429
+    max_http_connections_per_peer: int = 256   # HTTP connections of one address; past it, closed
+    trusted_proxies: tuple[str, ...] = ()      # whose X-Forwarded-For names the peer
+    max_http_header_bytes: int = 64 << 10      # a request's head (request line too); past it, 431
+    max_http_headers: int = 100                # headers of one request; past it, 431
     max_grpc_connections: int = 1024      # open gRPC connections; past it, new ones are closed
     # A gRPC call whose client reads nothing cannot be cancelled from grpc.aio (its status
     # queues behind the unread messages), so a connection's age is what bounds how long it can
@@ -39,4 +45,5 @@ class EdgeConfig:
         """From the gateway's parsed flags; a flag the namespace lacks keeps its default."""
         values = {name: getattr(args, name, default) for name, default in cls().__dict__.items()}
         values["tenant_priority"] = tuple(values["tenant_priority"] or ())
+        values["trusted_proxies"] = tuple(values["trusted_proxies"] or ())
         return cls(**values)

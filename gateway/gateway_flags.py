@@ -12,6 +12,7 @@ import argparse
 
 from gateway.chat_templates import TemplateFlagError, read_chat_template
 from gateway.client_auth import api_keys_from, parse_range, priority_ranges
+from gateway.http_pools import cidr
 from gateway.tool_parsers import PARSERS
 from launch.flag_types import COUNT, PORT, POSITIVE_SECONDS, SECONDS, int_at_least
 from proto.auth import add_auth_args
@@ -49,6 +50,16 @@ def _chat_template(value: str) -> str:
 
 
 _chat_template.__name__ = "chat template"
+
+
+def _cidrs(value: str) -> list[str]:
+    try:
+        return [cidr(part) for part in value.split(",") if part.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+_cidrs.__name__ = "CIDR list"
 
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -132,7 +143,30 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="with tool_choice none, leave the tools out of the prompt; by default "
                         "they are rendered (as vLLM does) and the answer is read as plain content")
     g.add_argument("--max-http-connections", type=COUNT, default=1024,
-                   help="open HTTP connections (and requests in flight) at once; past it, 503 "
+                   help="open HTTP connections that have presented a valid API key (without "
+                        "--api-key: that have sent a request), and so requests in flight; past "
+                        "it, 503 (default: %(default)s)")
+    g.add_argument("--max-http-unauthenticated-connections", type=COUNT, default=256,
+                   help="open HTTP connections that have not (yet) presented a valid API key; a "
+                        "new one past it closes the oldest idle one, so that idle sockets cannot "
+                        "keep keyed clients out (default: %(default)s)")
+    g.add_argument("--max-http-connections-per-key", type=COUNT, default=512,
+                   help="open HTTP connections of one API key (tenant); past it, 429 "
+                        "(default: %(default)s)")
+    g.add_argument("--max-http-connections-per-peer", type=COUNT, default=256,
+                   help="open HTTP connections from one address (behind --trusted-proxies, "
+                        "the client X-Forwarded-For names); past it, a new one is closed at "
+                        "once (429 where the address comes from X-Forwarded-For) "
+                        "(default: %(default)s)")
+    g.add_argument("--trusted-proxies", type=_cidrs, action="extend", default=None,
+                   metavar="CIDR[,CIDR...]",
+                   help="proxies whose X-Forwarded-For header names the client that "
+                        "--max-http-connections-per-peer counts; repeatable (default: none)")
+    g.add_argument("--max-http-header-bytes", type=COUNT, default=64 << 10,
+                   help="bytes of one HTTP request's head, request line included; past it, 431 "
+                        "and the connection is closed (default: %(default)s)")
+    g.add_argument("--max-http-headers", type=COUNT, default=100,
+                   help="headers of one HTTP request; past it, 431 and the connection is closed "
                         "(default: %(default)s)")
     g.add_argument("--http-header-timeout", type=POSITIVE_SECONDS, default=10.0,
                    help="seconds a connection gets to send a whole request's headers, from "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import select
 import signal
 import socket
 import time
@@ -45,7 +46,7 @@ def stack(tmp_path_factory):
                        "--max-batch-prompts", str(MAX_BATCH_PROMPTS),
                        "--max-concurrent-rpcs", str(MAX_RPCS), "--max-unread-deltas", "16",
                        "--http-header-timeout", "1", "--http-body-timeout", "1",
-                       "--max-http-connections", "16"],
+                       "--max-http-connections", "16", "--max-http-unauthenticated-connections", "8"],
         worker_flags=["--num-gpu-blocks-override", "20000", "--step-delay", "0.01"]).start()
     c.rss_at_start = rss_bytes(c.gateway.pid)
     limits = Path(f"/proc/{c.gateway.pid}/limits").read_text()
@@ -279,16 +280,22 @@ def test_a_body_that_never_arrives_gets_408(stack):
     assert head.startswith(b"HTTP/1.1 408 ") and time.monotonic() - started < 3.0
 
 
-def test_connections_past_the_limit_get_503_until_they_close(stack):
+def test_idle_sockets_cannot_take_the_connection_cap_from_a_keyed_client(stack):
+    """16 sockets that never send a key: 8 wait (--max-http-unauthenticated-connections), each
+    newer one closing the oldest idle one; the keyed client's closes one more, then is served.
+    (Checked before --http-header-timeout closes the rest; more in test_hostile_http_edge.py.)"""
     held = [socket.create_connection(("127.0.0.1", stack.http_port)) for _ in range(16)]
     try:
-        status, _, _ = post(stack, "/v1/completions", {"model": MODEL, "prompt": [1, 2], "max_tokens": 1})
-        assert status == 503
+        conn = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=5)
+        conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {KEY_A}"})
+        assert conn.getresponse().status == 200
+        conn.close()
+        closed = lambda: select.select(held, [], [], 0)[0]  # readable: the gateway's FIN  # noqa: E731
+        assert wait_for(lambda: len(closed()) >= 9, 0.5)
+        assert [sock in closed() for sock in held] == [True] * 9 + [False] * 7
     finally:
         for sock in held:
             sock.close()
-    assert wait_for(lambda: post(stack, "/v1/completions", {
-        "model": MODEL, "prompt": [1, 2], "max_tokens": 1})[0] == 200, 5)
 
 
 # ---------------------------------------------------------------------------- drain (last: it stops the gateway)
