@@ -36,8 +36,15 @@ from gateway.tokenizer import TextTokenizer
 from gateway.limits import Limits
 from gateway.validate import ValidationError, check_ids, prompt_offsets, validate
 from proto import internal_pb2, pagoda_pb2, pagoda_pb2_grpc
+from proto.sizes import MAX_LIST
 
 log = logging.getLogger("pagoda.gateway")
+
+# Ids one Abort may name: what the scheduler takes in one Call (scheduler/message_checks.py), and
+# what its frame limit counts (proto/sizes.py largest_gateway_message), so a valid Abort always
+# arrives; ids are each at most --max-request-id-bytes, itself under MAX_ID_BYTES with the
+# tenant's prefix (gateway_flags.REQUEST_CEILINGS).
+MAX_ABORT_IDS = MAX_LIST
 
 
 class RpcFailed(Exception):
@@ -338,8 +345,12 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
 
     @_unary
     async def Abort(self, request, context) -> pagoda_pb2.AbortResponse:
-        if not request.request_ids:
+        count = len(request.request_ids)  # the repeated field's length: nothing built yet
+        if not count:
             raise ValidationError("request_ids", "request_ids: name at least one request to abort")
+        if count > MAX_ABORT_IDS:
+            raise ValidationError("request_ids", f"request_ids has {count} ids, at most "
+                                                 f"{MAX_ABORT_IDS} are allowed in one Abort")
         for i, rid in enumerate(request.request_ids):
             if not rid or len(rid.encode()) > self.base_limits.max_request_id_bytes:
                 raise ValidationError(

@@ -1,0 +1,98 @@
+"""Issue 53's bounds at the edge: internal frames derived from the public bounds, JSON depth,
+prompt_token_ids counted before they are built, Tokenize off the loop, unary logprobs memory."""
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from gateway import json_nesting
+from gateway.client_auth import tenant_of_key
+from gateway.gateway_flags import REQUEST_CEILINGS, REQUEST_LIMITS, parse_gateway_args
+from gateway.server import MAX_ABORT_IDS
+from gateway.structured_check import MAX_CHOICES, StructuredError, structured_spec
+from gateway.tool_parsers import parser
+from proto import internal_pb2 as ipb, pagoda_pb2 as pb
+from proto.sizes import largest_gateway_message
+from scheduler.message_checks import check_call
+from tests.fake_scheduler import local_gateway
+from tests.unit.gateway.test_gateway_api import TOK, expect_error
+
+DEEP = "[" * 30_000 + "]" * 30_000
+
+
+# ---------------------------------------------------------------------------- frames
+
+def largest_abort_call() -> ipb.GatewayMessage:
+    """The largest Abort the gateway passes on: MAX_ABORT_IDS ids at the ceiling of
+    --max-request-id-bytes, each behind a tenant's prefix, with the largest call id."""
+    rid = tenant_of_key("k") + "\U0010ffff" * (REQUEST_CEILINGS["max_request_id_bytes"] // 4)
+    return ipb.GatewayMessage(call=ipb.Call(call_id=2**64 - 1, abort=pb.AbortRequest(
+        request_ids=[rid] * MAX_ABORT_IDS)))
+
+
+def test_the_largest_valid_abort_fits_the_schedulers_frame_limit():
+    msg = largest_abort_call()
+    assert check_call(msg.call) is None  # the scheduler takes it
+    # Its frame limit is smallest for the shortest context.
+    assert msg.ByteSize() <= largest_gateway_message(1)
+    one_more = ipb.Call(abort=pb.AbortRequest(request_ids=[*msg.call.abort.request_ids, "x"]))
+    assert check_call(one_more) is not None
+
+
+def test_request_flags_stay_under_what_the_scheduler_takes():
+    for dest, default, _, _ in REQUEST_LIMITS:
+        assert default <= REQUEST_CEILINGS.get(dest, default), dest
+    assert REQUEST_CEILINGS["max_structured_output_bytes"] + 3 * MAX_CHOICES <= 64 << 10
+    with pytest.raises(SystemExit):
+        parse_gateway_args(["--max-logit-bias", str(REQUEST_CEILINGS["max_logit_bias"] + 1)])
+    assert parse_gateway_args(["--max-logit-bias", str(REQUEST_CEILINGS["max_logit_bias"])])
+
+
+def test_an_abort_past_the_bound_is_refused_before_the_scheduler_hears(run):
+    async def body():
+        async with local_gateway(TOK) as h:
+            details = await expect_error(h.stub.Abort(pb.AbortRequest(
+                request_ids=["x"] * (MAX_ABORT_IDS + 1))), grpc.StatusCode.INVALID_ARGUMENT)
+            assert details == (f"request_ids has {MAX_ABORT_IDS + 1} ids, at most "
+                               f"{MAX_ABORT_IDS} are allowed in one Abort")
+            reply = await h.stub.Abort(pb.AbortRequest(request_ids=["x"] * MAX_ABORT_IDS))
+            assert list(reply.request_ids) == []
+            assert len(h.scheduler.calls) == 1
+    run(body())
+
+
+# ---------------------------------------------------------------------------- JSON depth
+
+@pytest.mark.parametrize("text,depth", [
+    ("1", 0), ("[]", 1), ('{"a": [{"b": "[[[["}]}', 3), ('"\\"[["', 0), ('["a\\\\", [1]]', 2),
+    ('["\u00e9", [[1]]]', 3), (DEEP, 30_000)])
+def test_nesting_depth_counts_brackets_outside_strings(text, depth):
+    assert json_nesting.nesting_depth(text) == depth
+
+
+def test_json_past_the_depth_is_refused_before_parsing():
+    ok = "[" * json_nesting.MAX_JSON_DEPTH + "]" * json_nesting.MAX_JSON_DEPTH
+    assert json_nesting.loads(ok) is not None
+    with pytest.raises(json_nesting.TooDeep, match="nests 129 levels deep, at most 128"):
+        json_nesting.loads("[" + ok + "]")
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "structural_tag"])
+def test_a_deep_structured_output_is_invalid_argument_naming_it(kind):
+    req = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(
+        structured_output=pb.StructuredOutput(**{kind: '{"a":' * 30_000 + "1" + "}" * 30_000})))
+    with pytest.raises(StructuredError) as e:
+        structured_spec(req, 1 << 20)
+    assert e.value.field == f"sampling.structured_output.{kind}"
+    assert str(e.value) == (f"sampling.structured_output.{kind} is not JSON: it nests 30000 "
+                            "levels deep, at most 128 are allowed")
+
+
+def test_a_deep_tool_call_from_the_model_is_text():
+    p = parser("hermes")  # arguments first: the call is parsed whole, not streamed
+    body = '{"arguments": ' + DEEP + ', "name": "f"}'
+    out = p.feed("<tool_call>" + body + "</tool_call>") + p.finish()
+    assert not p.called
+    assert "".join(f.content or "" for f in out) == "<tool_call>" + body + "</tool_call>"
