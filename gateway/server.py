@@ -334,11 +334,11 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
 
     @_unary
     async def Detokenize(self, request, context) -> pagoda_pb2.DetokenizeResponse:
-        check_ids(request.token_ids, self._vocab_size, "token_ids")
         longest = _max_model_len(self.client)
         if len(request.token_ids) > longest:  # keeps the answer under gRPC's computed send limit
             raise ValidationError("token_ids", f"token_ids has {len(request.token_ids)} ids, more "
                                                f"than max_model_len {longest}")
+        check_ids(request.token_ids, self._vocab_size, "token_ids")  # counted first: then max()
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         text = await _off_loop_if_large(request, self.tokenizer.decode, request.token_ids, skip)
         return pagoda_pb2.DetokenizeResponse(text=text)

@@ -10,10 +10,13 @@ import pytest
 from gateway import json_nesting
 from gateway.client_auth import tenant_of_key
 from gateway.gateway_flags import REQUEST_CEILINGS, REQUEST_LIMITS, parse_gateway_args
+from gateway.grpc_bounds import RequestSizeInterceptor, largest_request
+from gateway.limits import Limits
 from gateway.server import MAX_ABORT_IDS
 from gateway.structured_check import MAX_CHOICES, StructuredError, structured_spec
 from gateway.tool_parsers import parser
-from proto import internal_pb2 as ipb, pagoda_pb2 as pb
+from gateway.validate import ValidationError, prompt_ids
+from proto import internal_pb2 as ipb, pagoda_pb2 as pb, pagoda_pb2_grpc
 from proto.sizes import largest_gateway_message
 from scheduler.message_checks import check_call
 from tests.fake_scheduler import local_gateway
@@ -96,3 +99,102 @@ def test_a_deep_tool_call_from_the_model_is_text():
     out = p.feed("<tool_call>" + body + "</tool_call>") + p.finish()
     assert not p.called
     assert "".join(f.content or "" for f in out) == "<tool_call>" + body + "</tool_call>"
+
+
+# ---------------------------------------------------------------------------- prompt_token_ids
+
+class _NoList:
+    """A repeated field that tells its length and refuses to be read: anything built from it
+    would raise."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        raise AssertionError("the ids were read before their count was checked")
+
+
+class _Request:
+    """A GenerateRequest of n prompt_token_ids, as validate reads it."""
+    DESCRIPTOR = pb.GenerateRequest.DESCRIPTOR
+
+    def __init__(self, n: int, truncate: int | None = None):
+        self.prompt_token_ids, self.prompt, self.messages, self.tools = _NoList(n), "", [], []
+        self._truncate = truncate
+
+    def HasField(self, name: str) -> bool:
+        return name == "truncate_prompt_tokens" and self._truncate is not None
+
+    @property
+    def truncate_prompt_tokens(self) -> int:
+        return self._truncate
+
+
+def test_prompt_token_ids_are_counted_before_any_list_is_built():
+    limits = Limits(max_model_len=64, vocab_size=1000)
+    with pytest.raises(ValidationError) as e:
+        prompt_ids(_Request(6_000_000), TOK, 1000, limits=limits)
+    assert e.value.field == "prompt_token_ids"
+    assert str(e.value) == ("prompt_token_ids is 6000000 tokens, must be fewer than "
+                            "max_model_len 64 to leave room for output")
+    # truncate_prompt_tokens lets in as many ids as a prompt's characters, no more.
+    with pytest.raises(ValidationError, match=r"^prompt_token_ids has 2049 ids, more than 2048 "):
+        prompt_ids(_Request(64 * 32 + 1, truncate=10), TOK, 1000, limits=limits, truncate=10)
+
+
+def test_detokenize_counts_its_ids_first(run):
+    async def body():
+        async with local_gateway(TOK) as h:
+            n = h.gateway.client.info.max_model_len + 1
+            details = await expect_error(h.stub.Detokenize(pb.DetokenizeRequest(
+                token_ids=[10**6] * n)), grpc.StatusCode.INVALID_ARGUMENT)
+            assert details.startswith(f"token_ids has {n} ids, more than max_model_len")
+    run(body())
+
+
+# ---------------------------------------------------------------------------- before parsing
+
+class _Echo(pagoda_pb2_grpc.GenerationServicer):
+    parsed = 0
+
+    async def Generate(self, request, context):
+        return pb.GenerateResponse(text=str(len(request.prompt_token_ids)))
+
+    async def GenerateStream(self, request, context):
+        for i in range(2):
+            yield pb.GenerateResponse(text=str(i))
+
+
+def test_requests_past_the_contexts_largest_are_refused_before_parsing(run):
+    async def body():
+        context = [0]
+        server = grpc.aio.server(interceptors=[RequestSizeInterceptor(
+            Limits(0, 0), lambda: context[0])], options=[
+            ("grpc.max_receive_message_length", 64 << 20)])
+        pagoda_pb2_grpc.add_GenerationServicer_to_server(_Echo(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[
+            ("grpc.max_send_message_length", 64 << 20)])
+        stub = pagoda_pb2_grpc.GenerationStub(channel)
+        try:
+            big = pb.GenerateRequest(prompt_token_ids=[5] * 6_000_000)
+            # Before the context is known, gRPC's own limit applies.
+            assert (await stub.Generate(big)).text == "6000000"
+            context[0] = 4096
+            bound = largest_request("Generate", Limits(0, 0), 4096)
+            for rpc in (stub.Generate(big), stub.GenerateStream(big).read()):
+                details = await expect_error(rpc, grpc.StatusCode.RESOURCE_EXHAUSTED)
+                assert details == (f"the request is {big.ByteSize()} bytes, more than the largest "
+                                   f"valid one for max_model_len 4096 ({bound} bytes); refused "
+                                   "before parsing")
+            small = pb.GenerateRequest(prompt_token_ids=[5] * 100)
+            assert (await stub.Generate(small)).text == "100"
+            assert [r.text async for r in stub.GenerateStream(small)] == ["0", "1"]
+        finally:
+            await channel.close()
+            await server.stop(0)
+    run(body())
