@@ -39,6 +39,11 @@ REQUEST_LIMITS: tuple[tuple[str, int, int, str], ...] = (
     ("max_prompt_chars_per_token", 32, 1,
      "a prompt (or the chat messages' content) longer than max_model_len times this many "
      "characters is refused before it is tokenized"),
+    ("max_large_input_jobs", 2, 1,
+     "requests over 32 KiB tokenized, rendered, decoded or answered (Tokenize) at once, each on "
+     "a thread of their own so the event loop stays free; more wait their turn"),
+    ("large_input_wait_seconds", 5, 0,
+     "how long such a request waits for its turn; then RESOURCE_EXHAUSTED (HTTP 429)"),
 )
 
 # The most each of those flags may be: what the scheduler takes (scheduler/message_checks.py) and

@@ -27,6 +27,8 @@ class Limits:
     max_structured_output_bytes: int = _LIMIT_DEFAULTS["max_structured_output_bytes"]
     max_tools: int = _LIMIT_DEFAULTS["max_tools"]
     max_tool_calls: int = _LIMIT_DEFAULTS["max_tool_calls"]
+    max_large_input_jobs: int = _LIMIT_DEFAULTS["max_large_input_jobs"]
+    large_input_wait_seconds: int = _LIMIT_DEFAULTS["large_input_wait_seconds"]
 
     @property
     def max_prompt_chars(self) -> int:

@@ -18,6 +18,7 @@ from gateway.structured_check import StructuredError, structured_spec
 from gateway.tokenizer import TextTokenizer
 from gateway.validation_error import ValidationError
 from proto import internal_pb2, pagoda_pb2
+from proto.sizes import MAX_LIST
 from structured.spec import Spec
 
 MAX_N = 16
@@ -25,6 +26,11 @@ MAX_CACHE_SALT_BYTES = 256
 DEFAULT_MAX_TOKENS = 256
 MAX_PENALTY = 2.0        # presence and frequency, either sign
 MAX_LOGIT_BIAS = 100.0   # either sign
+# Ids one Abort may name: what the scheduler takes in one Call (scheduler/message_checks.py) and
+# its frame limit counts (proto/sizes.py largest_gateway_message), so a valid Abort always
+# arrives; each id is at most --max-request-id-bytes, itself under MAX_ID_BYTES with the
+# tenant's prefix (gateway_flags.REQUEST_CEILINGS).
+MAX_ABORT_IDS = MAX_LIST
 
 
 @dataclass
@@ -53,6 +59,20 @@ def check_ids(ids: Sequence[int], vocab_size: int, name: str) -> None:
         if token_id >= vocab_size:
             raise ValidationError(
                 f"{name}[{i}]", f"{name}[{i}] = {token_id} is out of range: vocab_size is {vocab_size}")
+
+
+def check_abort_ids(request_ids: Sequence[str], limits: Limits) -> None:
+    """An Abort's ids, counted before any is read."""
+    count = len(request_ids)  # the repeated field's length: nothing built yet
+    if not count:
+        raise ValidationError("request_ids", "request_ids: name at least one request to abort")
+    if count > MAX_ABORT_IDS:
+        raise ValidationError("request_ids", f"request_ids has {count} ids, at most "
+                                             f"{MAX_ABORT_IDS} are allowed in one Abort")
+    for i, rid in enumerate(request_ids):
+        if not rid or len(rid.encode()) > limits.max_request_id_bytes:
+            raise ValidationError(f"request_ids[{i}]", f"request_ids[{i}] must be 1 to "
+                                                       f"{limits.max_request_id_bytes} bytes")
 
 
 def _check_range(name: str, value: float, low: float, high: float) -> None:

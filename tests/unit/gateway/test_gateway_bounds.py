@@ -2,7 +2,10 @@
 prompt_token_ids counted before they are built, Tokenize off the loop, unary logprobs memory."""
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+import time
 
 import grpc
 import pytest
@@ -11,11 +14,11 @@ from gateway import json_nesting
 from gateway.client_auth import tenant_of_key
 from gateway.gateway_flags import REQUEST_CEILINGS, REQUEST_LIMITS, parse_gateway_args
 from gateway.grpc_bounds import RequestSizeInterceptor, largest_request
+from gateway.large_inputs import LargeJobs
 from gateway.limits import Limits
-from gateway.server import MAX_ABORT_IDS
 from gateway.structured_check import MAX_CHOICES, StructuredError, structured_spec
 from gateway.tool_parsers import parser
-from gateway.validate import ValidationError, prompt_ids
+from gateway.validate import MAX_ABORT_IDS, ValidationError, prompt_ids
 from proto import internal_pb2 as ipb, pagoda_pb2 as pb, pagoda_pb2_grpc
 from proto.sizes import largest_gateway_message
 from scheduler.message_checks import check_call
@@ -197,4 +200,58 @@ def test_requests_past_the_contexts_largest_are_refused_before_parsing(run):
         finally:
             await channel.close()
             await server.stop(0)
+    run(body())
+
+
+# ---------------------------------------------------------------------------- large inputs
+
+def test_long_texts_encode_as_the_plain_call_does():
+    text = "Hello, world! \u00e9\U0010ffff <|im_start|> " * 400
+    batch = TOK.encode_with_offsets(text, True)
+    plain = TOK.tokenizer.encode(text, add_special_tokens=True)
+    assert batch == (plain.ids, [tuple(o) for o in plain.offsets])
+    assert TOK.encode(text) == plain.ids
+    assert TOK.decode(plain.ids * 2) == TOK.tokenizer.decode(plain.ids * 2)
+
+
+def test_large_tokenize_calls_run_off_the_loop_at_most_slots_at_once(run):
+    async def body():
+        async with local_gateway(TOK) as h:
+            servicer = h.gateway.servicer
+            servicer.large_jobs = LargeJobs(slots=2, wait=30)
+            loop_thread, threads, running, most = threading.get_ident(), set(), [0], [0]
+            tokenize = servicer._tokenize
+
+            def spy(request, limits):
+                threads.add(threading.get_ident())
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+                try:
+                    time.sleep(0.2)  # long enough for the others to start, were they allowed
+                    return tokenize(request, limits)
+                finally:
+                    running[0] -= 1
+            servicer._tokenize = spy
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{h.gateway.port}", options=[
+                ("grpc.max_receive_message_length", 64 << 20)])
+            stub = pagoda_pb2_grpc.GenerationStub(channel)
+            # 65,536 characters of U+10FFFF: 262,144 tokens, a 4 MB answer.
+            req = pb.TokenizeRequest(prompt="\U0010ffff" * (h.gateway.client.info.max_model_len * 32))
+            replies = await asyncio.gather(*(stub.Tokenize(req) for _ in range(4)))
+            expected = TOK.encode_with_offsets(req.prompt, True)
+            for r in replies:
+                assert list(r.token_ids) == expected[0]
+                assert [(o.start, o.end) for o in r.offsets] == expected[1]
+                assert list(r.tokens) == [TOK.id_to_token(i) for i in expected[0]]
+            assert loop_thread not in threads and most[0] == 2
+            # Past the wait, a large call is refused; a small one never waits.
+            servicer.large_jobs = LargeJobs(slots=1, wait=0)
+            first = asyncio.ensure_future(stub.Tokenize(req))
+            await asyncio.sleep(0.1)
+            details = await expect_error(stub.Tokenize(req), grpc.StatusCode.RESOURCE_EXHAUSTED)
+            assert details.startswith("1 large requests are being tokenized or answered and this "
+                                      "one waited 0 s for its turn")
+            assert list((await stub.Tokenize(pb.TokenizeRequest(prompt="hi"))).token_ids)
+            assert len((await first).token_ids) == len(expected[0])
+            await channel.close()
     run(body())
