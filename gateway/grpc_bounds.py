@@ -44,6 +44,12 @@ def _field(payload: int) -> int:
     return 1 + _varint(payload) + payload
 
 
+def context_bound(info) -> int:
+    """The scheduler's max_model_len (a ClusterInfo's), or before it has said, the context the
+    gateway's size limits are computed for: what bounds Tokenize's and Detokenize's input."""
+    return info.max_model_len if info is not None and info.max_model_len else CONTEXT_BOUND
+
+
 def largest_generate_request(limits: Limits, max_model_len: int = CONTEXT_BOUND) -> int:
     text = 4 * max_model_len * limits.max_prompt_chars_per_token
     # Each message: a tag and a one-byte length for itself, its content, tool_call_id and name,

@@ -25,11 +25,12 @@ from typing import AsyncIterator
 import grpc
 
 from gateway import metrics
+from gateway.answer_budget import AnswerBudget
 from gateway.beam_request import add_completion
 from gateway.client_auth import parse_range, priority_ranges, tenant_of
 from gateway.edge import EdgeConfig
 from gateway.grammar_check import GrammarChecker
-from gateway.grpc_bounds import CONTEXT_BOUND
+from gateway.grpc_bounds import context_bound
 from gateway.large_inputs import Busy, LargeJobs, tokenize_response
 from gateway.response_builder import ResponseBuilder
 from gateway.scheduler_client import SchedulerBusy, SchedulerClient, SchedulerUnavailable
@@ -120,6 +121,9 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         self.base_limits = limits or Limits(max_model_len=0, vocab_size=0)
         self.large_jobs = LargeJobs(self.base_limits.max_large_input_jobs,
                                     self.base_limits.large_input_wait_seconds)
+        self.answers = AnswerBudget(
+            self.base_limits.max_whole_answer_bytes, self.base_limits.max_whole_answers_bytes,
+            lambda message: RpcFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, message), tokenizer)
 
     async def _large(self, request, fn, *args, **kwargs):
         """fn's work for a request, off the loop and bounded when it is large (large_inputs.py)."""
@@ -291,8 +295,10 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         except SchedulerBusy as e:
             raise RpcFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         metrics.PROMPT_TOKENS.inc(len(v.prompt_token_ids))
-        sent = False
+        sent, held = False, None
         try:
+            if whole:  # refused here when the gateway's whole answers hold too much already
+                held = self.answers.hold_for(v)
             try:
                 self.client.add(v.add)
                 builder.sent_at = time.monotonic()
@@ -317,9 +323,13 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
                     self.client.abort(internal_id, (item.index,))
                     ix.finished_by_scheduler = True
                 if response is not None:
+                    if held is not None:
+                        held.keep(response.ByteSize())
                     metrics.TOKENS_STREAMED.inc(len(response.token_ids))
                     yield response
         finally:
+            if held is not None:
+                held.release()
             self.client.release(internal_id)
             if sent and not builder.all_finished_by_scheduler:
                 self.client.abort(internal_id)
@@ -329,7 +339,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
     @_unary
     async def Tokenize(self, request, context) -> pagoda_pb2.TokenizeResponse:
         limits = dataclasses.replace(self.base_limits, vocab_size=self._vocab_size,
-                                     max_model_len=_max_model_len(self.client))
+                                     max_model_len=context_bound(self.client.info))
         return await self._large(request, self._tokenize, request, limits)
 
     def _tokenize(self, request, limits: Limits) -> pagoda_pb2.TokenizeResponse:
@@ -338,7 +348,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
 
     @_unary
     async def Detokenize(self, request, context) -> pagoda_pb2.DetokenizeResponse:
-        longest = _max_model_len(self.client)
+        longest = context_bound(self.client.info)
         if len(request.token_ids) > longest:  # keeps the answer under gRPC's computed send limit
             raise ValidationError("token_ids", f"token_ids has {len(request.token_ids)} ids, more "
                                                f"than max_model_len {longest}")
@@ -370,12 +380,6 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
             model=info.model or self.tokenizer.name, max_model_len=info.max_model_len,
             vocab_size=info.vocab_size or self.tokenizer.vocab_size, block_size=info.block_size,
             num_workers=info.num_workers, eos_token_ids=info.eos_token_ids)
-
-
-def _max_model_len(client: SchedulerClient) -> int:
-    # Before the scheduler answers, bound Tokenize's and Detokenize's input by the context
-    # length the gateway's size limits are computed for.
-    return client.info.max_model_len if client.info is not None and client.info.max_model_len else CONTEXT_BOUND
 
 
 

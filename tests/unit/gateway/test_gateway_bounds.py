@@ -11,11 +11,13 @@ import grpc
 import pytest
 
 from gateway import json_nesting
+from gateway.answer_budget import AnswerBudget, answer_bytes
 from gateway.client_auth import tenant_of_key
 from gateway.gateway_flags import REQUEST_CEILINGS, REQUEST_LIMITS, parse_gateway_args
 from gateway.grpc_bounds import RequestSizeInterceptor, largest_request
 from gateway.large_inputs import LargeJobs
 from gateway.limits import Limits
+from gateway.server import RpcFailed
 from gateway.structured_check import MAX_CHOICES, StructuredError, structured_spec
 from gateway.tool_parsers import parser
 from gateway.validate import MAX_ABORT_IDS, ValidationError, prompt_ids
@@ -23,7 +25,7 @@ from proto import internal_pb2 as ipb, pagoda_pb2 as pb, pagoda_pb2_grpc
 from proto.sizes import largest_gateway_message
 from scheduler.message_checks import check_call
 from tests.fake_scheduler import local_gateway
-from tests.unit.gateway.test_gateway_api import TOK, expect_error
+from tests.unit.gateway.test_gateway_api import LP_IDS, TOK, expect_error, logprobs_plan
 
 DEEP = "[" * 30_000 + "]" * 30_000
 
@@ -254,4 +256,55 @@ def test_large_tokenize_calls_run_off_the_loop_at_most_slots_at_once(run):
             assert list((await stub.Tokenize(pb.TokenizeRequest(prompt="hi"))).token_ids)
             assert len((await first).token_ids) == len(expected[0])
             await channel.close()
+    run(body())
+
+
+# ---------------------------------------------------------------------------- whole answers
+
+def refused(message: str) -> Exception:
+    return RuntimeError(message)
+
+
+def test_the_budget_reserves_grows_and_releases():
+    budget = AnswerBudget(per_answer=1000, total=1500, refuse=refused, tokenizer=TOK)
+    a = budget.hold(5000)  # at most per_answer
+    assert (a.held, budget.free) == (1000, 500)
+    with pytest.raises(RuntimeError, match=r"^whole answers on this gateway hold 1000 of 1500 "
+                                           r"bytes \(--max-whole-answers-bytes\) and this one "
+                                           r"needs 600 more"):
+        budget.hold(600)
+    b = budget.hold(100)
+    b.keep(80)
+    b.keep(80)  # past its reservation: it takes more while the gateway has it
+    assert (b.held, budget.free) == (320, 180)
+    with pytest.raises(RuntimeError, match=r"^the answer passed 1000 bytes"):
+        a.keep(1001)
+    a.release()
+    b.release()
+    assert budget.free == 1500
+
+
+def test_a_whole_answer_reserves_at_least_what_it_keeps(run):
+    async def body():
+        async with local_gateway(TOK) as h:
+            h.scheduler.plan = logprobs_plan
+            servicer = h.gateway.servicer
+            holds = []
+            hold_for = servicer.answers.hold_for
+            servicer.answers.hold_for = lambda v: holds.append(hold_for(v)) or holds[-1]
+            request = pb.GenerateRequest(prompt="Say hello", sampling=pb.SamplingParams(logprobs=2),
+                                         stopping=pb.StoppingCriteria(max_tokens=4))
+            one = await h.stub.Generate(request)
+            assert list(one.token_ids) == LP_IDS
+            assert len(holds) == 1 and 0 < holds[0].kept
+            assert holds[0].kept <= answer_bytes(servicer.answers.spelling, 4, 0, 2, None, False)
+            assert holds[0].held == 0 and servicer.answers.free == servicer.answers.total
+            # A gateway whose budget is spent refuses the next whole answer at once; streams
+            # keep nothing and are not counted.
+            servicer.answers = AnswerBudget(1 << 20, 100, lambda m: RpcFailed(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, m), TOK)
+            details = await expect_error(h.stub.Generate(request), grpc.StatusCode.RESOURCE_EXHAUSTED)
+            assert details.startswith("whole answers on this gateway hold 0 of 100 bytes")
+            assert [r async for r in h.stub.GenerateStream(request)]
+            assert h.scheduler.aborts == [] and servicer.answers.free == 100
     run(body())
