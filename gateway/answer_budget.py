@@ -2,8 +2,9 @@
 
 A whole answer (unary Generate, an HTTP answer not streamed) is held until the request ends;
 with logprobs every position carries k alternatives, so one answer can hold megabytes, and only
-the cluster's sequence count bounded how many were held at once. Each whole request reserves
-what its answer can grow to (its positions at the most a token can cost, at most
+the cluster's sequence count bounded how many were held at once (without logprobs an answer
+is its text and ids, a few bytes a token, and is not counted). Each whole request with logprobs
+reserves what its answer can grow to (its positions at the most a token can cost, at most
 --max-whole-answer-bytes) from the gateway's --max-whole-answers-bytes before it is sent. A
 request that does not fit is refused at once with RESOURCE_EXHAUSTED (HTTP 429), as a full
 scheduler refuses: waiting for room would hold the client's connection and hide the overload

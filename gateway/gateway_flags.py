@@ -45,11 +45,12 @@ REQUEST_LIMITS: tuple[tuple[str, int, int, str], ...] = (
     ("large_input_wait_seconds", 5, 0,
      "how long such a request waits for its turn; then RESOURCE_EXHAUSTED (HTTP 429)"),
     ("max_whole_answer_bytes", 16 << 20, 1 << 16,
-     "bytes one whole answer (unary Generate, HTTP not streamed) may keep, logprobs included; "
-     "past it the request ends with RESOURCE_EXHAUSTED (stream it instead)"),
+     "bytes one whole answer with logprobs (unary Generate, HTTP not streamed) may keep; past "
+     "it the request ends with RESOURCE_EXHAUSTED (stream it instead)"),
     ("max_whole_answers_bytes", 256 << 20, 1 << 16,
-     "bytes all whole answers on this gateway may reserve at once (each what it can grow to, at "
-     "most --max-whole-answer-bytes); one that does not fit gets RESOURCE_EXHAUSTED (HTTP 429)"),
+     "bytes all whole answers with logprobs on this gateway may reserve at once (each what it "
+     "can grow to, at most --max-whole-answer-bytes); one that does not fit gets "
+     "RESOURCE_EXHAUSTED (HTTP 429)"),
 )
 
 # The most each of those flags may be: what the scheduler takes (scheduler/message_checks.py) and

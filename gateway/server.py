@@ -297,8 +297,8 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         metrics.PROMPT_TOKENS.inc(len(v.prompt_token_ids))
         sent, held = False, None
         try:
-            if whole:  # refused here when the gateway's whole answers hold too much already
-                held = self.answers.hold_for(v)
+            if whole and (v.logprobs is not None or v.prompt_logprobs is not None):
+                held = self.answers.hold_for(v)  # refused when the gateway holds too much
             try:
                 self.client.add(v.add)
                 builder.sent_at = time.monotonic()
