@@ -161,7 +161,10 @@ class TextTokenizer:
         """Ids and each one's (start, end) in code points of `text`; tokens the post-processor
         added (a BOS) span nothing, e.g. (0, 0). A token holding part of a character spans all of it.
         Special-token text inside the `literal` spans is read as plain text."""
-        if literal and self._literal is None:
+        if not literal:  # tokenizers' own list: no copy (a million offsets are 60 MB of tuples)
+            enc = _Unlocked(self.tokenizer).encode(text, add_special_tokens=add_special_tokens)
+            return enc.ids, enc.offsets
+        if self._literal is None:
             self._literal = Tokenizer.from_str(self.tokenizer.to_str())
             self._literal.encode_special_tokens = True
         return encode_with_literals(_Unlocked(self.tokenizer), _Unlocked(self._literal), text,

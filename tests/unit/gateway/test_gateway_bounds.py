@@ -237,8 +237,8 @@ def test_large_tokenize_calls_run_off_the_loop_at_most_slots_at_once(run):
             channel = grpc.aio.insecure_channel(f"127.0.0.1:{h.gateway.port}", options=[
                 ("grpc.max_receive_message_length", 64 << 20)])
             stub = pagoda_pb2_grpc.GenerationStub(channel)
-            # 65,536 characters of U+10FFFF: 262,144 tokens, a 4 MB answer.
-            req = pb.TokenizeRequest(prompt="\U0010ffff" * (h.gateway.client.info.max_model_len * 32))
+            # 16,384 characters of U+10FFFF: 64 KiB, 65,536 tokens.
+            req = pb.TokenizeRequest(prompt="\U0010ffff" * 16_384)
             replies = await asyncio.gather(*(stub.Tokenize(req) for _ in range(4)))
             expected = TOK.encode_with_offsets(req.prompt, True)
             for r in replies:
