@@ -20,11 +20,11 @@ from gateway.limits import Limits
 from gateway.server import RpcFailed
 from gateway.structured_check import MAX_CHOICES, StructuredError, structured_spec
 from gateway.tool_parsers import parser
-from gateway.validate import MAX_ABORT_IDS, ValidationError, prompt_ids
+from gateway.validate import MAX_ABORT_IDS, MAX_CACHE_SALT_BYTES, ValidationError, prompt_ids
 from proto import internal_pb2 as ipb, pagoda_pb2 as pb, pagoda_pb2_grpc
 from proto.sizes import largest_gateway_message
-from scheduler.message_checks import check_call
-from tests.fake_scheduler import local_gateway
+from scheduler.message_checks import check_add, check_call
+from tests.fake_scheduler import local_gateway, until
 from tests.unit.gateway.test_gateway_api import LP_IDS, TOK, expect_error, logprobs_plan
 
 DEEP = "[" * 30_000 + "]" * 30_000
@@ -47,6 +47,30 @@ def test_the_largest_valid_abort_fits_the_schedulers_frame_limit():
     assert msg.ByteSize() <= largest_gateway_message(1)
     one_more = ipb.Call(abort=pb.AbortRequest(request_ids=[*msg.call.abort.request_ids, "x"]))
     assert check_call(one_more) is not None
+
+
+@pytest.mark.parametrize("max_model_len", [1, 4096, 131072])
+def test_the_largest_valid_add_request_fits_the_schedulers_frame_limit(max_model_len):
+    """Every field the gateway lets a client fill, at the ceiling of its flag: a GenerateRequest
+    validated into the AddRequest the scheduler receives."""
+    ceilings, vocab = REQUEST_CEILINGS, 1 << 31
+    tenant = tenant_of_key("k")
+    spec = "x" * ceilings["max_structured_output_bytes"]
+    add = ipb.AddRequest(
+        request_id="g" * 64, prompt_token_ids=[vocab - 1] * max(0, max_model_len - 1),
+        sampling=ipb.SamplingConfig(
+            temperature=1.5, top_p=0.5, top_k=1 << 20, min_p=0.5, presence_penalty=-2.0,
+            frequency_penalty=-2.0, repetition_penalty=1.5, has_seed=True, seed=2**63 - 1,
+            logprobs=ceilings["max_logprobs"], prompt_logprobs=ceilings["max_logprobs"],
+            min_tokens=max_model_len, logit_bias={vocab - 1 - i: -100.0
+                                              for i in range(ceilings["max_logit_bias"])},
+            structured_output=pb.StructuredOutput(regex=spec)),
+        n=16, max_tokens=max_model_len, stop_token_ids=[vocab - 1] * ceilings["max_stop_token_ids"],
+        priority=-1_000_000, public_id=tenant + "\U0010ffff" * (ceilings["max_request_id_bytes"] // 4),
+        cache_salt=tenant + "s" * MAX_CACHE_SALT_BYTES, tenant=tenant, final_only=True)
+    assert check_add(add, vocab) is None  # the scheduler takes it ...
+    # ... and it fits the frame limit the scheduler computes for its context.
+    assert ipb.GatewayMessage(add=add).ByteSize() <= largest_gateway_message(max(1, max_model_len))
 
 
 def test_request_flags_stay_under_what_the_scheduler_takes():
@@ -307,4 +331,12 @@ def test_a_whole_answer_reserves_at_least_what_it_keeps(run):
             assert details.startswith("whole answers on this gateway hold 0 of 100 bytes")
             assert [r async for r in h.stub.GenerateStream(request)]
             assert h.scheduler.aborts == [] and servicer.answers.free == 100
+            # An answer that outgrows what one may keep ends, and is aborted at the scheduler.
+            servicer.answers = AnswerBudget(200, 1 << 20, lambda m: RpcFailed(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, m), TOK)
+            details = await expect_error(h.stub.Generate(request), grpc.StatusCode.RESOURCE_EXHAUSTED)
+            assert details == ("the answer passed 200 bytes (--max-whole-answer-bytes); ask for "
+                               "it streamed (GenerateStream, or stream: true)")
+            await until(lambda: len(h.scheduler.aborts) == 1)
+            assert servicer.answers.free == 1 << 20
     run(body())
