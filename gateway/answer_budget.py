@@ -59,8 +59,9 @@ class AnswerBudget:
 
     def hold_for(self, v: Validated) -> "Held":
         """A reservation for a validated request's whole answer, or refuse()'s exception."""
-        return self.hold(answer_bytes(self.spelling, v.add.max_tokens * v.n, len(v.prompt_token_ids),
-                                      v.logprobs, v.prompt_logprobs, v.return_prompt_token_ids))
+        return self.hold(answer_bytes(
+            self.spelling, v.add.max_tokens * v.n, len(v.prompt_token_ids), v.logprobs,
+            v.prompt_logprobs, v.return_prompt_token_ids))
 
     def hold(self, need: int) -> "Held":
         held = Held(self)

@@ -42,6 +42,9 @@ REQUEST_LIMITS: tuple[tuple[str, int, int, str], ...] = (
     ("max_large_input_jobs", 2, 1,
      "requests over 32 KiB tokenized, rendered, decoded or answered (Tokenize) at once, each on "
      "a thread of their own so the event loop stays free; more wait their turn"),
+    ("max_large_input_bytes", 1 << 19, 1 << 15,
+     "bytes of such requests in work at once (tokenizing costs up to about 250 bytes of memory "
+     "per input byte); a larger one runs alone"),
     ("large_input_wait_seconds", 5, 0,
      "how long such a request waits for its turn; then RESOURCE_EXHAUSTED (HTTP 429)"),
     ("max_whole_answer_bytes", 16 << 20, 1 << 16,

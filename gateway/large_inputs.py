@@ -3,15 +3,17 @@
 Tokenizing, rendering and decoding a large input, and building a Tokenize answer of a token
 each (a 1 MB prompt of U+10FFFF is a million tokens, strings and Offsets), take seconds; on the
 loop they would stall every stream past the scheduler link's silence check. Such work runs on
-threads of its own pool, at most --max-large-input-jobs at once (tokenizers' batch calls and the
-chunked answer building below leave the GIL to the loop in between); a job that waits longer
-than --large-input-wait-seconds for its turn gets RESOURCE_EXHAUSTED (HTTP 429).
+threads of its own pool, at most --max-large-input-jobs and --max-large-input-bytes of requests
+at once (tokenizers' batch calls and the chunked answer building below leave the GIL to the
+loop in between); a job that waits longer than --large-input-wait-seconds for room gets
+RESOURCE_EXHAUSTED (HTTP 429).
 """
 from __future__ import annotations
 
 import asyncio
 import ctypes
 import functools
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 from gateway.tokenizer import TextTokenizer
@@ -28,33 +30,70 @@ _MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; absen
 
 
 class Busy(Exception):
-    """Every slot stayed taken for the whole wait."""
+    """No room came free for the whole wait."""
 
 
 class LargeJobs:
-    def __init__(self, slots: int, wait: float):
+    """Admits a large request's job while fewer than `slots` run and the request bytes of those
+    running stay within `max_bytes` (memory follows them: about 250 bytes per input byte at
+    worst); one larger than max_bytes runs alone. Waiters are admitted in order."""
+
+    def __init__(self, slots: int, wait: float, max_bytes: int = 1 << 62):
         self.slots = slots
         self.wait = wait
-        self._free = asyncio.Semaphore(slots)
+        self.max_bytes = max_bytes
+        self._jobs = self._bytes = 0
+        self._waiters: deque[tuple[int, asyncio.Future]] = deque()
         self._pool = ThreadPoolExecutor(slots, thread_name_prefix="pagoda-large")
 
     async def run(self, request, fn, *args, **kwargs):
-        """fn(*args, **kwargs), inline for a small request, else on the pool when a slot frees."""
-        if request.ByteSize() <= INLINE_REQUEST_BYTES:
+        """fn(*args, **kwargs), inline for a small request, else on the pool once admitted."""
+        size = request.ByteSize()
+        if size <= INLINE_REQUEST_BYTES:
             return fn(*args, **kwargs)
-        try:
-            # A free slot is taken at once (wait_for with no time left would not even try).
-            await (self._free.acquire() if not self._free.locked()
-                   else asyncio.wait_for(self._free.acquire(), self.wait))
-        except asyncio.TimeoutError:
-            raise Busy(f"{self.slots} large requests are being tokenized or answered and this one "
-                       f"waited {self.wait:g} s for its turn (--max-large-input-jobs); retry "
-                       "later") from None
+        need = min(size, self.max_bytes)
+        await self._admit(need)
         loop = asyncio.get_running_loop()
         job = self._pool.submit(_trimmed, functools.partial(fn, *args, **kwargs))
-        # The slot frees when the thread is done, not when a cancelled caller stops waiting.
-        job.add_done_callback(lambda _: _call_soon(loop, self._free.release))
+        # The room frees when the thread is done, not when a cancelled caller stops waiting.
+        job.add_done_callback(lambda _: _call_soon(loop, lambda: self._release(need)))
         return await asyncio.wrap_future(job)
+
+    def _fits(self, need: int) -> bool:
+        return self._jobs < self.slots and self._bytes + need <= self.max_bytes
+
+    def _take(self, need: int) -> None:
+        self._jobs += 1
+        self._bytes += need
+
+    async def _admit(self, need: int) -> None:
+        if not self._waiters and self._fits(need):
+            self._take(need)
+            return
+        entry = (need, asyncio.get_running_loop().create_future())
+        self._waiters.append(entry)
+        try:
+            await asyncio.wait_for(entry[1], self.wait)
+        except asyncio.TimeoutError:
+            raise Busy(f"{self._jobs} large requests of {self._bytes} bytes are being tokenized "
+                       f"or answered and this one ({need} bytes) waited {self.wait:g} s for "
+                       "room (--max-large-input-jobs, --max-large-input-bytes); retry later") from None
+        except BaseException:  # cancelled: room it was given meanwhile goes back
+            if entry[1].done() and not entry[1].cancelled():
+                self._release(need)
+            raise
+        finally:
+            if entry in self._waiters:
+                self._waiters.remove(entry)
+
+    def _release(self, need: int) -> None:
+        self._jobs -= 1
+        self._bytes -= need
+        while self._waiters and self._fits(self._waiters[0][0]):
+            need, waiter = self._waiters.popleft()
+            if not waiter.done():  # else it timed out or was cancelled
+                self._take(need)
+                waiter.set_result(None)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -28,6 +28,7 @@ class Limits:
     max_tools: int = _LIMIT_DEFAULTS["max_tools"]
     max_tool_calls: int = _LIMIT_DEFAULTS["max_tool_calls"]
     max_large_input_jobs: int = _LIMIT_DEFAULTS["max_large_input_jobs"]
+    max_large_input_bytes: int = _LIMIT_DEFAULTS["max_large_input_bytes"]
     large_input_wait_seconds: int = _LIMIT_DEFAULTS["large_input_wait_seconds"]
     max_whole_answer_bytes: int = _LIMIT_DEFAULTS["max_whole_answer_bytes"]
     max_whole_answers_bytes: int = _LIMIT_DEFAULTS["max_whole_answers_bytes"]

@@ -120,7 +120,8 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         # The flags' bounds; max_model_len and vocab_size come from the scheduler per request.
         self.base_limits = limits or Limits(max_model_len=0, vocab_size=0)
         self.large_jobs = LargeJobs(self.base_limits.max_large_input_jobs,
-                                    self.base_limits.large_input_wait_seconds)
+                                    self.base_limits.large_input_wait_seconds,
+                                    self.base_limits.max_large_input_bytes)
         self.answers = AnswerBudget(
             self.base_limits.max_whole_answer_bytes, self.base_limits.max_whole_answers_bytes,
             lambda message: RpcFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, message), tokenizer)

@@ -36,7 +36,8 @@ def stack(tmp_path_factory):
         tmp_path_factory.mktemp("hostile-bounds"), http=True,
         gateway_flags=["--api-key", KEY_A, "--api-key", KEY_B,
                        "--max-whole-answer-bytes", str(WHOLE_ANSWER),
-                       "--max-whole-answers-bytes", str(WHOLE_ANSWERS), "--max-large-input-jobs", "1"],
+                       "--max-whole-answers-bytes", str(WHOLE_ANSWERS),
+                       "--max-large-input-bytes", str(256 << 10)],
         worker_flags=["--num-gpu-blocks-override", "20000", "--step-delay", "0.01"]).start()
     c.max_model_len = c.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=AUTH_A).max_model_len
     c.big = grpc.insecure_channel(c.target, options=BIG)
@@ -195,7 +196,7 @@ def test_json_nested_16000_deep_is_400_or_invalid_argument_naming_the_field(stac
 def test_concurrent_largest_tokenize_calls_leave_the_loop_to_streams_and_health(stack):
     # Half the characters the context takes, each of 4 UTF-8 bytes and 4 tokens: 262,144 tokens,
     # an answer of 4.4 MB. Each costs the gateway about 250 bytes per token while it is built
-    # (tokenizers' Encoding alone keeps about 160), so this cluster runs one at a time.
+    # (tokenizers' Encoding alone keeps about 160): this cluster admits 256 KiB of them at once.
     chars = stack.max_model_len * 16
     req = pb.TokenizeRequest(prompt="\U0010ffff" * chars)
     with Attack(stack, 4, max_tokens=200), ThreadPoolExecutor(4) as pool:

@@ -275,8 +275,10 @@ def test_large_tokenize_calls_run_off_the_loop_at_most_slots_at_once(run):
             first = asyncio.ensure_future(stub.Tokenize(req))
             await asyncio.sleep(0.1)
             details = await expect_error(stub.Tokenize(req), grpc.StatusCode.RESOURCE_EXHAUSTED)
-            assert details.startswith("1 large requests are being tokenized or answered and this "
-                                      "one waited 0 s for its turn")
+            size = req.ByteSize()
+            assert details == (f"1 large requests of {size} bytes are being tokenized or answered "
+                               f"and this one ({size} bytes) waited 0 s for room "
+                               "(--max-large-input-jobs, --max-large-input-bytes); retry later")
             assert list((await stub.Tokenize(pb.TokenizeRequest(prompt="hi"))).token_ids)
             assert len((await first).token_ids) == len(expected[0])
             await channel.close()
@@ -339,4 +341,35 @@ def test_a_whole_answer_reserves_at_least_what_it_keeps(run):
                                "it streamed (GenerateStream, or stream: true)")
             await until(lambda: len(h.scheduler.aborts) == 1)
             assert servicer.answers.free == 1 << 20
+    run(body())
+
+
+class _Sized:
+    def __init__(self, n: int):
+        self.n = n
+
+    def ByteSize(self) -> int:
+        return self.n
+
+
+def test_large_jobs_are_admitted_by_bytes_in_order(run):
+    async def body():
+        jobs = LargeJobs(slots=4, wait=30, max_bytes=100_000)
+        running, most, beside = [0], [0], {}
+
+        def work(name: str) -> str:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            beside[name] = running[0]
+            time.sleep(0.05)
+            running[0] -= 1
+            return name
+        sizes = {"a": 60_000, "b": 60_000, "c": 30_000, "huge": 10**6, "d": 40_000}
+        done = await asyncio.gather(*(jobs.run(_Sized(n), work, name) for name, n in sizes.items()))
+        assert done == list(sizes)
+        # a runs alone (b does not fit beside it, and c waits behind b); b and c together; then
+        # "huge" alone; then d.
+        assert (beside["a"], beside["huge"], beside["d"], most[0]) == (1, 1, 1, 2)
+        assert (jobs._jobs, jobs._bytes, len(jobs._waiters)) == (0, 0, 0)
+        jobs.close()
     run(body())
