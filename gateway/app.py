@@ -17,6 +17,7 @@ from gateway import metrics
 from gateway.call_bounds import CallBounds, CallSlots
 from gateway.client_auth import ApiKeyInterceptor, server_credentials
 from gateway.edge import EdgeConfig
+from gateway.grpc_bounds import RequestSizeInterceptor
 from gateway.http_listener import HttpServer
 from gateway.http_server import HttpApi
 from gateway.scheduler_client import SchedulerClient
@@ -63,7 +64,11 @@ class Gateway:
         # on calls is CallBounds', not grpc.aio's maximum_concurrent_rpcs, which counts health.
         self.slots = CallSlots(max_concurrent_rpcs, edge.max_rpcs_per_peer)
         interceptors = ([ApiKeyInterceptor(api_keys)] if api_keys else []) + [
-            CallBounds(self.slots, edge.grpc_first_message_timeout)]
+            CallBounds(self.slots, edge.grpc_first_message_timeout),
+            # Innermost: its deserializer refuses a request larger than the largest valid one
+            # for the context the scheduler announced, before protobuf parses it.
+            RequestSizeInterceptor(limits or Limits(max_model_len=0, vocab_size=0),
+                                   lambda: self.client.info.max_model_len if self.client.info else 0)]
         self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", max_request_bytes or max_message_bytes),
             # The largest valid response (gateway/grpc_bounds.py largest_response), from main.py.

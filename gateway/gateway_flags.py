@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 
 from gateway.chat_templates import TemplateFlagError, read_chat_template
-from gateway.client_auth import api_keys_from, parse_range, priority_ranges
+from gateway.client_auth import api_keys_from, parse_range, priority_ranges, tenant_of_key
 from gateway.http_pools import cidr
+from gateway.structured_check import MAX_CHOICES
 from gateway.tool_parsers import PARSERS
 from launch.flag_types import COUNT, PORT, POSITIVE_SECONDS, SECONDS, int_at_least
 from proto.auth import add_auth_args
+from proto.sizes import MAX_ID_BYTES, MAX_LIST, MAX_LOGPROBS, MAX_STRUCTURED_OUTPUT
 
 # Bounds on one GenerateRequest (gateway.validate.Limits has a field per entry, same name and
 # default). Each keeps a single request from costing the gateway or a batch shared with other
@@ -38,7 +40,33 @@ REQUEST_LIMITS: tuple[tuple[str, int, int, str], ...] = (
     ("max_prompt_chars_per_token", 32, 1,
      "a prompt (or the chat messages' content) longer than max_model_len times this many "
      "characters is refused before it is tokenized"),
+    ("max_large_input_jobs", 2, 1,
+     "requests over 32 KiB tokenized, rendered, decoded or answered (Tokenize) at once, each on "
+     "a thread of their own so the event loop stays free; more wait their turn"),
+    ("max_large_input_bytes", 1 << 19, 1 << 15,
+     "bytes of such requests in work at once (tokenizing costs up to about 250 bytes of memory "
+     "per input byte); a larger one runs alone"),
+    ("large_input_wait_seconds", 5, 0,
+     "how long such a request waits for its turn; then RESOURCE_EXHAUSTED (HTTP 429)"),
+    ("max_whole_answer_bytes", 16 << 20, 1 << 16,
+     "bytes one whole answer with logprobs (unary Generate, HTTP not streamed) may keep; past "
+     "it the request ends with RESOURCE_EXHAUSTED (stream it instead)"),
+    ("max_whole_answers_bytes", 256 << 20, 1 << 16,
+     "bytes all whole answers with logprobs on this gateway may reserve at once (each what it "
+     "can grow to, at most --max-whole-answer-bytes); one that does not fit gets "
+     "RESOURCE_EXHAUSTED (HTTP 429)"),
 )
+
+# The most each of those flags may be: what the scheduler takes (scheduler/message_checks.py) and
+# its frame limit counts (proto/sizes.py). Past one, requests the gateway passes would be refused
+# there, or make frames that ZeroMQ answers by dropping the gateway's connection.
+REQUEST_CEILINGS: dict[str, int] = {
+    "max_stop_token_ids": MAX_LIST,
+    "max_logit_bias": MAX_LIST,
+    "max_request_id_bytes": MAX_ID_BYTES - len(tenant_of_key("")),  # a tenant prefixes each id
+    "max_logprobs": MAX_LOGPROBS,
+    "max_structured_output_bytes": MAX_STRUCTURED_OUTPUT - 3 * MAX_CHOICES,  # choices' framing
+}
 
 
 def _chat_template(value: str) -> str:
@@ -241,6 +269,9 @@ def parse_gateway_args(argv: list[str] | None = None) -> argparse.Namespace:
             parse_range(args.default_tenant_priority)
     except ValueError as e:
         parser.error(str(e))
+    for dest, ceiling in REQUEST_CEILINGS.items():
+        if getattr(args, dest) > ceiling:
+            parser.error(f"--{dest.replace('_', '-')} is at most {ceiling} (what the scheduler takes)")
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         parser.error("--ssl-certfile and --ssl-keyfile go together")
     return args

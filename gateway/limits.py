@@ -27,6 +27,11 @@ class Limits:
     max_structured_output_bytes: int = _LIMIT_DEFAULTS["max_structured_output_bytes"]
     max_tools: int = _LIMIT_DEFAULTS["max_tools"]
     max_tool_calls: int = _LIMIT_DEFAULTS["max_tool_calls"]
+    max_large_input_jobs: int = _LIMIT_DEFAULTS["max_large_input_jobs"]
+    max_large_input_bytes: int = _LIMIT_DEFAULTS["max_large_input_bytes"]
+    large_input_wait_seconds: int = _LIMIT_DEFAULTS["large_input_wait_seconds"]
+    max_whole_answer_bytes: int = _LIMIT_DEFAULTS["max_whole_answer_bytes"]
+    max_whole_answers_bytes: int = _LIMIT_DEFAULTS["max_whole_answers_bytes"]
 
     @property
     def max_prompt_chars(self) -> int:

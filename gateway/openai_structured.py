@@ -3,11 +3,11 @@ the one pagoda.v1.StructuredOutput a request may carry (gateway/structured_check
 it as it checks a gRPC request's)."""
 from __future__ import annotations
 
-import json
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
+from gateway.json_nesting import TooDeep, dumps
 from proto import pagoda_pb2
 
 
@@ -64,7 +64,7 @@ def structured_output(response_format: ResponseFormat | None,
         if spec is None or spec.json_schema is None:
             raise StructuredBadField("response_format",
                                      "response_format json_schema needs json_schema.schema")
-        out.json_schema = json.dumps(spec.json_schema)
+        out.json_schema = _text(spec.json_schema, "response_format")
         return out
     if params is None:
         return None
@@ -78,7 +78,7 @@ def structured_output(response_format: ResponseFormat | None,
         out.any_whitespace = not params.disable_any_whitespace
     kind = kinds[0]
     if kind == "json_":
-        out.json_schema = params.json_ if isinstance(params.json_, str) else json.dumps(params.json_)
+        out.json_schema = params.json_ if isinstance(params.json_, str) else _text(params.json_, "structured_outputs")
     elif kind == "choice":
         if not params.choice:
             raise StructuredBadField("structured_outputs", "structured_outputs.choice is empty")
@@ -87,7 +87,16 @@ def structured_output(response_format: ResponseFormat | None,
         out.json_object = True
     elif kind == "structural_tag":
         tag = params.structural_tag
-        out.structural_tag = tag if isinstance(tag, str) else json.dumps(tag)
+        out.structural_tag = tag if isinstance(tag, str) else _text(tag, "structured_outputs")
     else:
         setattr(out, kind, getattr(params, kind))
     return out
+
+
+def _text(value, param: str) -> str:
+    """A parsed schema as JSON text; one nested past the encoder's recursion is refused here
+    (structured_check.py then bounds the text's depth)."""
+    try:
+        return dumps(value)
+    except TooDeep as e:
+        raise StructuredBadField(param, f"{param}: the schema {e}") from None

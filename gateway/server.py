@@ -25,16 +25,18 @@ from typing import AsyncIterator
 import grpc
 
 from gateway import metrics
+from gateway.answer_budget import AnswerBudget
 from gateway.beam_request import add_completion
 from gateway.client_auth import parse_range, priority_ranges, tenant_of
 from gateway.edge import EdgeConfig
 from gateway.grammar_check import GrammarChecker
-from gateway.grpc_bounds import CONTEXT_BOUND
+from gateway.grpc_bounds import context_bound
+from gateway.large_inputs import Busy, LargeJobs, tokenize_response
 from gateway.response_builder import ResponseBuilder
 from gateway.scheduler_client import SchedulerBusy, SchedulerClient, SchedulerUnavailable
 from gateway.tokenizer import TextTokenizer
 from gateway.limits import Limits
-from gateway.validate import ValidationError, check_ids, prompt_offsets, validate
+from gateway.validate import ValidationError, check_abort_ids, check_ids, prompt_offsets, validate
 from proto import internal_pb2, pagoda_pb2, pagoda_pb2_grpc
 
 log = logging.getLogger("pagoda.gateway")
@@ -117,6 +119,19 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         self._spawning: asyncio.Task | None = None
         # The flags' bounds; max_model_len and vocab_size come from the scheduler per request.
         self.base_limits = limits or Limits(max_model_len=0, vocab_size=0)
+        self.large_jobs = LargeJobs(self.base_limits.max_large_input_jobs,
+                                    self.base_limits.large_input_wait_seconds,
+                                    self.base_limits.max_large_input_bytes)
+        self.answers = AnswerBudget(
+            self.base_limits.max_whole_answer_bytes, self.base_limits.max_whole_answers_bytes,
+            lambda message: RpcFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, message), tokenizer)
+
+    async def _large(self, request, fn, *args, **kwargs):
+        """fn's work for a request, off the loop and bounded when it is large (large_inputs.py)."""
+        try:
+            return await self.large_jobs.run(request, fn, *args, **kwargs)
+        except Busy as e:
+            raise RpcFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
 
     def _limits(self) -> Limits:
         info = self.client.info
@@ -234,6 +249,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
                 task.cancel()
         if self._grammar is not None:
             await self._grammar.close()
+        self.large_jobs.close()
 
     def _tenant(self, context) -> str:
         return tenant_of(context.invocation_metadata(), self.api_keys) if self.api_keys else ""
@@ -252,8 +268,8 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
                             "retry later")
         internal_id = self.client.new_request_id()
         try:
-            v = await _off_loop_if_large(request, validate, request, self.tokenizer, limits,
-                                         internal_id, unary=unary)
+            v = await self._large(request, validate, request, self.tokenizer, limits,
+                                  internal_id, unary=unary)
         except ValidationError as e:
             raise RpcFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
         if v.spec is not None:
@@ -280,8 +296,10 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         except SchedulerBusy as e:
             raise RpcFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         metrics.PROMPT_TOKENS.inc(len(v.prompt_token_ids))
-        sent = False
+        sent, held = False, None
         try:
+            if whole and (v.logprobs is not None or v.prompt_logprobs is not None):
+                held = self.answers.hold_for(v)  # refused when the gateway holds too much
             try:
                 self.client.add(v.add)
                 builder.sent_at = time.monotonic()
@@ -306,9 +324,13 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
                     self.client.abort(internal_id, (item.index,))
                     ix.finished_by_scheduler = True
                 if response is not None:
+                    if held is not None:
+                        held.keep(response.ByteSize())
                     metrics.TOKENS_STREAMED.inc(len(response.token_ids))
                     yield response
         finally:
+            if held is not None:
+                held.release()
             self.client.release(internal_id)
             if sent and not builder.all_finished_by_scheduler:
                 self.client.abort(internal_id)
@@ -318,33 +340,27 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
     @_unary
     async def Tokenize(self, request, context) -> pagoda_pb2.TokenizeResponse:
         limits = dataclasses.replace(self.base_limits, vocab_size=self._vocab_size,
-                                     max_model_len=_max_model_len(self.client))
-        text, ids, offsets = await _off_loop_if_large(request, prompt_offsets, request,
-                                                      self.tokenizer, limits=limits)
-        return pagoda_pb2.TokenizeResponse(
-            token_ids=ids, tokens=[self.tokenizer.id_to_token(i) for i in ids], prompt=text,
-            offsets=[pagoda_pb2.Offset(start=a, end=b) for a, b in offsets])
+                                     max_model_len=context_bound(self.client.info))
+        return await self._large(request, self._tokenize, request, limits)
+
+    def _tokenize(self, request, limits: Limits) -> pagoda_pb2.TokenizeResponse:
+        text, ids, offsets = prompt_offsets(request, self.tokenizer, limits=limits)
+        return tokenize_response(text, ids, offsets, self.tokenizer)
 
     @_unary
     async def Detokenize(self, request, context) -> pagoda_pb2.DetokenizeResponse:
-        check_ids(request.token_ids, self._vocab_size, "token_ids")
-        longest = _max_model_len(self.client)
+        longest = context_bound(self.client.info)
         if len(request.token_ids) > longest:  # keeps the answer under gRPC's computed send limit
             raise ValidationError("token_ids", f"token_ids has {len(request.token_ids)} ids, more "
                                                f"than max_model_len {longest}")
+        check_ids(request.token_ids, self._vocab_size, "token_ids")  # counted first: then max()
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        text = await _off_loop_if_large(request, self.tokenizer.decode, request.token_ids, skip)
+        text = await self._large(request, self.tokenizer.decode, request.token_ids, skip)
         return pagoda_pb2.DetokenizeResponse(text=text)
 
     @_unary
     async def Abort(self, request, context) -> pagoda_pb2.AbortResponse:
-        if not request.request_ids:
-            raise ValidationError("request_ids", "request_ids: name at least one request to abort")
-        for i, rid in enumerate(request.request_ids):
-            if not rid or len(rid.encode()) > self.base_limits.max_request_id_bytes:
-                raise ValidationError(
-                    f"request_ids[{i}]", f"request_ids[{i}] must be 1 to "
-                                         f"{self.base_limits.max_request_id_bytes} bytes")
+        check_abort_ids(request.request_ids, self.base_limits)
         tenant = self._tenant(context)
         reply = await self.client.call(internal_pb2.Call(abort=pagoda_pb2.AbortRequest(
             request_ids=[tenant + rid for rid in request.request_ids])))
@@ -366,22 +382,6 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
             vocab_size=info.vocab_size or self.tokenizer.vocab_size, block_size=info.block_size,
             num_workers=info.num_workers, eos_token_ids=info.eos_token_ids)
 
-
-def _max_model_len(client: SchedulerClient) -> int:
-    # Before the scheduler answers, bound Tokenize's and Detokenize's input by the context
-    # length the gateway's size limits are computed for.
-    return client.info.max_model_len if client.info is not None and client.info.max_model_len else CONTEXT_BOUND
-
-
-# Tokenizing a prompt of this size takes about a millisecond; larger ones (up to
-# --max-message-bytes) go to a thread so they do not stall every other stream on the loop.
-_INLINE_REQUEST_BYTES = 32 * 1024
-
-
-async def _off_loop_if_large(request, fn, *args, **kwargs):
-    if request.ByteSize() <= _INLINE_REQUEST_BYTES:
-        return fn(*args, **kwargs)
-    return await asyncio.to_thread(fn, *args, **kwargs)
 
 
 def _tokenizer_file(tokenizer: TextTokenizer) -> Path:

@@ -3,8 +3,7 @@ bytes, before anything is compiled), that beam search is not asked with it, that
 is JSON. Whether it compiles is asked of gateway/grammar_check.py afterwards, off the loop."""
 from __future__ import annotations
 
-import json
-
+from gateway import json_nesting
 from proto import pagoda_pb2
 from structured.spec import Spec
 
@@ -41,7 +40,7 @@ def structured_spec(req: pagoda_pb2.GenerateRequest, max_bytes: int) -> Spec | N
                                         f"{MAX_CHOICES} are allowed")
     if spec.kind in ("json_schema", "structural_tag"):
         try:
-            value = json.loads(spec.value)
+            value = json_nesting.loads(spec.value)  # TooDeep past MAX_JSON_DEPTH levels
         except ValueError as e:
             raise StructuredError(name, f"{name} is not JSON: {e}") from None
         if spec.kind == "json_schema" and not isinstance(value, (dict, bool)):

@@ -96,6 +96,26 @@ def _compile_template(source: str) -> jinja2.Template:
     return _environment().from_string(source)
 
 
+# Inputs longer than this go to the batch encoders: their Rust code runs with the GIL released
+# (tokenizers' bindings wrap encode_batch and decode_batch in py.allow_threads / detach, not
+# encode), so a large input tokenized on a thread leaves the event loop its time. Shorter ones
+# take the plain calls, which cost the same there.
+_UNLOCKED_FROM = 4096
+
+
+class _Unlocked:
+    """A tokenizers.Tokenizer's encode, through encode_batch for long texts."""
+    __slots__ = ("tok",)
+
+    def __init__(self, tok: Tokenizer | None):
+        self.tok = tok
+
+    def encode(self, text: str, add_special_tokens: bool = True):
+        if len(text) > _UNLOCKED_FROM:
+            return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        return self.tok.encode(text, add_special_tokens=add_special_tokens)
+
+
 @dataclass
 class TextTokenizer:
     """Everything the gateway needs to turn text into ids and back."""
@@ -133,7 +153,7 @@ class TextTokenizer:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return _Unlocked(self.tokenizer).encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_with_offsets(self, text: str, add_special_tokens: bool = True,
                             literal: Sequence[tuple[int, int]] = ()
@@ -141,10 +161,14 @@ class TextTokenizer:
         """Ids and each one's (start, end) in code points of `text`; tokens the post-processor
         added (a BOS) span nothing, e.g. (0, 0). A token holding part of a character spans all of it.
         Special-token text inside the `literal` spans is read as plain text."""
-        if literal and self._literal is None:
+        if not literal:  # tokenizers' own list: no copy (a million offsets are 60 MB of tuples)
+            enc = _Unlocked(self.tokenizer).encode(text, add_special_tokens=add_special_tokens)
+            return enc.ids, enc.offsets
+        if self._literal is None:
             self._literal = Tokenizer.from_str(self.tokenizer.to_str())
             self._literal.encode_special_tokens = True
-        return encode_with_literals(self.tokenizer, self._literal, text, literal, add_special_tokens)
+        return encode_with_literals(_Unlocked(self.tokenizer), _Unlocked(self._literal), text,
+                                    literal, add_special_tokens)
 
     @property
     def special_texts(self) -> frozenset[str]:
@@ -191,6 +215,8 @@ class TextTokenizer:
         return self.decode([token_id], skip_special_tokens=False).encode()
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if len(ids) > _UNLOCKED_FROM:  # decode_batch releases the GIL, as encode_batch does
+            return self.tokenizer.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str:

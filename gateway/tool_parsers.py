@@ -16,6 +16,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from gateway import json_nesting
+
 
 def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
@@ -202,7 +204,7 @@ class HermesParser(ToolParser):
 
 def _call(body: str) -> ToolCall | None:
     try:
-        obj = json.loads(body)
+        obj = json_nesting.loads(body)  # TooDeep is a ValueError: such a call is text
     except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -217,7 +219,7 @@ def _scalar(text: str) -> str:
     text = text.strip()
     text = text[:-1].rstrip() if text.endswith("}") else text
     try:
-        value = json.loads(text)
+        value = json_nesting.loads(text)
     except ValueError:
         return text
     return value if isinstance(value, str) else text

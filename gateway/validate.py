@@ -18,6 +18,7 @@ from gateway.structured_check import StructuredError, structured_spec
 from gateway.tokenizer import TextTokenizer
 from gateway.validation_error import ValidationError
 from proto import internal_pb2, pagoda_pb2
+from proto.sizes import MAX_LIST
 from structured.spec import Spec
 
 MAX_N = 16
@@ -25,6 +26,11 @@ MAX_CACHE_SALT_BYTES = 256
 DEFAULT_MAX_TOKENS = 256
 MAX_PENALTY = 2.0        # presence and frequency, either sign
 MAX_LOGIT_BIAS = 100.0   # either sign
+# Ids one Abort may name: what the scheduler takes in one Call (scheduler/message_checks.py) and
+# its frame limit counts (proto/sizes.py largest_gateway_message), so a valid Abort always
+# arrives; each id is at most --max-request-id-bytes, itself under MAX_ID_BYTES with the
+# tenant's prefix (gateway_flags.REQUEST_CEILINGS).
+MAX_ABORT_IDS = MAX_LIST
 
 
 @dataclass
@@ -53,6 +59,20 @@ def check_ids(ids: Sequence[int], vocab_size: int, name: str) -> None:
         if token_id >= vocab_size:
             raise ValidationError(
                 f"{name}[{i}]", f"{name}[{i}] = {token_id} is out of range: vocab_size is {vocab_size}")
+
+
+def check_abort_ids(request_ids: Sequence[str], limits: Limits) -> None:
+    """An Abort's ids, counted before any is read."""
+    count = len(request_ids)  # the repeated field's length: nothing built yet
+    if not count:
+        raise ValidationError("request_ids", "request_ids: name at least one request to abort")
+    if count > MAX_ABORT_IDS:
+        raise ValidationError("request_ids", f"request_ids has {count} ids, at most "
+                                             f"{MAX_ABORT_IDS} are allowed in one Abort")
+    for i, rid in enumerate(request_ids):
+        if not rid or len(rid.encode()) > limits.max_request_id_bytes:
+            raise ValidationError(f"request_ids[{i}]", f"request_ids[{i}] must be 1 to "
+                                                       f"{limits.max_request_id_bytes} bytes")
 
 
 def _check_range(name: str, value: float, low: float, high: float) -> None:
@@ -107,17 +127,20 @@ def _add_special(req, source: str, add_special_tokens: bool | None) -> bool:
 
 def prompt_ids(req, tokenizer: TextTokenizer, vocab_size: int, *,
                add_special_tokens: bool | None = None,
-               limits: Limits | None = None) -> tuple[str, list[int]]:
+               limits: Limits | None = None, truncate: int | None = None) -> tuple[str, list[int]]:
     """(the field the prompt came from, its token ids). Shared by Generate and Tokenize.
 
     add_special_tokens: None = the request's own field where it has one (TokenizeRequest), else
-    True for a prompt and False for messages. limits: also bound the message count and the
-    prompt's characters before tokenizing."""
+    True for a prompt and False for messages. limits: also bound the message count, the
+    prompt's characters and its ids before tokenizing or building anything. truncate: the
+    request's truncate_prompt_tokens, which lets in more ids than fit (as many as characters)."""
     source = _source(req)
     if source == "prompt_token_ids":
         if len(req.tools):
             raise ValidationError("tools", "tools: only messages are rendered with tools (by the "
                                            "chat template), this request sends prompt_token_ids")
+        if limits is not None:
+            _count_ids(len(req.prompt_token_ids), limits, truncate)  # the field's length: O(1)
         ids = list(req.prompt_token_ids)
         check_ids(ids, vocab_size, "prompt_token_ids")
     else:
@@ -128,6 +151,21 @@ def prompt_ids(req, tokenizer: TextTokenizer, vocab_size: int, *,
     if not ids:
         raise ValidationError(source, f"{source} encodes to no tokens")
     return source, ids
+
+
+def _count_ids(count: int, limits: Limits, truncate: int | None) -> None:
+    """prompt_token_ids' count against the context, before they become a list (a 16 MiB message
+    holds millions: a list of them costs 36 bytes and the loop's time each)."""
+    if truncate is None and count >= limits.max_model_len:
+        raise ValidationError(
+            "prompt_token_ids", f"prompt_token_ids is {count} tokens, must be fewer than "
+                                f"max_model_len {limits.max_model_len} to leave room for output")
+    if count > limits.max_prompt_chars:
+        raise ValidationError(
+            "prompt_token_ids", f"prompt_token_ids has {count} ids, more than "
+                                f"{limits.max_prompt_chars} (max_model_len {limits.max_model_len} "
+                                f"x {limits.max_prompt_chars_per_token}, as a prompt's "
+                                "characters) even with truncate_prompt_tokens")
 
 
 def prompt_offsets(req: pagoda_pb2.TokenizeRequest, tokenizer: TextTokenizer, *,
@@ -270,7 +308,7 @@ def validate(req: pagoda_pb2.GenerateRequest, tokenizer: TextTokenizer, limits: 
         raise ValidationError("truncate_prompt_tokens",
                               f"truncate_prompt_tokens must be >= 1, got {truncate}")
 
-    source, ids = prompt_ids(req, tokenizer, limits.vocab_size, limits=limits)
+    source, ids = prompt_ids(req, tokenizer, limits.vocab_size, limits=limits, truncate=truncate)
     truncated = truncate is not None and len(ids) > truncate
     if truncated:
         ids = ids[-truncate:]  # the end of a prompt is what the next token depends on most
