@@ -4,15 +4,18 @@ limit the child is killed; started() starts a fresh one.
 
 The child is started by subprocess (vfork), not by the loop: uvloop's subprocess_exec fork()s
 the gateway, which runs gRPC, and gRPC's fork handlers can abort the child before it execs (CI
-saw "did not say ready" that way). Its pipes are then handed to the loop."""
+saw "did not say ready" that way). Its pipes are then handed to the loop. It dies with the
+gateway, SIGKILLed or not (structured/check_process.py sets its parent-death signal)."""
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import os
 import subprocess
 from typing import Callable
 
+from launch.lifetime import PARENT_ENV
 from structured.spec import Spec
 
 log = logging.getLogger(__name__)
@@ -112,7 +115,10 @@ class CompilerChild:
 
     async def _spawn(self) -> None:
         loop = asyncio.get_running_loop()
-        self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        # The child sets PR_SET_PDEATHSIG itself (a preexec_fn would make subprocess fork):
+        # told this pid, it knows whether the gateway died before it could.
+        self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=dict(os.environ, **{PARENT_ENV: str(os.getpid())}))
         self._stdout = asyncio.StreamReader(limit=1 << 20)
         self._read_transport, _ = await loop.connect_read_pipe(
             lambda: asyncio.StreamReaderProtocol(self._stdout), self.proc.stdout)

@@ -92,7 +92,14 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--structured-check-processes", type=COUNT, default=2,
                    help="compiler children of that check (about 300 MB each): a spec that "
                         "compiles slowly holds one, and the others compile other requests' specs "
-                        "meanwhile; with --api-key one tenant may hold all but one "
+                        "meanwhile; shared fairly by tenant (by peer without --api-key): a client "
+                        "alone may use all, and a client whose spec timed out holds one at a time "
+                        "for 60 s (default: %(default)s)")
+    g.add_argument("--max-grammar-queue-seconds", type=POSITIVE_SECONDS, default=10.0,
+                   help="seconds a structured-output spec may wait for a free compiler child of "
+                        "that check; past it the request gets RESOURCE_EXHAUSTED / 429. Keep it "
+                        "above --max-grammar-compile-seconds plus a child's restart (about 3 s), "
+                        "the longest another client's slow spec holds a child "
                         "(default: %(default)s)")
     g.add_argument("--structured-outputs-any-whitespace", action="store_true",
                    help="let JSON answers put whitespace anywhere (HTTP requests; gRPC sets "
