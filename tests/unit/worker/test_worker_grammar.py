@@ -255,3 +255,66 @@ def test_a_refusal_gives_the_compilers_reason_without_its_internals(cache, kind,
     with pytest.raises(SpecError) as refused:
         cache.get(Spec(kind, value))
     assert str(refused.value) == reason
+
+
+class _StuckCache:
+    """A cache whose compile of a regex "slow..." runs until released (a spec the gateway let
+    through but the worker compiles past its bound); others compile at once."""
+
+    def __init__(self):
+        import threading
+        self.release = threading.Event()
+        self.compiled: set[str] = set()
+
+    def get(self, spec: Spec):
+        if spec.value.startswith("slow"):
+            self.release.wait(30)
+        self.compiled.add(spec.key())
+
+    def cached(self, spec: Spec) -> bool:
+        return spec.key() in self.compiled
+
+
+def _answers_until(rows: GrammarRows, wanted: int, timeout: float = 10.0) -> internal_pb2.GrammarsCompiled:
+    import time
+    answers, deadline = internal_pb2.GrammarsCompiled(), time.monotonic() + timeout
+    while len(answers.ready) + len(answers.failed) < wanted and time.monotonic() < deadline:
+        if (msg := rows.finished()) is not None:
+            answers.MergeFrom(msg)
+        time.sleep(0.01)
+    return answers
+
+
+def test_a_compile_past_the_workers_bound_fails_and_does_not_hold_up_the_others():
+    """The gateway's check catches slow specs first; the worker's bound is the backstop. A
+    compile past it is answered as failed with the reason, the grammars queued behind it compile
+    at once on a fresh thread, and while too many abandoned compiles still run, a grammar the
+    cache lacks is refused at once (a cached one is still ready)."""
+    stuck = _StuckCache()
+    rows = GrammarRows(lambda: stuck, timeout_s=0.3)
+    try:
+        slow, quick = Spec("regex", "slow1"), Spec("regex", "a+")
+        rows.compile([_grammar_spec(slow), _grammar_spec(quick)])
+        first = _answers_until(rows, 2)
+        assert list(first.ready) == [quick.key()]
+        assert [(f.key, f.reason) for f in first.failed] == [
+            (slow.key(), "compiling it took longer than 0.3 s on the worker")]
+        rows.compile([_grammar_spec(Spec("regex", "slow2"))])
+        assert [f.reason for f in _answers_until(rows, 1).failed] == [
+            "compiling it took longer than 0.3 s on the worker"]
+        fresh, again = Spec("regex", "b+"), quick
+        rows.compile([_grammar_spec(fresh), _grammar_spec(again)])
+        third = _answers_until(rows, 2)
+        assert list(third.ready) == [again.key()]
+        assert [(f.key, f.reason) for f in third.failed] == [(fresh.key(), (
+            "the worker's grammar compiler is still busy with 2 grammars that took longer than "
+            "0.3 s; retry later"))]
+        stuck.release.set()  # the slow ones end: compiling goes on as before
+        import time
+        deadline = time.monotonic() + 5
+        while any(not f.done() for f in rows._abandoned) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        rows.compile([_grammar_spec(fresh)])
+        assert list(_answers_until(rows, 1).ready) == [fresh.key()] and not rows.compiling
+    finally:
+        stuck.release.set()
