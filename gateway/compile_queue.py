@@ -6,8 +6,8 @@ the waiting client that holds the fewest (ties: the one whose oldest request has
 longest), so one client's flood of specs delays another client's spec by at most one compile
 in progress (--max-grammar-compile-seconds, then a restart if it timed out), never by the
 flood's length. A client whose spec timed out holds at most one child for a while
-(slow_cooldown_s): each timeout costs a child's restart (seconds of CPU), and a flood of slow
-specs must not keep every child restarting. Nobody waits longer than the queue's bound: past
+(slow_cooldown_s), and holds it through its restart: each timeout costs a child's restart
+(seconds of CPU), and a flood of slow specs must not keep every child restarting. Nobody waits longer than the queue's bound: past
 it, or with too many specs of its own already waiting, a request gets CompilerBusy (429 /
 RESOURCE_EXHAUSTED) rather than a place in a queue without end."""
 from __future__ import annotations
@@ -68,17 +68,13 @@ class FairQueue(Generic[T]):
                                "(--max-grammar-queue-seconds): the structured-output specs of "
                                "other requests hold them; retry later") from None
 
-    def release(self, client: str, item: T, idle: bool = True) -> None:
-        """client is done with item; idle=False: the item is restarting and comes back through
-        add_idle."""
+    def release(self, client: str, item: T) -> None:
+        """client is done with item (a child its spec timed out in: once it has restarted, so
+        that the client is charged the restart too)."""
         c = self._clients.get(client)
         if c is not None:
             c.held -= 1
             self._forget(client)
-        if idle:
-            self.add_idle(item)
-
-    def add_idle(self, item: T) -> None:
         self._idle.append(item)
         self._dispatch()
 
@@ -107,11 +103,12 @@ class FairQueue(Generic[T]):
     def _dispatch(self) -> None:
         now = time.monotonic()
         while self._idle:
-            ready = [(c.held, c.waiting[0][0], name) for name, c in self._clients.items()
-                     if c.waiting and c.held < self._limit(c, now)]
+            # Fewest held first; between equals, a client whose specs time out goes last.
+            ready = [(c.held, c.capped_until > now, c.waiting[0][0], name)
+                     for name, c in self._clients.items() if c.waiting and c.held < self._limit(c, now)]
             if not ready:
                 return
-            _, _, name = min(ready)
+            name = min(ready)[-1]
             c = self._clients[name]
             _, future = c.waiting.popleft()
             c.held += 1

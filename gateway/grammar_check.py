@@ -90,23 +90,22 @@ class GrammarChecker:
             self.queue.release(client, child)
             raise
         if answer is not None and answer.startswith(TOO_SLOW):
-            self.queue.release(client, child, idle=False)
             self.queue.cap(client)
-            self._restart(child)  # killed: ready again in the background, then idle
+            self._restart(child, client)  # killed: the client holds it until it is ready again
         else:
             self.queue.release(client, child)
         # A timeout is remembered too: the same pattern sent again must not cost the wait again.
         self._answers.put(key, (answer,), len(key) + len((answer or "").encode()) + _ENTRY_OVERHEAD)
         return answer
 
-    def _restart(self, child: CompilerChild) -> None:
+    def _restart(self, child: CompilerChild, client: str) -> None:
         async def restart():
             try:
                 await child.started()
             except RuntimeError as e:  # the next check on it tries again, and answers UNAVAILABLE
                 log.warning("%s", e)
             finally:
-                self.queue.add_idle(child)
+                self.queue.release(client, child)
         task = asyncio.create_task(restart())
         self._restarts.add(task)
         task.add_done_callback(self._restarts.discard)

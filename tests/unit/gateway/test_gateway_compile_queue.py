@@ -71,16 +71,35 @@ def test_a_client_whose_spec_timed_out_holds_one_item_at_a_time_for_a_while():
     async def main():
         q = FairQueue(["c1", "c2", "c3"], wait_s=5.0, slow_cooldown_s=0.3)
         item = await q.acquire("A")
-        q.release("A", item, idle=False)  # its compile timed out: the child restarts
-        q.cap("A")
-        q.add_idle(item)
-        mine = await q.acquire("A")
+        q.cap("A")  # its compile timed out: the child restarts, still held by A
         (second,) = await _started(q.acquire("A"))
         capped = (second.done(), q.held("A"))
+        q.release("A", item)  # restarted
+        await asyncio.sleep(0.01)
+        mine = second.result()
+        (third,) = await _started(q.acquire("A"))
+        still = third.done()
         await asyncio.sleep(0.4)  # the cap ends: the waiter takes a free item without a release
-        return capped, second.done(), q.held("A"), mine != second.result()
+        return capped, still, third.done(), q.held("A"), mine != third.result()
 
-    assert run(main()) == ((False, 1), True, 2, True)
+    assert run(main()) == ((False, 1), False, True, 2, True)
+
+
+def test_between_clients_holding_as_many_one_whose_specs_time_out_goes_last():
+    async def main():
+        q = FairQueue(["c1"], wait_s=5.0)
+        held = await q.acquire("A")
+        (a,) = await _started(q.acquire("A"))  # A's waiter is older than B's
+        (b,) = await _started(q.acquire("B"))
+        q.cap("A")
+        q.release("A", held)  # restarted: A and B hold none, and B goes first
+        await asyncio.sleep(0.01)
+        first = (b.done(), a.done())
+        q.release("B", b.result())
+        await asyncio.sleep(0.01)
+        return first, a.done()
+
+    assert run(main()) == ((True, False), True)
 
 
 def test_past_the_wait_bound_the_request_is_refused_and_its_place_given_up():
