@@ -44,6 +44,7 @@ class GrammarCache:
         import xgrammar as xgr
         # xgrammar's own cache is off: this one is bounded by bytes and entries, and is the only one.
         self.compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+        self.info = info
         self.vocab_size = info.vocab_size
         # A worker compiles on threads of its own while its loop reads hits (worker/grammar.py):
         # the LRU's lock covers the entries, never a compile.

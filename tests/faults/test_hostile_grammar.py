@@ -4,7 +4,8 @@ pattern is a long bounded repetition takes xgrammar seconds to compile (^[a-z]{1
 for SmolLM2's vocabulary), and each such spec is distinct by its bound, so no cache saves the
 compile. Tenant A floods them; tenant B's structured request still compiles within the wait
 bound, B's plain stream stays token-exact, A's flood ends in 400s (the compile bound) and 429s
-(the wait bound), and health answers within 1 s throughout. The last test SIGKILLs the gateway:
+(the wait bound), health answers within 1 s throughout and the gateway grows by less than
+100 MB. The last test SIGKILLs the gateway:
 its compiler children die with it."""
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 
 from proto import pagoda_pb2 as pb
 from tests.cluster import wait_for
-from tests.fake_cluster import SERVING, FakeCluster, children
+from tests.fake_cluster import SERVING, FakeCluster, children, rss_bytes
 from tests.fake_worker import reference_output
 from tests.streams import Stream
 
@@ -92,6 +93,7 @@ def test_a_flood_of_slow_schemas_leaves_another_tenant_its_compile_and_its_strea
         stopping=pb.StoppingCriteria(max_tokens=800)), metadata=AUTH_B)
     assert wait_for(lambda: victim.tokens, 10)
     health = HealthWatch(stack)
+    rss_before = rss_bytes(stack.gateway.pid)
     flood_started = time.monotonic()
     flood = [Stream(stack.stub, structured([1, 2, i], slow_schema(i)), metadata=AUTH_A, timeout=60)
              for i in range(FLOOD)]
@@ -126,6 +128,7 @@ def test_a_flood_of_slow_schemas_leaves_another_tenant_its_compile_and_its_strea
     # Nobody waited past the bound: every answer within it plus one compile.
     assert max(s.ended_at for s in flood) - flood_started < QUEUE_S + COMPILE_S + 2
     assert health.bad == [] and health.slowest < 1.0
+    assert rss_bytes(stack.gateway.pid) - rss_before < 100e6
     # The same slow spec again is refused at once: its verdict is remembered.
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as e:

@@ -318,3 +318,31 @@ def test_a_compile_past_the_workers_bound_fails_and_does_not_hold_up_the_others(
         assert list(_answers_until(rows, 1).ready) == [fresh.key()] and not rows.compiling
     finally:
         stuck.release.set()
+
+
+def test_the_compiled_grammar_cache_is_bounded_in_bytes(cache):
+    """One long bounded repetition compiles to megabytes: the cache keeps what fits its bytes,
+    least recently used first out, however few the entries."""
+    from structured.compiler import GrammarCache
+    big = [Spec("regex", f"[a-z]{{1,{2000 + i}}}") for i in range(3)]
+    size = cache.get(big[0]).memory_size_bytes
+    assert size > 1 << 20  # megabytes each: entries alone would bound nothing
+    small = GrammarCache(cache.info, max_entries=100, max_bytes=int(2.5 * size))
+    for spec in big:
+        small.get(spec)
+    assert [small.cached(s) for s in big] == [False, True, True]
+    assert len(small) == 2 and small.bytes <= int(2.5 * size)
+
+
+def test_the_lru_keeps_bytes_and_entries_within_their_bounds():
+    from structured.lru import BytesLru
+    lru = BytesLru(max_bytes=100, max_entries=3)
+    for key, size in (("a", 40), ("b", 40), ("c", 10)):
+        lru.put(key, key.upper(), size)
+    assert lru.get("a") == "A"  # now the most recent: b goes first
+    lru.put("d", "D", 30)
+    assert [k for k in "abcd" if k in lru] == ["a", "c", "d"] and lru.bytes == 80
+    lru.put("e", "E", 1)  # a fourth entry: the least recent (c) goes
+    assert [k for k in "acde" if k in lru] == ["a", "d", "e"]
+    lru.put("huge", "H", 101)  # larger than the whole bound: not kept, nothing evicted
+    assert "huge" not in lru and len(lru) == 3 and lru.bytes == 71
