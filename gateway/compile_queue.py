@@ -16,7 +16,7 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Callable, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -34,8 +34,11 @@ class _Client:
 
 class FairQueue(Generic[T]):
     def __init__(self, items: list[T], wait_s: float, max_waiting: int = 32,
-                 slow_cooldown_s: float = 60.0) -> None:
+                 slow_cooldown_s: float = 60.0, warm: Callable[[T], bool] = lambda item: True) -> None:
+        """warm(item): whether an item is ready now; a warm one is handed out before a cold one
+        (a child not started yet takes seconds)."""
         self.size = len(items)
+        self.warm = warm
         self.wait_s = wait_s
         self.max_waiting = max_waiting  # one client's specs waiting at once
         self.slow_cooldown_s = slow_cooldown_s
@@ -112,7 +115,9 @@ class FairQueue(Generic[T]):
             c = self._clients[name]
             _, future = c.waiting.popleft()
             c.held += 1
-            future.set_result(self._idle.popleft())
+            item = next((i for i in self._idle if self.warm(i)), self._idle[0])
+            self._idle.remove(item)
+            future.set_result(item)
 
     def _forget(self, client: str) -> None:
         """Drops a client's entry once it holds and waits for nothing (and is not capped): the

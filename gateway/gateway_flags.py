@@ -87,8 +87,8 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "--max-connection-age before it is closed (default: %(default)s)")
     g.add_argument("--max-grammar-compile-seconds", type=POSITIVE_SECONDS, default=5.0,
                    help="seconds a structured-output spec (schema, regex, grammar) may take to "
-                        "compile in the gateway's check; a slower one gets INVALID_ARGUMENT / 400 "
-                        "(default: %(default)s)")
+                        "compile in the gateway's check; a slower one gets INVALID_ARGUMENT / 400, and "
+                        "the same spec again at once (default: %(default)s)")
     g.add_argument("--structured-check-processes", type=COUNT, default=2,
                    help="compiler children of that check (about 300 MB each): a spec that "
                         "compiles slowly holds one, and the others compile other requests' specs "
@@ -98,9 +98,8 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--max-grammar-queue-seconds", type=POSITIVE_SECONDS, default=10.0,
                    help="seconds a structured-output spec may wait for a free compiler child of "
                         "that check; past it the request gets RESOURCE_EXHAUSTED / 429. Keep it "
-                        "above --max-grammar-compile-seconds plus a child's restart (about 3 s), "
-                        "the longest another client's slow spec holds a child "
-                        "(default: %(default)s)")
+                        "above --max-grammar-compile-seconds, the longest another client's slow "
+                        "spec holds a child (default: %(default)s)")
     g.add_argument("--structured-outputs-any-whitespace", action="store_true",
                    help="let JSON answers put whitespace anywhere (HTTP requests; gRPC sets "
                         "structured_output.any_whitespace itself); off by default, since small "

@@ -1,7 +1,7 @@
 """Refuses a structured-output spec that does not compile, or takes too long to, before the
 request reaches the scheduler. Compiling runs in child processes (gateway/compiler_child.py),
-each one spec at a time; past --max-grammar-compile-seconds a child is killed and started again
-in the background. Who gets a free child is gateway/compile_queue.py's: a fair share per client
+each one spec at a time; past --max-grammar-compile-seconds the child kills the fork that
+compiles it (a child that does not answer is killed and started again in the background). Who gets a free child is gateway/compile_queue.py's: a fair share per client
 (the tenant with API keys, the peer's address without), work-conserving, and a wait bounded by
 --max-grammar-queue-seconds, past which the request gets RESOURCE_EXHAUSTED / 429 instead of a
 place in a queue without end. Verdicts are cached by spec, bounded in bytes (a timeout too: the
@@ -52,7 +52,8 @@ class GrammarChecker:
         args = args or [sys.executable, "-m", "structured.check_process", str(tokenizer_json)]
         self.processes = processes
         self._children = [CompilerChild(args, vocabulary, timeout_s) for _ in range(processes)]
-        self.queue: FairQueue[CompilerChild] = FairQueue(list(self._children), queue_s)
+        self.queue: FairQueue[CompilerChild] = FairQueue(list(self._children), queue_s,
+                                                         warm=CompilerChild.ready)
         self._answers: BytesLru[tuple[str | None]] = BytesLru(_CACHED_BYTES, _CACHED)
         self._compiling: dict[tuple[str, str], asyncio.Future] = {}  # (client, key) -> its compile
         self._restarts: set[asyncio.Task] = set()
@@ -91,6 +92,7 @@ class GrammarChecker:
             raise
         if answer is not None and answer.startswith(TOO_SLOW):
             self.queue.cap(client)
+        if not child.alive():
             self._restart(child, client)  # killed: the client holds it until it is ready again
         else:
             self.queue.release(client, child)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import re
 import asyncio
-import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
@@ -113,18 +112,17 @@ def _spec(tag: str) -> Spec:
 async def check_tools(checks: list[ToolCheck], grammar_error, budget_s: float) -> None:
     """Raises ToolBadField for the first check that does not compile. grammar_error(spec) is
     the servicer's (the compiler's reason, or None). A grammar that does not compile is
-    compiled again part by part to name the function at fault, but only within budget_s
-    (--max-grammar-compile-seconds) of the request's first compile: one bound for the request,
-    not one per part (128 functions of a slow schema each would be minutes); past it the whole
-    grammar's reason is the answer."""
-    deadline = time.monotonic() + budget_s
+    compiled again part by part to name the function at fault, the parts together within
+    budget_s (--max-grammar-compile-seconds): one bound for the request, not one per part (128
+    functions of a slow schema each would be minutes); past it the whole grammar's reason is
+    the answer."""
     for check in checks:
         why = await grammar_error(check.spec)
         if why is None:
             continue
         if not why.startswith(TOO_SLOW):  # one by one, a slow set would cost each its bound
             try:
-                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                async with asyncio.timeout(budget_s):
                     for param, part in check.parts:
                         reason = await grammar_error(part)
                         if reason is not None:

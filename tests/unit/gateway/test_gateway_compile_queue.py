@@ -145,3 +145,13 @@ def test_an_asker_that_goes_leaves_no_waiter_and_no_item_behind():
         return q.waiting("B"), await asyncio.wait_for(q.acquire("C"), 0.1), q._clients.keys() == {"C"}
 
     assert run(main()) == (0, "c1", True)
+
+
+def test_a_warm_item_goes_out_before_a_cold_one():
+    """A compiler child not started yet takes seconds: a spec gets a started one if any is free."""
+    async def main():
+        q = FairQueue(["cold", "warm"], wait_s=1.0, warm=lambda item: item == "warm")
+        first = await q.acquire("A")
+        return first, await q.acquire("A")
+
+    assert run(main()) == ("warm", "cold")

@@ -16,9 +16,10 @@ import uvloop
 from gateway.grammar_check import TOO_SLOW, CompilerBusy, GrammarChecker
 from structured.spec import Spec
 
-# Ready once told its vocabulary (the first line); answers every spec but the regex "slow" (never
-# answered) and "die" (the child exits); "told" is answered with the vocabulary and its pid;
-# "count..." and "late..." (after 0.5 s) with how many times this child compiled them.
+# Ready once told its vocabulary (the first line); answers every spec; "slow" as the real child
+# does one past its bound (timed out, after the bound), "hang" never (a wedged child), "die" by
+# exiting; "told" is answered with the vocabulary and its pid; "count..." and "late..." (after
+# 0.5 s) with how many times this child compiled them.
 STAND_IN = """
 import json, os, sys, time
 told = json.loads(sys.stdin.readline())
@@ -28,8 +29,12 @@ for line in sys.stdin:
     msg = json.loads(line)
     if msg["value"] == "die":
         sys.exit(3)
-    if msg["value"] == "slow":
+    if msg["value"] == "hang":
         time.sleep(60)
+    if msg["value"] == "slow":
+        time.sleep(told["timeout_s"])
+        print(json.dumps({"id": msg["id"], "error": None, "timed_out": True}), flush=True)
+        continue
     if msg["value"].startswith("late"):
         time.sleep(0.5)
     seen[msg["value"]] = seen.get(msg["value"], 0) + 1
@@ -65,7 +70,7 @@ def test_a_child_spawned_early_is_told_the_vocabulary_when_warmed():
             await c.close()
 
     spawned, told = uvloop.run(main())
-    assert told == f"{{'vocab_size': 49152, 'eos_token_ids': [2, 7]}} {spawned}"
+    assert told == f"{{'vocab_size': 49152, 'eos_token_ids': [2, 7], 'timeout_s': 5.0}} {spawned}"
 
 
 def test_warming_while_the_spawn_is_under_way_waits_for_it():
@@ -83,7 +88,7 @@ def test_warming_while_the_spawn_is_under_way_waits_for_it():
             await c.close()
 
     ready, told = uvloop.run(main())
-    assert ready == [True, True] and told.startswith("{'vocab_size': 49152, 'eos_token_ids': [2]}")
+    assert ready == [True, True] and told.startswith("{'vocab_size': 49152, 'eos_token_ids': [2], ")
 
 
 def test_the_compiler_child_starts_without_forking_the_gateway():
@@ -115,17 +120,37 @@ def test_a_child_that_dies_is_reported_and_replaced():
     assert uvloop.run(main()) == ("the grammar compiler failed on it", None)
 
 
-def test_a_slow_spec_times_out_and_the_next_is_answered():
+def test_a_slow_spec_times_out_in_the_child_which_goes_on_answering():
     async def main():
-        c = checker(STAND_IN, timeout_s=0.5)
+        c = checker(STAND_IN, timeout_s=0.5, processes=1)
         try:
-            return await c.check(Spec("regex", "slow")), await c.check(Spec("regex", "b+"))
+            slow = await c.check(Spec("regex", "slow"))
+            pid = c._children[0].proc.pid
+            return slow, await c.check(Spec("regex", "told")), pid
         finally:
             await c.close()
 
-    slow, after = uvloop.run(main())
+    slow, told, pid = uvloop.run(main())
     assert slow == f"{TOO_SLOW} 0.5 s (--max-grammar-compile-seconds)"
-    assert after is None
+    assert told.endswith(f" {pid}")  # the same child: a timeout costs no restart
+
+
+def test_a_child_that_does_not_answer_is_killed_past_the_backstop_and_replaced():
+    async def main():
+        c = checker(STAND_IN, timeout_s=0.5, processes=1)
+        try:
+            await c.warm()
+            pid = c._children[0].proc.pid
+            started = time.monotonic()
+            hung = await c.check(Spec("regex", "hang"))
+            took = time.monotonic() - started
+            return hung, took, await c.check(Spec("regex", "told")), pid
+        finally:
+            await c.close()
+
+    hung, took, told, pid = uvloop.run(main())
+    assert hung == f"{TOO_SLOW} 0.5 s (--max-grammar-compile-seconds)" and 2.4 < took < 3.5
+    assert not told.endswith(f" {pid}")  # a fresh child
 
 
 def test_a_child_that_never_says_ready_is_an_error_naming_its_exit():
