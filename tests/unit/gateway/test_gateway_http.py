@@ -322,6 +322,31 @@ def test_api_key_guards_the_http_api_too(run):
     run(body())
 
 
+def test_a_spec_that_waits_past_the_bound_for_a_compiler_gets_429(run):
+    import sys
+    from gateway.grammar_check import GrammarChecker
+    from tests.unit.gateway.test_gateway_grammar_check import STAND_IN
+
+    async def body():
+        async with harness() as h:
+            h.gateway.servicer._grammar = GrammarChecker(None, lambda: (0, []), timeout_s=2.0, processes=1,
+                                                         args=[sys.executable, "-c", STAND_IN], queue_s=0.3)
+            async with httpx.AsyncClient(timeout=30) as http:
+                def post(structured):
+                    return asyncio.ensure_future(http.post(f"{h.base_url}/completions", json={
+                        "model": MODEL, "prompt": "hi", "max_tokens": 2, "structured_outputs": structured}))
+                slow = post({"regex": "slow"})
+                await asyncio.sleep(0.5)  # the one compiler is warm and busy with it
+                busy = await post({"regex": "b+"})
+                await slow
+            return busy.status_code, busy.json()["error"]
+
+    status, error = run(body())
+    assert (status, error["type"], error["param"]) == (429, "rate_limit_error", "structured_outputs")
+    assert error["message"].startswith("structured_outputs: no grammar compiler was free "
+                                       "within 0.3 s (--max-grammar-queue-seconds)")
+
+
 def test_the_grammar_check_shares_its_compilers_by_tenant_and_without_keys_by_peer(run):
     """The HTTP API hands each request's client to the grammar check: with keys the tenant, so
     tenant A's two specs that never compile hold both compilers (nobody else asked) and tenant
