@@ -3,11 +3,11 @@ keys, the peer's address without), with a bounded wait.
 
 Work-conserving: a client alone may hold every child. When several wait, a freed child goes to
 the waiting client that holds the fewest (ties: the one whose oldest request has waited
-longest), so one client's flood of specs delays another client's spec by at most one compile
-in progress (--max-grammar-compile-seconds, then a restart if it timed out), never by the
+longest, a client whose specs time out last), so one client's flood of specs delays another
+client's spec by at most one compile in progress (--max-grammar-compile-seconds), never by the
 flood's length. A client whose spec timed out holds at most one child for a while
-(slow_cooldown_s), and holds it through its restart: each timeout costs a child's restart
-(seconds of CPU), and a flood of slow specs must not keep every child restarting. Nobody waits longer than the queue's bound: past
+(slow_cooldown_s), and a child restarting after it (one that did not answer at all) counts as
+held by that client until it is ready again. Nobody waits longer than the queue's bound: past
 it, or with too many specs of its own already waiting, a request gets CompilerBusy (429 /
 RESOURCE_EXHAUSTED) rather than a place in a queue without end."""
 from __future__ import annotations
@@ -72,8 +72,8 @@ class FairQueue(Generic[T]):
                                "other requests hold them; retry later") from None
 
     def release(self, client: str, item: T) -> None:
-        """client is done with item (a child its spec timed out in: once it has restarted, so
-        that the client is charged the restart too)."""
+        """client is done with item (a child it left restarting: once it is ready again, so that
+        the client is charged the restart too)."""
         c = self._clients.get(client)
         if c is not None:
             c.held -= 1

@@ -1,8 +1,9 @@
 """Refuses a structured-output spec that does not compile, or takes too long to, before the
 request reaches the scheduler. Compiling runs in child processes (gateway/compiler_child.py),
 each one spec at a time; past --max-grammar-compile-seconds the child kills the fork that
-compiles it (a child that does not answer is killed and started again in the background). Who gets a free child is gateway/compile_queue.py's: a fair share per client
-(the tenant with API keys, the peer's address without), work-conserving, and a wait bounded by
+compiles it (a child that does not answer is killed and started again in the background). Who
+gets a free child is gateway/compile_queue.py's: a fair share per client (the tenant with API
+keys, the peer's address without), work-conserving, and a wait bounded by
 --max-grammar-queue-seconds, past which the request gets RESOURCE_EXHAUSTED / 429 instead of a
 place in a queue without end. Verdicts are cached by spec, bounded in bytes (a timeout too: the
 same slow spec sent again is refused at once); the same spec asked twice at once by one client

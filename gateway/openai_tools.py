@@ -12,9 +12,9 @@ schema, "auto" ones never are. Only a grammar that runs is compiled: the forced 
 per request and within one bound (check_tools); "auto" and "none" compile nothing."""
 from __future__ import annotations
 
+import asyncio
 import json
 import re
-import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 

@@ -24,11 +24,10 @@ from typing import AsyncIterator
 
 import grpc
 
-from gateway import metrics
+from gateway import grammar_check, metrics
 from gateway.beam_request import add_completion
 from gateway.client_auth import parse_range, priority_ranges, tenant_of
 from gateway.edge import EdgeConfig
-from gateway import grammar_check
 from gateway.grammar_check import CompilerBusy, GrammarChecker
 from gateway.grpc_bounds import CONTEXT_BOUND
 from gateway.response_builder import ResponseBuilder
