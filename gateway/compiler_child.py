@@ -1,22 +1,30 @@
 """One grammar-compiler child (structured/check_process.py) of the gateway's check, and its line
-protocol: told the vocabulary once, then one spec a line, one answer a line. Past the compile
-limit the child is killed; started() starts a fresh one.
+protocol: told the vocabulary and the compile bound once, then one spec a line, one answer a
+line. The child stops a compile past the bound itself (structured/check_process.py compiles in
+a fork); a child that does not answer within the bound and BACKSTOP_S is killed, and started()
+starts a fresh one.
 
 The child is started by subprocess (vfork), not by the loop: uvloop's subprocess_exec fork()s
 the gateway, which runs gRPC, and gRPC's fork handlers can abort the child before it execs (CI
-saw "did not say ready" that way). Its pipes are then handed to the loop."""
+saw "did not say ready" that way). Its pipes are then handed to the loop. It dies with the
+gateway, SIGKILLed or not (structured/check_process.py sets its parent-death signal)."""
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import os
 import subprocess
 from typing import Callable
 
+from launch.lifetime import PARENT_ENV
 from structured.spec import Spec
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 120.0  # importing torch and xgrammar and loading the vocabulary, once
+# The child stops a compile past the bound itself (in a fork it kills); past this much more, the
+# child itself is taken for wedged, killed and started again.
+BACKSTOP_S = 2.0
 TOO_SLOW = "compiling it took longer than"  # how a timeout's answer starts
 
 
@@ -37,6 +45,10 @@ class CompilerChild:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def ready(self) -> bool:
+        """Started and told its vocabulary: a compile needs no start first."""
+        return self._ready and self.alive()
 
     async def spawn(self) -> None:
         """Starts a child's imports now, without waiting for them or for the vocabulary."""
@@ -62,7 +74,8 @@ class CompilerChild:
         await self._spawn_if_dead()
         proc = self.proc
         vocab_size, eos_token_ids = self.vocabulary()
-        told = json.dumps({"vocab_size": vocab_size, "eos_token_ids": eos_token_ids}).encode() + b"\n"
+        told = json.dumps({"vocab_size": vocab_size, "eos_token_ids": eos_token_ids,
+                           "timeout_s": self.timeout_s}).encode() + b"\n"
         try:
             self._stdin.write(told)
             await self._stdin.drain()
@@ -87,17 +100,22 @@ class CompilerChild:
         try:
             self._stdin.write(line.encode() + b"\n")
             await self._stdin.drain()
-            answer = await asyncio.wait_for(self._answer(self._next_id), self.timeout_s)
+            answer = await asyncio.wait_for(self._answer(self._next_id), self.timeout_s + BACKSTOP_S)
         except asyncio.TimeoutError:
-            log.warning("a grammar took longer than %.1f s to compile; its compiler is restarted",
-                        self.timeout_s)
+            log.warning("the grammar compiler did not answer within %.1f s; it is restarted",
+                        self.timeout_s + BACKSTOP_S)
             await self.close()
-            return f"{TOO_SLOW} {self.timeout_s:g} s (--max-grammar-compile-seconds)"
+            return self._too_slow()
         except (OSError, ValueError) as e:  # the child died (e.g. out of memory)
             log.warning("the grammar compiler failed (%s); it is restarted", e)
             await self.close()
             return "the grammar compiler failed on it"
+        if answer.get("timed_out"):
+            return self._too_slow()
         return answer.get("error")
+
+    def _too_slow(self) -> str:
+        return f"{TOO_SLOW} {self.timeout_s:g} s (--max-grammar-compile-seconds)"
 
     async def _answer(self, wanted: int) -> dict:
         """The answer to spec number wanted: one to an earlier spec, whose asker was cancelled
@@ -112,7 +130,10 @@ class CompilerChild:
 
     async def _spawn(self) -> None:
         loop = asyncio.get_running_loop()
-        self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        # The child sets PR_SET_PDEATHSIG itself (a preexec_fn would make subprocess fork):
+        # told this pid, it knows whether the gateway died before it could.
+        self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=dict(os.environ, **{PARENT_ENV: str(os.getpid())}))
         self._stdout = asyncio.StreamReader(limit=1 << 20)
         self._read_transport, _ = await loop.connect_read_pipe(
             lambda: asyncio.StreamReaderProtocol(self._stdout), self.proc.stdout)

@@ -34,6 +34,7 @@ class EdgeConfig:
     shutdown_grace_period: float = 30.0   # one drain, for HTTP and gRPC alike
     max_grammar_compile_seconds: float = 5.0   # a structured-output spec slower to compile: 400
     structured_check_processes: int = 2   # compiler children: a slow spec holds only one
+    max_grammar_queue_seconds: float = 10.0  # a spec's wait for a compiler child: past it, 429
     structured_outputs_any_whitespace: bool = False  # HTTP's default for JSON whitespace
     tool_call_parser: str = "hermes"      # reads "auto" tool calls out of the text
     exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none": tools not rendered

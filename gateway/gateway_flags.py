@@ -142,13 +142,19 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "HTTP/2's preface and settings; then it is closed (default: %(default)s)")
     g.add_argument("--max-grammar-compile-seconds", type=POSITIVE_SECONDS, default=5.0,
                    help="seconds a structured-output spec (schema, regex, grammar) may take to "
-                        "compile in the gateway's check; a slower one gets INVALID_ARGUMENT / 400 "
-                        "(default: %(default)s)")
+                        "compile in the gateway's check; a slower one gets INVALID_ARGUMENT / 400, and "
+                        "the same spec again at once (default: %(default)s)")
     g.add_argument("--structured-check-processes", type=COUNT, default=2,
                    help="compiler children of that check (about 300 MB each): a spec that "
                         "compiles slowly holds one, and the others compile other requests' specs "
-                        "meanwhile; with --api-key one tenant may hold all but one "
-                        "(default: %(default)s)")
+                        "meanwhile; shared fairly by tenant (by peer without --api-key): a client "
+                        "alone may use all, and a client whose spec timed out holds one at a time "
+                        "for 60 s (default: %(default)s)")
+    g.add_argument("--max-grammar-queue-seconds", type=POSITIVE_SECONDS, default=10.0,
+                   help="seconds a structured-output spec may wait for a free compiler child of "
+                        "that check; past it the request gets RESOURCE_EXHAUSTED / 429. Keep it "
+                        "above --max-grammar-compile-seconds, the longest another client's slow "
+                        "spec holds a child (default: %(default)s)")
     g.add_argument("--structured-outputs-any-whitespace", action="store_true",
                    help="let JSON answers put whitespace anywhere (HTTP requests; gRPC sets "
                         "structured_output.any_whitespace itself); off by default, since small "

@@ -1,113 +1,114 @@
 """Refuses a structured-output spec that does not compile, or takes too long to, before the
 request reaches the scheduler. Compiling runs in child processes (gateway/compiler_child.py),
-each one spec at a time; past --max-grammar-compile-seconds a child is killed and started again
-in the background. A slow spec holds one child, so that with several (--structured-check-
-processes) another request's spec is compiled beside it rather than after it; with API keys a
-tenant may hold all but one of them, so that one tenant's slow specs never hold every child.
-Answers are cached by spec: the same schema is compiled once, and asked twice at once it is
-compiled once for both. A child can be spawned before the vocabulary's size is known (spawn()),
-so that its imports overlap the workers' start."""
+each one spec at a time; past --max-grammar-compile-seconds the child kills the fork that
+compiles it (a child that does not answer is killed and started again in the background). Who
+gets a free child is gateway/compile_queue.py's: a fair share per client (the tenant with API
+keys, the peer's address without), work-conserving, and a wait bounded by
+--max-grammar-queue-seconds, past which the request gets RESOURCE_EXHAUSTED / 429 instead of a
+place in a queue without end. Verdicts are cached by spec, bounded in bytes (a timeout too: the
+same slow spec sent again is refused at once); the same spec asked twice at once by one client
+is compiled once for both. A child can be spawned before the vocabulary's size is known
+(spawn()), so that its imports overlap the workers' start."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import contextvars
 import logging
 import sys
 import time
-from collections import OrderedDict
 from pathlib import Path
 from typing import Callable
 
+from gateway.compile_queue import CompilerBusy, FairQueue
 from gateway.compiler_child import TOO_SLOW, CompilerChild
+from structured.lru import BytesLru
 from structured.spec import Spec
 
-__all__ = ["TOO_SLOW", "GrammarChecker"]
+__all__ = ["CLIENT", "TOO_SLOW", "CompilerBusy", "GrammarChecker", "peer_address"]
 log = logging.getLogger(__name__)
-_CACHED = 1024
+# Verdicts: a key (64 bytes) and a reason (at most 500): the bytes bound what distinct specs cost.
+_CACHED_BYTES = 1 << 20
+_CACHED = 4096
+_ENTRY_OVERHEAD = 200  # the dict entry, the tuple and two strings' headers, roughly
+
+# Who asks, without API keys: the peer's address, set by the RPC's or HTTP request's handler
+# (a context variable, so that it reaches the check through the shared request path untouched).
+CLIENT: contextvars.ContextVar[str] = contextvars.ContextVar("grammar_client", default="")
+
+
+def peer_address(peer: str) -> str:
+    """grpc's context.peer() ("ipv4:127.0.0.1:5555", "ipv6:[::1]:5555") without its port: one
+    client's connections share one share of the compilers."""
+    if peer.startswith(("ipv4:", "ipv6:")):
+        return peer.rsplit(":", 1)[0]
+    return peer
 
 
 class GrammarChecker:
     def __init__(self, tokenizer_json: Path | None, vocabulary: Callable[[], tuple[int, list[int]]],
-                 timeout_s: float = 5.0, processes: int = 2, args: list[str] | None = None) -> None:
-        """args: the child's command line (tests run a stand-in), by default the real compiler's."""
+                 timeout_s: float = 5.0, processes: int = 2, args: list[str] | None = None,
+                 queue_s: float = 10.0) -> None:
+        """args: the child's command line (tests run a stand-in), by default the real compiler's.
+        queue_s: the longest a spec waits for a free child (--max-grammar-queue-seconds)."""
         args = args or [sys.executable, "-m", "structured.check_process", str(tokenizer_json)]
         self.processes = processes
         self._children = [CompilerChild(args, vocabulary, timeout_s) for _ in range(processes)]
-        self._idle: asyncio.Queue[CompilerChild] = asyncio.Queue()
-        for child in self._children:
-            self._idle.put_nowait(child)
-        self._answers: OrderedDict[str, str | None] = OrderedDict()
-        self._compiling: dict[str, asyncio.Future] = {}  # key -> its one compile, until answered
-        self._held: dict[str, int] = {}  # tenant -> children its compiles hold
-        self._freed = asyncio.Condition()
+        self.queue: FairQueue[CompilerChild] = FairQueue(list(self._children), queue_s,
+                                                         warm=CompilerChild.ready)
+        self._answers: BytesLru[tuple[str | None]] = BytesLru(_CACHED_BYTES, _CACHED)
+        self._compiling: dict[tuple[str, str], asyncio.Future] = {}  # (client, key) -> its compile
         self._restarts: set[asyncio.Task] = set()
 
-    async def check(self, spec: Spec, tenant: str | None = None) -> str | None:
-        """None when the spec compiles; otherwise why not. tenant (with API keys) bounds the
-        children one tenant's compiles hold at once. RuntimeError when no child starts."""
+    async def check(self, spec: Spec, client: str = "") -> str | None:
+        """None when the spec compiles; otherwise why not. client: whose share of the compilers
+        it takes (the tenant, or the peer's address without keys). CompilerBusy when no child
+        is free for it in time; RuntimeError when no child starts."""
         key = spec.key()
-        if key in self._answers:
-            self._answers.move_to_end(key)
-            return self._answers[key]
-        compiling = self._compiling.get(key)
+        cached = self._answers.get(key)
+        if cached is not None:
+            return cached[0]
+        # One compile per client and key: another client's identical spec does not wait in
+        # this client's queue.
+        asked = (client, key)
+        compiling = self._compiling.get(asked)
         if compiling is None:
-            compiling = asyncio.ensure_future(self._compile(key, spec, tenant))
-            self._compiling[key] = compiling
-            compiling.add_done_callback(lambda done: self._answered(key, done))
+            compiling = asyncio.ensure_future(self._compile(key, spec, client))
+            self._compiling[asked] = compiling
+            compiling.add_done_callback(lambda done: self._answered(asked, done))
         # Shielded: an asker that hangs up leaves the compile to finish for the others, and its
         # child's answer read, not left in the pipe for the next spec.
         return await asyncio.shield(compiling)
 
-    def _answered(self, key: str, done: asyncio.Future) -> None:
-        self._compiling.pop(key, None)
+    def _answered(self, asked: tuple[str, str], done: asyncio.Future) -> None:
+        self._compiling.pop(asked, None)
         if not done.cancelled():
             done.exception()  # retrieved, should every asker have gone
 
-    async def _compile(self, key: str, spec: Spec, tenant: str | None) -> str | None:
-        async with self._tenant_share(tenant):
-            child = await self._idle.get()
-            try:
-                answer = await child.compile(spec)
-            except BaseException:
-                self._idle.put_nowait(child)
-                raise
-            if answer is not None and answer.startswith(TOO_SLOW):
-                self._restart(child)  # killed: ready again in the background, then idle
-            else:
-                self._idle.put_nowait(child)
+    async def _compile(self, key: str, spec: Spec, client: str) -> str | None:
+        child = await self.queue.acquire(client)
+        try:
+            answer = await child.compile(spec)
+        except BaseException:
+            self.queue.release(client, child)
+            raise
+        if answer is not None and answer.startswith(TOO_SLOW):
+            self.queue.cap(client)
+        if not child.alive():
+            self._restart(child, client)  # killed: the client holds it until it is ready again
+        else:
+            self.queue.release(client, child)
         # A timeout is remembered too: the same pattern sent again must not cost the wait again.
-        self._answers[key] = answer
-        if len(self._answers) > _CACHED:
-            self._answers.popitem(last=False)
+        self._answers.put(key, (answer,), len(key) + len((answer or "").encode()) + _ENTRY_OVERHEAD)
         return answer
 
-    @contextlib.asynccontextmanager
-    async def _tenant_share(self, tenant: str | None):
-        """At most all children but one held by one tenant's compiles (none bound without keys,
-        where every client is the same tenant)."""
-        if tenant is None or self.processes < 2:
-            yield
-            return
-        async with self._freed:
-            await self._freed.wait_for(lambda: self._held.get(tenant, 0) < self.processes - 1)
-            self._held[tenant] = self._held.get(tenant, 0) + 1
-        try:
-            yield
-        finally:
-            async with self._freed:
-                self._held[tenant] -= 1
-                if not self._held[tenant]:
-                    del self._held[tenant]
-                self._freed.notify_all()
-
-    def _restart(self, child: CompilerChild) -> None:
+    def _restart(self, child: CompilerChild, client: str) -> None:
         async def restart():
             try:
                 await child.started()
             except RuntimeError as e:  # the next check on it tries again, and answers UNAVAILABLE
                 log.warning("%s", e)
             finally:
-                self._idle.put_nowait(child)
+                self.queue.release(client, child)
         task = asyncio.create_task(restart())
         self._restarts.add(task)
         task.add_done_callback(self._restarts.discard)
@@ -135,7 +136,9 @@ class GrammarChecker:
                  time.perf_counter() - started)
 
     async def close(self) -> None:
-        for task in list(self._restarts):
+        restarts = list(self._restarts)
+        for task in restarts:
             task.cancel()
+        await asyncio.gather(*restarts, return_exceptions=True)
         for child in self._children:
             await child.close()

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import http_stream, metrics
+from gateway import grammar_check, http_stream, metrics
 from gateway.client_auth import key_of, tenant_of
 from gateway.edge import EdgeConfig
 from gateway.json_body import BadBody, parse_object
@@ -247,6 +247,7 @@ class HttpApi:
 
     async def _generate(self, request: Request, body, chat: bool, tenant: str):
         self._check_model(body.model)
+        grammar_check.CLIENT.set(request.client.host if request.client else "")  # this request's task
         # Before anything proportional to n is built (the Collector holds n x prompts choices).
         widest = MAX_BEAM_WIDTH if body.use_beam_search else MAX_N
         if not 1 <= body.n <= widest:
@@ -265,7 +266,8 @@ class HttpApi:
             for r in reqs:
                 r.sampling.structured_output.CopyFrom(spec)
         try:  # before anything runs: a bad schema gets 400 naming it
-            await check_tools(checks, functools.partial(self.servicer.grammar_error, tenant=tenant))
+            await check_tools(checks, functools.partial(self.servicer.grammar_error, tenant=tenant),
+                              self.servicer.grammar_timeout)
         except ToolBadField as e:
             raise bad_request(str(e), e.param) from None
         except RpcFailed as e:

@@ -8,9 +8,11 @@ tool_choice "none" renders the tools all the same (as vLLM does, unless
 default with tools) parses calls out of free text with --tool-call-parser; "required" and a
 named function are enforced by the grammar, so their arguments always parse against the
 function's parameters. A function's `strict` is accepted: forced calls are always held to the
-schema, "auto" ones never are."""
+schema, "auto" ones never are. Only a grammar that runs is compiled: the forced call's, once
+per request and within one bound (check_tools); "auto" and "none" compile nothing."""
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from dataclasses import dataclass, field
@@ -107,18 +109,26 @@ def _spec(tag: str) -> Spec:
     return Spec("structural_tag", tag)
 
 
-async def check_tools(checks: list[ToolCheck], grammar_error) -> None:
+async def check_tools(checks: list[ToolCheck], grammar_error, budget_s: float) -> None:
     """Raises ToolBadField for the first check that does not compile. grammar_error(spec) is
-    the servicer's (the compiler's reason, or None)."""
+    the servicer's (the compiler's reason, or None). A grammar that does not compile is
+    compiled again part by part to name the function at fault, the parts together within
+    budget_s (--max-grammar-compile-seconds): one bound for the request, not one per part (128
+    functions of a slow schema each would be minutes); past it the whole grammar's reason is
+    the answer."""
     for check in checks:
         why = await grammar_error(check.spec)
         if why is None:
             continue
         if not why.startswith(TOO_SLOW):  # one by one, a slow set would cost each its bound
-            for param, part in check.parts:
-                reason = await grammar_error(part)
-                if reason is not None:
-                    raise ToolBadField(param, f"{param}: {reason}")
+            try:
+                async with asyncio.timeout(budget_s):
+                    for param, part in check.parts:
+                        reason = await grammar_error(part)
+                        if reason is not None:
+                            raise ToolBadField(param, f"{param}: {reason}")
+            except TimeoutError:
+                pass
         raise ToolBadField(check.param, f"{check.param}: {why}")
 
 
@@ -158,7 +168,7 @@ def tool_request(body, req: pagoda_pb2.GenerateRequest,
     if len(tools) > config.max_tools:  # before anything is built or compiled for them
         raise ToolBadField("tools", f"tools: {len(tools)} tools, at most {config.max_tools} are "
                                     "allowed (--max-tools)")
-    functions, parts = [], []
+    functions = []
     for i, tool in enumerate(tools):
         f = tool.function
         name = f"tools[{i}].function.name"
@@ -174,11 +184,6 @@ def tool_request(body, req: pagoda_pb2.GenerateRequest,
             raise ToolBadField(param, f"{param} is {size} bytes, at most {config.max_spec_bytes} "
                                       "are allowed (--max-structured-output-bytes)")
         functions.append({"name": f.name, "parameters": params})
-        parts.append((param, _spec(tool_call_tag(functions[-1:], _named(f.name), True))))
-    # Every function's parameters must compile, whatever tool_choice says: checked as one
-    # grammar (one compile, one --max-grammar-compile-seconds), each on its own only to name
-    # the one at fault.
-    checks = [ToolCheck("tools", _spec(tool_call_tag(functions, "required", True)), parts)]
     choice = "auto" if choice is None else choice
     named = choice.function.name if isinstance(choice, NamedToolChoice) else None
     if named is not None and all(f["name"] != named for f in functions):
@@ -188,6 +193,7 @@ def tool_request(body, req: pagoda_pb2.GenerateRequest,
         add_tools(tools, req.tools)
     parallel = body.parallel_tool_calls is not False
     tag = tool_call_tag(functions, choice if named is None else _named(named), parallel)
+    checks = []
     if tag is not None:
         if structured is not None:
             raise ToolBadField("tool_choice", f"tool_choice {named or choice!r} is enforced by a "
@@ -199,7 +205,18 @@ def tool_request(body, req: pagoda_pb2.GenerateRequest,
                                         f"{config.max_spec_bytes} are allowed "
                                         "(--max-structured-output-bytes)")
         structured = pagoda_pb2.StructuredOutput(structural_tag=tag)
-        if tag != checks[0].spec.value:
-            checks.append(ToolCheck("tool_choice", _spec(tag)))
+        checks.append(_forced_check(functions, named, tag))
     reader = FORCED_PARSER if tag is not None else None if choice == "none" else config.parser
     return ToolMode(reader, parallel, named), structured, checks
+
+
+def _forced_check(functions: list[dict], named: str | None, tag: str) -> ToolCheck:
+    """The forced call's grammar, compiled before the request runs. A named function's names its
+    parameters; "required"'s is all of them as one grammar (one compile), each on its own only
+    to name the one at fault when it does not compile."""
+    params = [f"tools[{i}].function.parameters" for i in range(len(functions))]
+    if named is not None:
+        i = next(i for i, f in enumerate(functions) if f["name"] == named)
+        return ToolCheck(params[i], _spec(tag))
+    return ToolCheck("tools", _spec(tag), [
+        (param, _spec(tool_call_tag([f], _named(f["name"]), True))) for param, f in zip(params, functions)])

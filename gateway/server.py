@@ -24,12 +24,12 @@ from typing import AsyncIterator
 
 import grpc
 
-from gateway import metrics
+from gateway import grammar_check, metrics
 from gateway.answer_budget import AnswerBudget
 from gateway.beam_request import add_completion
 from gateway.client_auth import parse_range, priority_ranges, tenant_of
 from gateway.edge import EdgeConfig
-from gateway.grammar_check import GrammarChecker
+from gateway.grammar_check import CompilerBusy, GrammarChecker
 from gateway.grpc_bounds import context_bound
 from gateway.large_inputs import Busy, LargeJobs, tokenize_response
 from gateway.response_builder import ResponseBuilder
@@ -114,6 +114,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
                                  if edge.default_tenant_priority and api_keys else None)
         self.grammar_timeout = edge.max_grammar_compile_seconds
         self.grammar_processes = edge.structured_check_processes
+        self.grammar_queue_s = edge.max_grammar_queue_seconds
         self._grammar: GrammarChecker | None = None  # started by warm_grammar, else on first use
         self._warming: asyncio.Task | None = None
         self._spawning: asyncio.Task | None = None
@@ -153,6 +154,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         started = time.monotonic()
         code = grpc.StatusCode.OK
         metrics.IN_FLIGHT.inc()
+        grammar_check.CLIENT.set(grammar_check.peer_address(context.peer()))  # this RPC's task only
         try:
             # aclosing: a cancel that lands while this handler waits at `yield` must still run
             # responses' finally (the abort) now, not whenever the generator is collected.
@@ -177,6 +179,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         started = time.monotonic()
         code = grpc.StatusCode.OK
         metrics.IN_FLIGHT.inc()
+        grammar_check.CLIENT.set(grammar_check.peer_address(context.peer()))  # this RPC's task only
         try:
             out = pagoda_pb2.GenerateResponse()
             async with aclosing(self.responses(request, started, unary=True, whole=True,
@@ -208,7 +211,8 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         if self._grammar is None:
             self._grammar = GrammarChecker(self.tokenizer.source or _tokenizer_file(self.tokenizer),
                                            lambda: (self._vocab_size, self.tokenizer.eos_token_ids or [0]),
-                                           self.grammar_timeout, self.grammar_processes)
+                                           self.grammar_timeout, self.grammar_processes,
+                                           queue_s=self.grammar_queue_s)
         return self._grammar
 
     def spawn_grammar(self) -> asyncio.Task:
@@ -230,10 +234,14 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
 
     async def grammar_error(self, spec, tenant: str = "") -> str | None:
         """Why the spec does not compile (or within --max-grammar-compile-seconds); None if it
-        does. RpcFailed UNAVAILABLE when the compiler cannot start. With API keys, tenant bounds
-        the compiler children one tenant holds."""
+        does. RpcFailed UNAVAILABLE when the compiler cannot start, RESOURCE_EXHAUSTED when none
+        is free in time. The compilers are shared fairly by tenant (by peer without API keys)."""
+        client = tenant if self.api_keys else grammar_check.CLIENT.get()
         try:
-            return await self._checker().check(spec, tenant if self.api_keys else None)
+            return await self._checker().check(spec, client)
+        except CompilerBusy as e:
+            name = "sampling.structured_output"
+            raise RpcFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{name}: {e}", name) from None
         except RuntimeError as e:  # its compiler did not start: not the request's fault
             raise RpcFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
 

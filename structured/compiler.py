@@ -3,10 +3,9 @@ keep their own). xgrammar precomputes each grammar's token masks at compile time
 costs a mask lookup (bench/grammar_backends.py; docs/design.md says why xgrammar)."""
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from pathlib import Path
 
+from structured.lru import BytesLru
 from structured.spec import Spec
 
 
@@ -33,32 +32,40 @@ def vocabulary_info(tokenizer, vocab_size: int, eos_token_ids: list[int]):
                                               stop_token_ids=list(eos_token_ids))
 
 
+# Compiled grammars kept per compiler: one can take megabytes (a long bounded repetition), so
+# the bytes bound what a client's distinct specs can make a worker hold.
+CACHE_BYTES = 256 << 20
+CACHE_ENTRIES = 256
+
+
 class GrammarCache:
-    def __init__(self, info, max_entries: int = 256, threads: int = 1) -> None:
+    def __init__(self, info, max_entries: int = CACHE_ENTRIES, threads: int = 1,
+                 max_bytes: int = CACHE_BYTES) -> None:
         import xgrammar as xgr
-        # xgrammar's own cache is off: this one is bounded by entries, and is the only one.
+        # xgrammar's own cache is off: this one is bounded by bytes and entries, and is the only one.
         self.compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+        self.info = info
         self.vocab_size = info.vocab_size
-        self.max_entries = max_entries
-        self._compiled: OrderedDict[str, object] = OrderedDict()
-        # A worker compiles on a thread of its own while its loop reads hits (worker/grammar.py):
-        # the lock covers the entries, never a compile.
-        self._lock = threading.Lock()
+        # A worker compiles on threads of its own while its loop reads hits (worker/grammar.py):
+        # the LRU's lock covers the entries, never a compile.
+        self._compiled: BytesLru[object] = BytesLru(max_bytes, max_entries)
 
     def get(self, spec: Spec):
         """The spec's CompiledGrammar; SpecError when it does not compile."""
         key = spec.key()
-        with self._lock:
-            compiled = self._compiled.get(key)
-            if compiled is not None:
-                self._compiled.move_to_end(key)
-                return compiled
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            return compiled
         compiled = spec.compile(self.compiler)
-        with self._lock:
-            self._compiled[key] = compiled
-            if len(self._compiled) > self.max_entries:
-                self._compiled.popitem(last=False)
+        self._compiled.put(key, compiled, compiled.memory_size_bytes + len(key))
         return compiled
+
+    def cached(self, spec: Spec) -> bool:
+        return spec.key() in self._compiled
+
+    @property
+    def bytes(self) -> int:
+        return self._compiled.bytes
 
     def __len__(self) -> int:
         return len(self._compiled)

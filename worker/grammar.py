@@ -12,10 +12,18 @@ sequences that need it (scheduler/grammar_waits.py), one background thread compi
 first also loads the vocabulary, seconds), and the loop answers between steps once it is done
 (compile, finished). A sequence whose grammar the cache has since evicted compiles it when it
 is added, on the loop: the cache holds far more grammars than a batch.
+
+A compile has a bound (COMPILE_TIMEOUT_S; the gateway's check refuses slow specs long before,
+so this is the backstop): past it the grammar is answered as failed, its sequences end with
+the reason, and the compiles queued behind it go on at once on a fresh thread. The thread of
+the slow one cannot be stopped (xgrammar releases the GIL while it compiles, so it takes a core,
+not the loop); while MAX_ABANDONED of them still run, a grammar the cache lacks is refused at
+once rather than started beside them.
 """
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence
 
@@ -28,15 +36,22 @@ from structured.spec import Spec, SpecError
 
 MAX_REASON_BYTES = 1000  # a compiler's reason, cut to what the scheduler accepts
 MAX_ANSWERS = 256  # per message: well inside the scheduler's bound on a worker's message
+COMPILE_TIMEOUT_S = 30.0
+MAX_ABANDONED = 2  # compiles past the bound whose threads still run
 
 
 class GrammarRows:
-    def __init__(self, make_cache: Callable[[], object]) -> None:
+    def __init__(self, make_cache: Callable[[], object], timeout_s: float = COMPILE_TIMEOUT_S) -> None:
         self._make_cache = make_cache  # built on first use: loading the vocabulary takes seconds
         self._cache = None
         self._cache_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self.timeout_s = timeout_s
         self._compiling: dict[str, Future] = {}  # key -> its compile, until finished() says
+        self._specs: dict[str, Spec | None] = {}  # key -> its spec, while compiling
+        self._began: dict[str, float] = {}  # key -> when its thread took it up (monotonic)
+        self._refused: dict[str, str] = {}  # key -> why, answered at the next finished()
+        self._abandoned: list[Future] = []  # compiles past the bound, still on their threads
         self.matchers: dict[int, object] = {}  # slot -> xgrammar GrammarMatcher
         self.failed: dict[int, str] = {}       # slot -> why it cannot go on
         # Slots whose matcher ends at a stop token (the request has some); without, it ends when
@@ -65,30 +80,67 @@ class GrammarRows:
 
     def compile(self, grammars: Sequence[internal_pb2.GrammarSpec]) -> None:
         """Start compiling what the scheduler asks for (each key once)."""
+        self._abandoned = [f for f in self._abandoned if not f.done()]
         for g in grammars:
-            if g.key in self._compiling:
+            if g.key in self._compiling or g.key in self._refused:
                 continue
             spec = Spec.from_proto(g.structured_output)
-            self._compiling[g.key] = self._thread().submit(self._compile_one, spec)
+            if len(self._abandoned) >= MAX_ABANDONED and not self._cached(spec):
+                self._refused[g.key] = (f"the worker's grammar compiler is still busy with "
+                                        f"{len(self._abandoned)} grammars that took longer than "
+                                        f"{self.timeout_s:g} s; retry later")
+                continue
+            self._submit(g.key, spec)
 
-    def _compile_one(self, spec: Spec | None) -> None:
+    def _submit(self, key: str, spec: Spec | None) -> None:
+        self._specs[key] = spec
+        self._compiling[key] = self._thread().submit(self._compile_one, key, spec)
+
+    def _cached(self, spec: Spec | None) -> bool:
+        return spec is not None and self._cache is not None and self._cache.cached(spec)
+
+    def _compile_one(self, key: str, spec: Spec | None) -> None:
+        self._began[key] = time.monotonic()
         if spec is None:
             raise SpecError("it names no kind")
         self.cache.get(spec)
 
     @property
     def compiling(self) -> bool:
-        return bool(self._compiling)
+        return bool(self._compiling or self._refused)
+
+    def _give_up_slow(self) -> None:
+        """Answers a compile past the bound as failed, and moves the compiles queued behind it
+        to a fresh thread."""
+        now = time.monotonic()
+        slow = [key for key, f in self._compiling.items() if not f.done()
+                and now - self._began.get(key, now) > self.timeout_s]
+        if not slow or self._pool is None:
+            return
+        for key in slow:
+            self._abandoned.append(self._compiling.pop(key))
+            self._specs.pop(key, None)
+            self._began.pop(key, None)
+            self._refused[key] = f"compiling it took longer than {self.timeout_s:g} s on the worker"
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = None
+        for key, f in list(self._compiling.items()):
+            if f.cancelled():
+                self._submit(key, self._specs[key])
 
     def finished(self) -> internal_pb2.GrammarsCompiled | None:
         """The compiles done since the last call, as the answer to the scheduler; None if none."""
-        if not self._compiling:  # the worker's loop asks every turn
+        if not self._compiling and not self._refused:  # the worker's loop asks every turn
             return None
+        self._give_up_slow()
         done = [key for key, f in self._compiling.items() if f.done()][:MAX_ANSWERS]
-        if not done:
+        refused = list(self._refused)[:MAX_ANSWERS - len(done)]
+        if not done and not refused:
             return None
         msg = internal_pb2.GrammarsCompiled()
         for key in done:
+            self._specs.pop(key, None)
+            self._began.pop(key, None)
             error = self._compiling.pop(key).exception()
             if error is None:
                 msg.ready.append(key)
@@ -96,6 +148,8 @@ class GrammarRows:
                 why = str(error) if isinstance(error, SpecError) else f"{type(error).__name__}: {error}"
                 why = why.encode()[:MAX_REASON_BYTES].decode(errors="ignore")
                 msg.failed.add(key=key, reason=why)
+        for key in refused:
+            msg.failed.add(key=key, reason=self._refused.pop(key))
         return msg
 
     def add(self, slot: int, sampling, output_tokens: Sequence[int]) -> None:

@@ -84,8 +84,10 @@ def test_a_conversation_with_calls_and_results_is_rendered_and_answered(client, 
 
 
 def test_a_bad_parameters_schema_is_refused_naming_it(client, model):
+    """When tool_choice runs the tools' grammar ("auto" compiles none)."""
     bad = [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "string", "pattern": "(unclosed"}}}}}]
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, messages=ASK, tools=bad, max_tokens=4)
+        client.chat.completions.create(model=model, messages=ASK, tools=bad, max_tokens=4,
+                                       tool_choice="required")
     assert e.value.body["param"] == "tools[0].function.parameters", e.value.body

@@ -1,21 +1,25 @@
 """The gateway's grammar-compiler child, started the way the gateway runs (on uvloop), with a
 stand-in child that speaks the same line protocol (the real one is exercised by the structured
 integration tests): it is started without fork(), answers, and a child that dies or stalls is
-reported and replaced; a slow spec holds one child of several, and one tenant all but one."""
+reported and replaced; a slow spec holds one child of several, a client alone all of them, and
+another client's spec waits for one compile, not for a flood (the fair queue's own tests:
+test_gateway_compile_queue.py)."""
 from __future__ import annotations
 
 import asyncio
 import os
 import sys
+import time
 
 import uvloop
 
-from gateway.grammar_check import TOO_SLOW, GrammarChecker
+from gateway.grammar_check import TOO_SLOW, CompilerBusy, GrammarChecker
 from structured.spec import Spec
 
-# Ready once told its vocabulary (the first line); answers every spec but the regex "slow" (never
-# answered) and "die" (the child exits); "told" is answered with the vocabulary and its pid;
-# "count..." and "late..." (after 0.5 s) with how many times this child compiled them.
+# Ready once told its vocabulary (the first line); answers every spec; "slow" as the real child
+# does one past its bound (timed out, after the bound), "hang" never (a wedged child), "die" by
+# exiting; "told" is answered with the vocabulary and its pid; "count..." and "late..." (after
+# 0.5 s) with how many times this child compiled them.
 STAND_IN = """
 import json, os, sys, time
 told = json.loads(sys.stdin.readline())
@@ -25,8 +29,12 @@ for line in sys.stdin:
     msg = json.loads(line)
     if msg["value"] == "die":
         sys.exit(3)
-    if msg["value"] == "slow":
+    if msg["value"] == "hang":
         time.sleep(60)
+    if msg["value"] == "slow":
+        time.sleep(told["timeout_s"])
+        print(json.dumps({"id": msg["id"], "error": None, "timed_out": True}), flush=True)
+        continue
     if msg["value"].startswith("late"):
         time.sleep(0.5)
     seen[msg["value"]] = seen.get(msg["value"], 0) + 1
@@ -62,7 +70,7 @@ def test_a_child_spawned_early_is_told_the_vocabulary_when_warmed():
             await c.close()
 
     spawned, told = uvloop.run(main())
-    assert told == f"{{'vocab_size': 49152, 'eos_token_ids': [2, 7]}} {spawned}"
+    assert told == f"{{'vocab_size': 49152, 'eos_token_ids': [2, 7], 'timeout_s': 5.0}} {spawned}"
 
 
 def test_warming_while_the_spawn_is_under_way_waits_for_it():
@@ -80,7 +88,7 @@ def test_warming_while_the_spawn_is_under_way_waits_for_it():
             await c.close()
 
     ready, told = uvloop.run(main())
-    assert ready == [True, True] and told.startswith("{'vocab_size': 49152, 'eos_token_ids': [2]}")
+    assert ready == [True, True] and told.startswith("{'vocab_size': 49152, 'eos_token_ids': [2], ")
 
 
 def test_the_compiler_child_starts_without_forking_the_gateway():
@@ -112,17 +120,37 @@ def test_a_child_that_dies_is_reported_and_replaced():
     assert uvloop.run(main()) == ("the grammar compiler failed on it", None)
 
 
-def test_a_slow_spec_times_out_and_the_next_is_answered():
+def test_a_slow_spec_times_out_in_the_child_which_goes_on_answering():
     async def main():
-        c = checker(STAND_IN, timeout_s=0.5)
+        c = checker(STAND_IN, timeout_s=0.5, processes=1)
         try:
-            return await c.check(Spec("regex", "slow")), await c.check(Spec("regex", "b+"))
+            slow = await c.check(Spec("regex", "slow"))
+            pid = c._children[0].proc.pid
+            return slow, await c.check(Spec("regex", "told")), pid
         finally:
             await c.close()
 
-    slow, after = uvloop.run(main())
+    slow, told, pid = uvloop.run(main())
     assert slow == f"{TOO_SLOW} 0.5 s (--max-grammar-compile-seconds)"
-    assert after is None
+    assert told.endswith(f" {pid}")  # the same child: a timeout costs no restart
+
+
+def test_a_child_that_does_not_answer_is_killed_past_the_backstop_and_replaced():
+    async def main():
+        c = checker(STAND_IN, timeout_s=0.5, processes=1)
+        try:
+            await c.warm()
+            pid = c._children[0].proc.pid
+            started = time.monotonic()
+            hung = await c.check(Spec("regex", "hang"))
+            took = time.monotonic() - started
+            return hung, took, await c.check(Spec("regex", "told")), pid
+        finally:
+            await c.close()
+
+    hung, took, told, pid = uvloop.run(main())
+    assert hung == f"{TOO_SLOW} 0.5 s (--max-grammar-compile-seconds)" and 2.4 < took < 3.5
+    assert not told.endswith(f" {pid}")  # a fresh child
 
 
 def test_a_child_that_never_says_ready_is_an_error_naming_its_exit():
@@ -162,23 +190,71 @@ def test_a_slow_spec_holds_one_child_and_another_spec_is_answered_meanwhile():
     assert (slow, after) == (f"{TOO_SLOW} 3 s (--max-grammar-compile-seconds)", None)
 
 
-def test_with_api_keys_one_tenant_holds_all_children_but_one():
-    """Tenant A's two slow specs: the second waits for the first, and tenant B's spec is
-    answered meanwhile in the child A may not take."""
+def test_a_lone_client_compiles_in_every_child():
     async def main():
-        c = checker(STAND_IN, timeout_s=2.0)
+        c = checker(STAND_IN)
         try:
-            (a1, a2, b), done = await _first_done(c.check(Spec("regex", "slow"), "A"),
-                                                 c.check(Spec("grammar", "slow"), "A"),
-                                                 c.check(Spec("regex", "c+"), "B"))
-            first = ([t in done for t in (a1, a2, b)], b.result())
-            return first, await a1, await a2
+            await c.warm()
+            started = time.monotonic()
+            answers = await asyncio.gather(c.check(Spec("regex", "late"), "A"),
+                                           c.check(Spec("grammar", "late"), "A"))
+            return answers, time.monotonic() - started
         finally:
             await c.close()
 
-    first, a1, a2 = uvloop.run(main())
-    assert first == ([False, False, True], None)
-    assert a1 == a2 == f"{TOO_SLOW} 2 s (--max-grammar-compile-seconds)"
+    answers, took = uvloop.run(main())
+    assert answers == ["late 1", "late 1"] and took < 0.9  # side by side: 0.5 s, not 1 s
+
+
+def test_another_clients_spec_waits_for_one_slow_compile_not_for_the_flood():
+    """Client A floods slow specs, which take both children first (nobody else asked): B's spec
+    then waits for one of them to time out, not for A's queue; and A, whose specs timed out,
+    holds one child at a time afterwards, so that B's next spec is compiled at once."""
+    async def main():
+        c = checker(STAND_IN, timeout_s=1.0)
+        try:
+            await c.warm()
+            flood = [asyncio.ensure_future(c.check(Spec("regex", "slow", (str(i),)), "A"))
+                     for i in range(6)]
+            await asyncio.sleep(0.2)
+            started = time.monotonic()
+            first = await c.check(Spec("regex", "c+"), "B")
+            first_took = time.monotonic() - started
+            waiting = sum(not f.done() for f in flood)
+            started = time.monotonic()
+            second = await c.check(Spec("regex", "d+"), "B")
+            for f in flood:
+                f.cancel()
+            return first, first_took, waiting, second, time.monotonic() - started, c.queue.held("A")
+        finally:
+            await c.close()
+
+    first, first_took, waiting, second, second_took, held = uvloop.run(main())
+    assert (first, second, held, waiting) == (None, None, 1, 4)
+    assert first_took < 1.6 and second_took < 0.3
+
+
+def test_past_the_wait_bound_a_spec_is_refused_as_busy():
+    async def main():
+        c = checker(STAND_IN, timeout_s=3.0, processes=1)
+        c.queue.wait_s = 0.5
+        try:
+            await c.warm()
+            slow = asyncio.ensure_future(c.check(Spec("regex", "slow"), "A"))
+            await asyncio.sleep(0.1)
+            started = time.monotonic()
+            try:
+                await c.check(Spec("regex", "c+"), "B")
+            except CompilerBusy as e:
+                refused = str(e), time.monotonic() - started
+            slow.cancel()
+            return refused
+        finally:
+            await c.close()
+
+    message, took = uvloop.run(main())
+    assert message.startswith("no grammar compiler was free within 0.5 s (--max-grammar-queue-seconds)")
+    assert 0.45 < took < 1.0
 
 
 def test_the_same_spec_asked_at_once_is_compiled_once():

@@ -135,8 +135,12 @@ def test_a_conversation_with_calls_and_results_renders_them(client, stack):
     (dict(tools=[WEATHER, WEATHER]), "tools[1].function.name", "twice"),
     (dict(tools=[{"type": "function", "function": {"name": "bad name"}}]), "tools[0].function.name",
      "letters"),
-    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}]),
-     "tools[0].function.parameters", "objectx"),
+    # Compiled only when tool_choice runs its grammar ("auto" compiles nothing).
+    (dict(tool_choice="required", tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "objectx"}}}]), "tools[0].function.parameters", "objectx"),
+    (dict(tool_choice={"type": "function", "function": {"name": "g"}}, tools=[TIME, {
+        "type": "function", "function": {"name": "g", "parameters": {"type": "objectx"}}}]),
+     "tools[1].function.parameters", "objectx"),
     (dict(tools=None, tool_choice="auto"), "tool_choice", "only allowed"),
     (dict(tool_choice="required", response_format={"type": "json_object"}), "tool_choice", "grammar"),
     (dict(messages=ASK + [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {

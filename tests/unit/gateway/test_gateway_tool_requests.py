@@ -6,6 +6,7 @@ text in tool results, arguments and tool definitions tokenized as plain text."""
 from __future__ import annotations
 
 import asyncio
+import time
 import dataclasses
 import json
 
@@ -47,15 +48,10 @@ def test_auto_is_the_default_and_tools_go_into_the_request():
     assert mode == ToolMode("hermes", parallel=True, named=None) and spec is None
     assert [(t.name, t.description, t.parameters) for t in req.tools] == [
         ("get_weather", "Weather now.", json.dumps(PARAMS)), ("get_time", "", "")]
-    # Every function's parameters must compile (an absent one is an empty parameter list): as
-    # one grammar, and each on its own to name the one at fault.
-    [check] = checks
-    assert (check.param, check.spec.kind) == ("tools", "structural_tag")
-    schemas = [t["content"]["json_schema"] for t in json.loads(check.spec.value)["format"]["tags"]]
-    assert schemas == [PARAMS, {"type": "object", "properties": {}}]
-    assert [(p, json.loads(part.value)["format"]["content"]["json_schema"]) for p, part in check.parts] \
-        == [("tools[0].function.parameters", PARAMS),
-            ("tools[1].function.parameters", {"type": "object", "properties": {}})]
+    # "auto" runs no grammar (the hermes parser reads calls out of free text): nothing compiles.
+    assert checks == []
+    _, _, _, checks = translate(tools=[WEATHER, TIME], tool_choice="none")
+    assert checks == []
 
 
 def test_required_and_named_choices_become_the_structural_tag():
@@ -66,9 +62,17 @@ def test_required_and_named_choices_become_the_structural_tag():
         assert mode == ToolMode("hermes", parallel=False, named=named)
         tag = json.loads(spec.structural_tag)
         assert tag["type"] == "structural_tag"
-        # The forced grammar is compiled first too (unless it is the one of every function).
-        assert [c.param for c in checks] == ["tools", "tool_choice"]
-        assert checks[-1].spec.value == spec.structural_tag
+        # Only the forced grammar is compiled: "required"'s of every function, with each on
+        # its own to name the one at fault; a named function's alone.
+        [check] = checks
+        assert check.spec.value == spec.structural_tag
+        if named is None:
+            assert check.param == "tools"
+            assert [(p, json.loads(part.value)["format"]["content"]["json_schema"]) for p, part in check.parts] \
+                == [("tools[0].function.parameters", PARAMS),
+                    ("tools[1].function.parameters", {"type": "object", "properties": {}})]
+        else:
+            assert (check.param, check.parts) == ("tools[1].function.parameters", [])
         begins = [t["begin"] for t in tag["format"].get("tags", [tag["format"]])]
         assert begins == ([f'<tool_call>\n{{"name": "{n}", "arguments": ' for n in ("get_weather", "get_time")]
                           if named is None else ['<tool_call>\n{"name": "get_time", "arguments": '])
@@ -238,23 +242,31 @@ def test_response_format_text_with_a_forced_choice_is_no_conflict():
 
 
 def test_checks_name_the_function_at_fault_but_never_compile_a_slow_set_one_by_one():
-    _, _, _, checks = translate(tools=[WEATHER, TIME, {"type": "function", "function": {
-        "name": "bad", "parameters": {"type": "objectx"}}}])
+    _, _, _, checks = translate(tool_choice="required", tools=[WEATHER, TIME, {
+        "type": "function", "function": {"name": "bad", "parameters": {"type": "objectx"}}}])
     asked = []
 
-    def compiler(answer_for_all):
+    def compiler(answer_for_all, part_s: float = 0.0):
         async def grammar_error(spec):
             asked.append(spec)
             if spec is checks[0].spec:
                 return answer_for_all
+            await asyncio.sleep(part_s)
             return "unknown type objectx" if "objectx" in spec.value else None
         return grammar_error
 
     with pytest.raises(ToolBadField) as e:
-        asyncio.run(check_tools(checks, compiler("unknown type objectx")))
+        asyncio.run(check_tools(checks, compiler("unknown type objectx"), 5.0))
     assert (e.value.param, str(e.value)) == ("tools[2].function.parameters",
                                              "tools[2].function.parameters: unknown type objectx")
     asked.clear()
     with pytest.raises(ToolBadField) as e:
-        asyncio.run(check_tools(checks, compiler(f"{TOO_SLOW} 5 s (--max-grammar-compile-seconds)")))
+        asyncio.run(check_tools(checks, compiler(f"{TOO_SLOW} 5 s (--max-grammar-compile-seconds)"), 5.0))
     assert e.value.param == "tools" and asked == [checks[0].spec]
+    # Parts that each take long: one bound for the request, then the whole grammar's reason.
+    asked.clear()
+    started = time.monotonic()
+    with pytest.raises(ToolBadField) as e:
+        asyncio.run(check_tools(checks, compiler("unknown type objectx", part_s=0.2), 0.3))
+    assert (e.value.param, str(e.value)) == ("tools", "tools: unknown type objectx")
+    assert len(asked) == 3 and time.monotonic() - started < 0.5  # the whole and two parts begun

@@ -255,3 +255,94 @@ def test_a_refusal_gives_the_compilers_reason_without_its_internals(cache, kind,
     with pytest.raises(SpecError) as refused:
         cache.get(Spec(kind, value))
     assert str(refused.value) == reason
+
+
+class _StuckCache:
+    """A cache whose compile of a regex "slow..." runs until released (a spec the gateway let
+    through but the worker compiles past its bound); others compile at once."""
+
+    def __init__(self):
+        import threading
+        self.release = threading.Event()
+        self.compiled: set[str] = set()
+
+    def get(self, spec: Spec):
+        if spec.value.startswith("slow"):
+            self.release.wait(30)
+        self.compiled.add(spec.key())
+
+    def cached(self, spec: Spec) -> bool:
+        return spec.key() in self.compiled
+
+
+def _answers_until(rows: GrammarRows, wanted: int, timeout: float = 10.0) -> internal_pb2.GrammarsCompiled:
+    import time
+    answers, deadline = internal_pb2.GrammarsCompiled(), time.monotonic() + timeout
+    while len(answers.ready) + len(answers.failed) < wanted and time.monotonic() < deadline:
+        if (msg := rows.finished()) is not None:
+            answers.MergeFrom(msg)
+        time.sleep(0.01)
+    return answers
+
+
+def test_a_compile_past_the_workers_bound_fails_and_does_not_hold_up_the_others():
+    """The gateway's check catches slow specs first; the worker's bound is the backstop. A
+    compile past it is answered as failed with the reason, the grammars queued behind it compile
+    at once on a fresh thread, and while too many abandoned compiles still run, a grammar the
+    cache lacks is refused at once (a cached one is still ready)."""
+    stuck = _StuckCache()
+    rows = GrammarRows(lambda: stuck, timeout_s=0.3)
+    try:
+        slow, quick = Spec("regex", "slow1"), Spec("regex", "a+")
+        rows.compile([_grammar_spec(slow), _grammar_spec(quick)])
+        first = _answers_until(rows, 2)
+        assert list(first.ready) == [quick.key()]
+        assert [(f.key, f.reason) for f in first.failed] == [
+            (slow.key(), "compiling it took longer than 0.3 s on the worker")]
+        rows.compile([_grammar_spec(Spec("regex", "slow2"))])
+        assert [f.reason for f in _answers_until(rows, 1).failed] == [
+            "compiling it took longer than 0.3 s on the worker"]
+        fresh, again = Spec("regex", "b+"), quick
+        rows.compile([_grammar_spec(fresh), _grammar_spec(again)])
+        third = _answers_until(rows, 2)
+        assert list(third.ready) == [again.key()]
+        assert [(f.key, f.reason) for f in third.failed] == [(fresh.key(), (
+            "the worker's grammar compiler is still busy with 2 grammars that took longer than "
+            "0.3 s; retry later"))]
+        stuck.release.set()  # the slow ones end: compiling goes on as before
+        import time
+        deadline = time.monotonic() + 5
+        while any(not f.done() for f in rows._abandoned) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        rows.compile([_grammar_spec(fresh)])
+        assert list(_answers_until(rows, 1).ready) == [fresh.key()] and not rows.compiling
+    finally:
+        stuck.release.set()
+
+
+def test_the_compiled_grammar_cache_is_bounded_in_bytes(cache):
+    """One long bounded repetition compiles to megabytes: the cache keeps what fits its bytes,
+    least recently used first out, however few the entries."""
+    from structured.compiler import GrammarCache
+    big = [Spec("regex", f"[a-z]{{1,{2000 + i}}}") for i in range(3)]
+    size = cache.get(big[0]).memory_size_bytes
+    assert size > 1 << 20  # megabytes each: entries alone would bound nothing
+    small = GrammarCache(cache.info, max_entries=100, max_bytes=int(2.5 * size))
+    for spec in big:
+        small.get(spec)
+    assert [small.cached(s) for s in big] == [False, True, True]
+    assert len(small) == 2 and small.bytes <= int(2.5 * size)
+
+
+def test_the_lru_keeps_bytes_and_entries_within_their_bounds():
+    from structured.lru import BytesLru
+    lru = BytesLru(max_bytes=100, max_entries=3)
+    for key, size in (("a", 40), ("b", 40), ("c", 10)):
+        lru.put(key, key.upper(), size)
+    assert lru.get("a") == "A"  # now the most recent: b goes first
+    lru.put("d", "D", 30)
+    assert [k for k in "abcd" if k in lru] == ["a", "c", "d"] and lru.bytes == 80
+    lru.put("e", "E", 1)  # a fourth entry: the least recent (c) goes
+    assert [k for k in "acde" if k in lru] == ["a", "d", "e"]
+    lru.put("huge", "H", 101)  # larger than the whole bound: not kept, nothing evicted
+    assert "huge" not in lru and len(lru) == 3 and lru.bytes == 71
