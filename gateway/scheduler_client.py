@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import time
 import uuid
 from typing import Awaitable, Callable
@@ -55,7 +56,7 @@ class SchedulerClient:
                  keepalive_interval: float = 1.0, lost_after: float = 3.0,
                  max_unread: int = 256, hwm: int = 1000, keys_dir: str | None = None,
                  model: str = ""):
-        # Internal ids are f"{gateway_id}-{n}": unique across gateway replicas without coordination.
+        # The routing id's; request ids no longer carry it (new_request_id).
         self.gateway_id = uuid.uuid4().hex
         self.address = address
         # None: the largest valid message from the scheduler at the default request limits.
@@ -71,7 +72,6 @@ class SchedulerClient:
         self.max_unread = max_unread
         self.hwm = hwm
         self.info: internal_pb2.ClusterInfo | None = None
-        self._counter = itertools.count()
         self._queues: dict[str, Inbox] = {}
         self._open_sequences = 0  # the sum of n over _queues: what this gateway has in flight
         self._epoch = 0  # the scheduler's, from its messages; 0 = none heard yet
@@ -127,7 +127,12 @@ class SchedulerClient:
     # ------------------------------------------------------------------ requests
 
     def new_request_id(self) -> str:
-        return f"{self.gateway_id}-{next(self._counter)}"
+        """128 random bits: a request sent without an id is answered with this one, so no
+        client may guess another's to abort it or to claim it first; unique across gateway
+        replicas without coordination as a uuid4 is (the scheduler refuses a duplicate)."""
+        while (request_id := secrets.token_hex(16)) in self._queues:
+            pass
+        return request_id
 
     def open(self, request_id: str, n: int = 1) -> Inbox:
         """Registers a request of n sequences before its AddRequest goes out, so no delta can

@@ -20,6 +20,8 @@ class Cluster(Protocol):
     workers: Mapping[bytes, Any]  # WorkerStates: their hello and scheduler
     tenants: TenantLoad
 
+    def push_out(self, tenant: str, n: int, need: int) -> bool: ...
+
 
 class Rejected(Exception):
     def __init__(self, code: str, message: str) -> None:
@@ -60,13 +62,14 @@ def check_admission(router: Cluster, add: pb.AddRequest) -> int:
                            f"prompt plus max_tokens needs {blocks} KV blocks for "
                            f"{f'beam_width={width}' if width else f'n={n}'}, "
                            f"but a worker holds only {total_blocks}")
+    if why := router.tenants.refusal(add.tenant, copies):
+        raise Rejected("RESOURCE_EXHAUSTED", why)
     num_waiting = len(router.pending) + sum(w.scheduler.num_waiting for w in router.workers.values())
-    if num_waiting + n > router.config.max_waiting_requests:
+    need = num_waiting + n - router.config.max_waiting_requests
+    if need > 0 and not router.push_out(add.tenant, copies, need):
         raise Rejected("RESOURCE_EXHAUSTED",
                        f"the waiting queue is full ({num_waiting} waiting, "
                        f"--max-waiting-requests {router.config.max_waiting_requests})")
-    if why := router.tenants.refusal(add.tenant, 1 if width else n):
-        raise Rejected("RESOURCE_EXHAUSTED", why)
     return copies
 
 

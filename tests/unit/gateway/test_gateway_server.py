@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import socket
 
 import grpc
@@ -57,7 +58,9 @@ def test_stream_text_equals_decode(run, per_delta):
             assert last.usage == pb.Usage(prompt_tokens=len(TOK.encode("Say hello")),
                                           completion_tokens=len(ids), cached_prompt_tokens=16)
             add = h.scheduler.adds[0]
-            assert add.request_id.startswith(h.gateway.client.gateway_id + "-")
+            # Not guessable, nor the gateway's routing id: 128 random bits.
+            assert re.fullmatch(r"[0-9a-f]{32}", add.request_id)
+            assert h.gateway.client.gateway_id not in add.request_id
             assert h.scheduler.aborts == []  # finished by the scheduler: nothing to abort
     run(body())
 
