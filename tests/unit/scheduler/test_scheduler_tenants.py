@@ -3,11 +3,12 @@ every tenant shares, and whatever way a request ends gives its tenant's room bac
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from proto import internal_pb2 as pb, pagoda_pb2
 from scheduler.router import Rejected
 from tests.fake_worker import FakeWorker, reference_output
-from tests.unit.scheduler.test_scheduler import GW, make_router, run, step, with_workers
+from tests.unit.scheduler.test_scheduler import GW, check, make_router, run, step, with_workers
 
 
 def add(router, rid, tenant, n=1, max_tokens=6):
@@ -59,7 +60,9 @@ def test_a_full_queue_refuses_the_tenant_that_fills_it_and_pushes_out_for_anothe
         add(router, "r5", "ka/")
     assert e.value.message.startswith("the waiting queue is full (5 waiting")
     add(router, "b0", "kb/")  # r4 makes room
+    check(router)
     add(router, "b1", "kb/")  # r3: a keeps 3, b holds 2
+    check(router)
     with pytest.raises(Rejected) as e:
         add(router, "b2", "kb/")  # b would hold more than a
     assert e.value.message.startswith("the waiting queue is full (5 waiting")
@@ -129,3 +132,49 @@ def test_an_idle_tenant_banks_no_credit():
         add(router, f"b{i}", "kb/", max_tokens=4)
     add(router, "a3", "ka/", max_tokens=4)
     assert first_token_order(router, workers) == ["b0", "a3", "b1", "b2"]
+
+
+def in_flight_by_tenant(router) -> dict[str, int]:
+    """What the quota should count: each request's sequences (a beam search its width)."""
+    held: dict[str, int] = {}
+    for seqs in router.seqs.values():
+        group = seqs[0].group
+        held[seqs[0].tenant] = held.get(seqs[0].tenant, 0) + (
+            group.seats if group.picks_tokens else len(seqs))
+    return held
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "add_n", "beam", "step", "abort"]),
+                              st.sampled_from(["ka/", "kb/", "kc/"]), st.integers(0, 10 ** 6)),
+                    min_size=1, max_size=50))
+def test_quotas_push_outs_and_fair_order_keep_the_books_and_the_blocks(ops):
+    router = make_router(max_num_seqs=4, max_waiting_requests=6, max_seqs_per_tenant=7)
+    workers = with_workers(router, FakeWorker(40, block_size=4))
+    out, ids = {}, []
+    for op, tenant, x in ops:
+        rid = f"r{len(ids)}"
+        try:
+            if op == "beam":
+                router.add(GW, pb.AddRequest(
+                    request_id=rid, prompt_token_ids=[3, 4, x % 100 + 1], max_tokens=4,
+                    sampling=pb.SamplingConfig(), tenant=tenant,
+                    beam_search=pagoda_pb2.BeamSearchParams(beam_width=2 + x % 2)))
+            elif op in ("add", "add_n"):
+                add(router, rid, tenant, n=2 + x % 2 if op == "add_n" else 1, max_tokens=1 + x % 6)
+            ids.append(rid)
+        except Rejected as e:
+            assert e.code == "RESOURCE_EXHAUSTED", e.message
+        if op == "step":
+            step(router, workers, out)
+        elif op == "abort" and ids:
+            router.abort(ids[x % len(ids)])
+        check(router)
+        assert router.tenants.in_flight == in_flight_by_tenant(router)
+        assert all(v <= 7 for v in router.tenants.in_flight.values())
+    run(router, workers, out)
+    assert router.tenants.in_flight == {} and router.seqs == {}
+    (state,) = router.workers.values()
+    assert state.scheduler.kv.num_free == state.scheduler.kv.num_blocks
+    for (rid, _), entry in out.items():  # nothing ends in error but a push-out
+        assert entry["error"] in ("", "RESOURCE_EXHAUSTED"), entry
