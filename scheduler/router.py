@@ -199,44 +199,18 @@ class Router:
     def abort_gateway(self, gateway: bytes, error: pb.Error) -> int:
         """The gateway's lease lapsed: end every request it streams, freeing their blocks, each
         with `error` (delivered should the gateway still be there). Returns how many."""
-        ids = [rid for rid, seqs in self.seqs.items() if seqs[0].gateway == gateway]
-        for rid in ids:
-            for req in self.seqs[rid]:
-                if not req.is_finished:
-                    self._end(req)
-                    req.finish_reason = FinishReason.ERROR
-                    self._emit(req, error=error)
-            self._forget(rid)
+        self.end_requests(ids := [rid for rid, seqs in self.seqs.items() if seqs[0].gateway == gateway], error)
         return len(ids)
 
-    def push_out(self, tenant: str, n: int, need: int) -> bool:
-        """The waiting queue is full and `tenant` asks for n sequences: end the newest waiting
-        requests of the tenant holding the most, so that `need` sequences' room is free, if that
-        tenant keeps at least as many as `tenant` will hold. A share shrinks while others wait;
-        False (nothing ended) when `tenant` holds its share already."""
-        held = self.tenants.in_flight
-        victim = max((t for t in held if t != tenant), key=held.__getitem__, default=None)
-        if victim is None or held[tenant] + n > held[victim] - n:
-            return False
-        chosen, freed = [], 0
-        for handle in self.tenants.newest_waiting(victim):
-            chosen.append(handle.request_id)
-            freed += sum(r.status is Status.WAITING for r in self.seqs.get(handle.request_id, ()))
-            if freed >= need:
-                break
-        if freed < need:
-            return False
-        error = pb.Error(code="RESOURCE_EXHAUSTED", message=(
-            "the waiting queue is full and another tenant's request took this one's place "
-            "(each tenant keeps a fair share of it); retry later"))
-        for rid in chosen:
-            for req in self.seqs[rid]:
+    def end_requests(self, ids, error: pb.Error) -> None:
+        """End these requests' sequences with `error`, freeing their blocks."""
+        for rid in ids:
+            for req in self.seqs.get(rid, ()):
                 if not req.is_finished:
                     self._end(req)
                     req.finish_reason = FinishReason.ERROR
                     self._emit(req, error=error)
             self._forget(rid)
-        return True
 
     def refuse(self, gateway: bytes, request_id: str, error: pb.Error) -> None:
         """The answer to an add that never became a request. It waits in the gateway's outbox
