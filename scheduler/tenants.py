@@ -58,7 +58,12 @@ class TenantLoad:
     def admit(self, handle: Request, n: int) -> None:
         """A request of n sequences (handle: its first, or its beam search's) was admitted."""
         self.in_flight[handle.tenant] += n
-        self.lines.setdefault(handle.tenant, deque()).append(handle)
+        line = self.lines.setdefault(handle.tenant, deque())
+        line.append(handle)
+        if len(line) > 2 * self.in_flight[handle.tenant] + 8:
+            # Ended ones stuck behind a front that still waits: dropped now, so that the line
+            # holds no more than twice what the tenant has in flight (amortized once per entry).
+            self.lines[handle.tenant] = deque(r for r in line if _waits(r))
 
     def release(self, tenant: str, n: int) -> None:
         left = self.in_flight[tenant] - n

@@ -6,7 +6,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from proto import internal_pb2 as pb, pagoda_pb2
+from scheduler.request import Request, Status
 from scheduler.router import Rejected
+from scheduler.tenants import TenantLoad
 from tests.fake_worker import FakeWorker, reference_output
 from tests.unit.scheduler.test_scheduler import GW, check, make_router, run, step, with_workers
 
@@ -178,3 +180,23 @@ def test_quotas_push_outs_and_fair_order_keep_the_books_and_the_blocks(ops):
     assert state.scheduler.kv.num_free == state.scheduler.kv.num_blocks
     for (rid, _), entry in out.items():  # nothing ends in error but a push-out
         assert entry["error"] in ("", "RESOURCE_EXHAUSTED"), entry
+
+
+def test_a_tenants_line_keeps_no_ended_requests_behind_one_that_still_waits():
+    """The line of a tenant whose oldest request waits (say, for a grammar) while its later ones
+    run and end holds at most about twice what the tenant has in flight."""
+    load = TenantLoad(0)
+
+    def request(rid: str) -> Request:
+        req = Request(seq_id=f"{rid}#0", request_id=rid, index=0, gateway=GW, prompt_token_ids=[1],
+                      sampling=pb.SamplingConfig(), max_tokens=1, tenant="ka/")
+        req.arrival = load.tag("ka/", 1)
+        load.admit(req, 1)
+        return req
+
+    held = request("held")
+    for i in range(200):
+        request(f"r{i}").status = Status.FINISHED
+        load.release("ka/", 1)
+        assert len(load.lines["ka/"]) <= 2 * 2 + 8  # twice its most in flight (2), plus 8
+    assert load.head() == held.arrival  # the one that waits is still the head of the line
