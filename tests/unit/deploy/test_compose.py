@@ -294,17 +294,15 @@ def test_the_keys_service_makes_an_api_key_once_and_prints_it_that_once(tmp_path
     assert "kept" in again and key not in again and path.read_text().strip() == key
 
 
-def gateway_environment(env: dict, key_file: Path) -> str:
-    """PAGODA_API_KEY as the gateway's process gets it: its entrypoint run by sh, as Docker runs
-    it, with compose's $$ read as $ and the key file at key_file."""
+def gateway_environment(env: dict, key_file: Path) -> subprocess.CompletedProcess:
+    """The gateway's process started by its entrypoint, run by sh as Docker runs it (compose's $$
+    read as $, the key file at key_file): it prints the PAGODA_API_KEY it got."""
     gateway = services()["gateway"]
     entry = [w.replace("$$", "$").replace("/keys/api-key", str(key_file)) for w in gateway["entrypoint"]]
     assert expand(gateway["environment"]["PAGODA_API_KEY"], env) == env.get("PAGODA_API_KEY", "")
-    out = subprocess.run([*entry, sys.executable, "-c", "import os; print(os.environ['PAGODA_API_KEY'])"],
-                         env={"PATH": os.environ["PATH"], "PAGODA_API_KEY": env.get("PAGODA_API_KEY", "")},
-                         capture_output=True, text=True, timeout=30)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip()
+    return subprocess.run([*entry, sys.executable, "-c", "import os; print(os.environ['PAGODA_API_KEY'])"],
+                          env={"PATH": os.environ["PATH"], "PAGODA_API_KEY": env.get("PAGODA_API_KEY", "")},
+                          capture_output=True, text=True, timeout=30)
 
 
 def test_the_gateway_serves_with_the_made_api_key_unless_the_host_gives_one(tmp_path):
@@ -313,8 +311,11 @@ def test_the_gateway_serves_with_the_made_api_key_unless_the_host_gives_one(tmp_
     assert ENV_API_KEY == "PAGODA_API_KEY"
     make_api_key(tmp_path)
     made = (tmp_path / "api-key").read_text().strip()
-    assert gateway_environment({}, tmp_path / "api-key") == made
-    assert gateway_environment({"PAGODA_API_KEY": "own-key"}, tmp_path / "api-key") == "own-key"
+    assert gateway_environment({}, tmp_path / "api-key").stdout.strip() == made
+    assert gateway_environment({"PAGODA_API_KEY": "own-key"}, tmp_path / "api-key").stdout.strip() == "own-key"
+    # No key at all: the gateway does not start, rather than serve without one.
+    out = gateway_environment({}, tmp_path / "missing")
+    assert out.returncode == 1 and out.stdout == "" and f"no API key in {tmp_path / 'missing'}" in out.stderr
     gateway = services()["gateway"]
     assert shlex.split(gateway["command"])[:3] == ["python", "-m", "gateway.main"]
     assert "--api-key" not in gateway["command"]
