@@ -23,7 +23,7 @@ import grpc
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import grammar_check, http_stream, metrics
@@ -83,6 +83,7 @@ class HttpApi:
         route("/tokenize", self.tokenize, methods=["POST"])
         route("/detokenize", self.detokenize, methods=["POST"])
         route("/health", self.health, methods=["GET"])
+        self.cluster_gauges = metrics.ClusterGauges(self.client)
         route("/metrics", self.metrics, methods=["GET"])
 
     # ------------------------------------------------------------------ plumbing
@@ -370,7 +371,12 @@ class HttpApi:
         return Response(status_code=200 if ok else 503)
 
     async def metrics(self) -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        """The cluster's gauges only (metrics.ClusterGauges); the gateway's own registry is on
+        --gateway-metrics-port."""
+        page = await self.cluster_gauges.page()
+        if page is None:
+            return Response("the scheduler did not answer\n", status_code=503, media_type="text/plain")
+        return Response(page, media_type=CONTENT_TYPE_LATEST)
 
 
 class _Aborted(Exception):

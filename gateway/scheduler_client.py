@@ -17,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import time
 import uuid
+from collections import Counter
 from typing import Awaitable, Callable
 
 import zmq
@@ -55,7 +57,7 @@ class SchedulerClient:
                  keepalive_interval: float = 1.0, lost_after: float = 3.0,
                  max_unread: int = 256, hwm: int = 1000, keys_dir: str | None = None,
                  model: str = ""):
-        # Internal ids are f"{gateway_id}-{n}": unique across gateway replicas without coordination.
+        # The routing id's; request ids no longer carry it (new_request_id).
         self.gateway_id = uuid.uuid4().hex
         self.address = address
         # None: the largest valid message from the scheduler at the default request limits.
@@ -71,9 +73,10 @@ class SchedulerClient:
         self.max_unread = max_unread
         self.hwm = hwm
         self.info: internal_pb2.ClusterInfo | None = None
-        self._counter = itertools.count()
         self._queues: dict[str, Inbox] = {}
         self._open_sequences = 0  # the sum of n over _queues: what this gateway has in flight
+        self._held: Counter[str] = Counter()  # the same by tenant, of those opened with one
+        self._tenant_of: dict[str, str] = {}
         self._epoch = 0  # the scheduler's, from its messages; 0 = none heard yet
         self._seq = 0    # the last message's sequence number on this link
         self._calls: dict[int, asyncio.Future] = {}
@@ -127,12 +130,17 @@ class SchedulerClient:
     # ------------------------------------------------------------------ requests
 
     def new_request_id(self) -> str:
-        return f"{self.gateway_id}-{next(self._counter)}"
+        """128 random bits: a request sent without an id is answered with this one, so no
+        client may guess another's to abort it or to claim it first; unique across gateway
+        replicas without coordination as a uuid4 is (the scheduler refuses a duplicate)."""
+        while (request_id := secrets.token_hex(16)) in self._queues:
+            pass
+        return request_id
 
-    def open(self, request_id: str, n: int = 1) -> Inbox:
+    def open(self, request_id: str, n: int = 1, tenant: str | None = None) -> Inbox:
         """Registers a request of n sequences before its AddRequest goes out, so no delta can
-        arrive unrouted."""
-        if not self.has_room(n):
+        arrive unrouted. tenant: whose it is (has_room)."""
+        if not self.has_room(n, tenant):
             limit = self.info.max_sequences if self.info is not None else 0
             raise SchedulerBusy(
                 f"the scheduler is full: this gateway has {self._open_sequences} sequences in "
@@ -141,16 +149,32 @@ class SchedulerClient:
         inbox = Inbox(request_id, self.max_unread, n)
         self._queues[request_id] = inbox
         self._open_sequences += n
+        if tenant is not None:
+            self._tenant_of[request_id] = tenant
+            self._held[tenant] += n
         return inbox
 
-    def has_room(self, n: int = 1) -> bool:
+    def has_room(self, n: int = 1, tenant: str | None = None) -> bool:
+        """Whether n more sequences fit what the scheduler holds. Past that, a tenant holding
+        fewer than another may still send (up to twice the bound in all): the scheduler gives it
+        the place of that one's newest waiting request (scheduler/admission.py push_out)."""
         limit = self.info.max_sequences if self.info is not None else 0
-        return not limit or self._open_sequences + n <= limit
+        if not limit or self._open_sequences + n <= limit:
+            return True
+        if tenant is None or self._open_sequences + n > 2 * limit:
+            return False
+        most = max((held for t, held in self._held.items() if t != tenant), default=0)
+        return self._held[tenant] + n <= most - n
 
     def release(self, request_id: str) -> None:
         inbox = self._queues.pop(request_id, None)
         if inbox is not None:
             self._open_sequences -= inbox.n
+        tenant = self._tenant_of.pop(request_id, None)
+        if tenant is not None and inbox is not None:
+            self._held[tenant] -= inbox.n
+            if not self._held[tenant]:
+                del self._held[tenant]
 
     def add(self, add: internal_pb2.AddRequest) -> None:
         if not self._send(internal_pb2.GatewayMessage(add=add)):

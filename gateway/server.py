@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hmac
 import logging
 import os
 import tempfile
@@ -377,8 +378,13 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
 
     @_unary
     async def GetLoads(self, request, context) -> pagoda_pb2.GetLoadsResponse:
-        reply = await self.client.call(internal_pb2.Call(get_loads=True))
-        return reply.loads
+        loads = (await self.client.call(internal_pb2.Call(get_loads=True))).loads
+        # A worker's id is its hostname and pid by default: clients see a label instead, the same
+        # for the same worker on this gateway, that names neither (the scheduler's metrics do).
+        for w in loads.workers:
+            w.worker_id = "worker-" + hmac.new(self.client.gateway_id.encode(), w.worker_id.encode(),
+                                               "sha256").hexdigest()[:12]
+        return loads
 
     @_unary
     async def GetModelInfo(self, request, context) -> pagoda_pb2.ModelInfo:

@@ -5,6 +5,7 @@ from collections.abc import Mapping, Sized
 from typing import TYPE_CHECKING, Any, Protocol
 
 from proto import internal_pb2 as pb
+from scheduler.request import Status
 
 if TYPE_CHECKING:
     from scheduler.scheduler_config import RouterConfig
@@ -19,6 +20,8 @@ class Cluster(Protocol):
     pending: Sized              # sequences no worker has taken yet
     workers: Mapping[bytes, Any]  # WorkerStates: their hello and scheduler
     tenants: TenantLoad
+
+    def end_requests(self, ids, error: pb.Error) -> None: ...
 
 
 class Rejected(Exception):
@@ -60,14 +63,39 @@ def check_admission(router: Cluster, add: pb.AddRequest) -> int:
                            f"prompt plus max_tokens needs {blocks} KV blocks for "
                            f"{f'beam_width={width}' if width else f'n={n}'}, "
                            f"but a worker holds only {total_blocks}")
+    if why := router.tenants.refusal(add.tenant, copies):
+        raise Rejected("RESOURCE_EXHAUSTED", why)
     num_waiting = len(router.pending) + sum(w.scheduler.num_waiting for w in router.workers.values())
-    if num_waiting + n > router.config.max_waiting_requests:
+    need = num_waiting + n - router.config.max_waiting_requests
+    if need > 0 and not push_out(router, add.tenant, copies, need):
         raise Rejected("RESOURCE_EXHAUSTED",
                        f"the waiting queue is full ({num_waiting} waiting, "
                        f"--max-waiting-requests {router.config.max_waiting_requests})")
-    if why := router.tenants.refusal(add.tenant, 1 if width else n):
-        raise Rejected("RESOURCE_EXHAUSTED", why)
     return copies
+
+
+PUSHED_OUT = ("the waiting queue is full and another tenant's request took this one's place "
+              "(each tenant keeps a fair share of it); retry later")
+
+
+def push_out(router: Cluster, tenant: str, n: int, need: int) -> bool:
+    """The waiting queue is full and `tenant` asks for n sequences: end the newest waiting
+    requests of the tenant holding the most, so that `need` sequences' room is free, if that
+    tenant keeps at least as many as `tenant` will hold (else the next that does and has enough
+    waiting). A share shrinks only while others wait; False (nothing ended) when `tenant` holds
+    its share already."""
+    held = router.tenants.in_flight
+    for victim in sorted((t for t in held if t != tenant), key=held.__getitem__, reverse=True):
+        if held[tenant] + n > held[victim] - n:
+            return False  # nor any after it: they hold fewer
+        chosen, freed = [], 0
+        for handle in router.tenants.newest_waiting(victim):
+            chosen.append(handle.request_id)
+            freed += sum(r.status is Status.WAITING for r in router.seqs.get(handle.request_id, ()))
+            if freed >= need:
+                router.end_requests(chosen, pb.Error(code="RESOURCE_EXHAUSTED", message=PUSHED_OUT))
+                return True
+    return False
 
 
 def seeded_sampling(add: pb.AddRequest, index: int) -> pb.SamplingConfig:

@@ -51,7 +51,6 @@ class Router:
         self.seqs: dict[str, list[Request]] = {}  # request id -> its n sequences
         self.public: dict[str, str] = {}          # public (client) id -> request id, in flight
         self.tenants = TenantLoad(config.max_seqs_per_tenant)  # counts what seqs holds
-        self.arrivals = itertools.count()
         # Every registration's step ids start at its epoch << 32: ids never repeat across
         # registrations, so a late result of an earlier one is recognised and dropped.
         self.epochs = itertools.count(1)
@@ -145,14 +144,14 @@ class Router:
     def add(self, gateway: bytes, add: pb.AddRequest) -> None:
         """Admit a request or raise Rejected: one that can never fit is refused now, not left
         waiting forever."""
-        check_admission(self, add)
+        copies = check_admission(self, add)
         width = add.beam_search.beam_width
         n = 1 if width else max(1, add.n)  # a beam search is one handle (scheduler/beam_search.py)
         reqs = [Request(seq_id=f"{add.request_id}#0", request_id=add.request_id, index=0,
                         gateway=gateway, prompt_token_ids=list(add.prompt_token_ids),
                         sampling=seeded_sampling(add, 0), max_tokens=add.max_tokens,
                         ignore_eos=add.ignore_eos, stop_token_ids=frozenset(add.stop_token_ids),
-                        priority=add.priority, arrival=next(self.arrivals),
+                        priority=add.priority, arrival=self.tenants.tag(add.tenant, copies),
                         public_id=add.public_id, arrival_time=time.monotonic(),
                         cache_salt=add.cache_salt, tenant=add.tenant, final_only=add.final_only)]
         reqs += [reqs[0].derive(seq_id=f"{add.request_id}#{i}", index=i,
@@ -162,7 +161,7 @@ class Router:
         if width:
             reqs[0].group = BeamSearch.of(reqs[0], add.beam_search)
         self.seqs[add.request_id] = reqs
-        self.tenants.admit(add.tenant, len(reqs))
+        self.tenants.admit(reqs[0], copies)  # a beam search counts its width
         if add.public_id:
             self.public[add.public_id] = add.request_id
         if n == 1:
@@ -200,15 +199,18 @@ class Router:
     def abort_gateway(self, gateway: bytes, error: pb.Error) -> int:
         """The gateway's lease lapsed: end every request it streams, freeing their blocks, each
         with `error` (delivered should the gateway still be there). Returns how many."""
-        ids = [rid for rid, seqs in self.seqs.items() if seqs[0].gateway == gateway]
+        self.end_requests(ids := [rid for rid, seqs in self.seqs.items() if seqs[0].gateway == gateway], error)
+        return len(ids)
+
+    def end_requests(self, ids, error: pb.Error) -> None:
+        """End these requests' sequences with `error`, freeing their blocks."""
         for rid in ids:
-            for req in self.seqs[rid]:
+            for req in self.seqs.get(rid, ()):
                 if not req.is_finished:
                     self._end(req)
                     req.finish_reason = FinishReason.ERROR
                     self._emit(req, error=error)
             self._forget(rid)
-        return len(ids)
 
     def refuse(self, gateway: bytes, request_id: str, error: pb.Error) -> None:
         """The answer to an add that never became a request. It waits in the gateway's outbox
@@ -236,7 +238,8 @@ class Router:
     def _forget(self, request_id: str) -> None:
         seqs = self.seqs.pop(request_id, None)
         if seqs:
-            self.tenants.release(seqs[0].tenant, len(seqs))
+            group = seqs[0].group
+            self.tenants.release(seqs[0].tenant, group.seats if group.picks_tokens else len(seqs))
             self.public.pop(seqs[0].public_id, None)
 
     def loads(self) -> pagoda_pb2.GetLoadsResponse:

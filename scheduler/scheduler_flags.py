@@ -35,9 +35,10 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "declared hung, dropped, and its sequences recomputed elsewhere (0 = off)")
     g.add_argument("--max-seqs-per-tenant", type=int_at_least(0), default=0,
                    help="sequences one tenant (an API key of the gateway's) may have waiting "
-                        "or running at once; past it, RESOURCE_EXHAUSTED, so that one tenant "
-                        "cannot fill the waiting queue every tenant shares (0 = no bound but "
-                        "--max-waiting-requests)")
+                        "or running at once (n each, a beam search its width); past it, "
+                        "RESOURCE_EXHAUSTED (0 = no bound: tenants wait in fair order, and a "
+                        "full --max-waiting-requests gives a tenant holding fewer the place of "
+                        "the newest waiting request of the one holding most)")
     g.add_argument("--max-step-failures", type=int_at_least(0), default=2,
                    help="a sequence whose step was lost with its worker (it died or timed out "
                         "during it) on this many workers in a row ends with INTERNAL instead of "

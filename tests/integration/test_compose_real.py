@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -59,8 +60,10 @@ class Stack:
                     # to the undisturbed tokens, which fp32 keeps; bf16 rounds a recomputed prefill
                     # differently from the decode steps it replaces (docs/faults.md).
                     "PAGODA_DTYPE": "float32"}
+        self.env.pop("PAGODA_API_KEY", None)  # the keys service's own, as a user gets it
         self.cli = [*cli, "-p", self.project, "-f", str(ROOT / "docker-compose.yml")]
         self.target = f"127.0.0.1:{self.ports['GRPC']}"
+        self._key = ""
 
     def compose(self, *args: str, timeout: float = 180) -> str:
         out = subprocess.run([*self.cli, *args], cwd=ROOT, env=self.env, capture_output=True,
@@ -84,12 +87,31 @@ class Stack:
     def stub(self, ch: grpc.Channel) -> pagoda_pb2_grpc.GenerationStub:
         return pagoda_pb2_grpc.GenerationStub(ch)
 
+    @property
+    def key(self) -> str:
+        """The API key the keys service made and printed once: the line after it says so."""
+        if not self._key:
+            lines = self.compose("logs", "--no-color", "keys").splitlines()
+            (said,) = [i for i, ln in enumerate(lines) if "made the gateway's API key" in ln]
+            self._key = lines[said + 1].split()[-1]
+        return self._key
+
+    @property
+    def auth(self) -> tuple:
+        return (("authorization", f"Bearer {self.key}"),)
+
     def workers(self) -> list[pb.WorkerLoad]:
         with grpc.insecure_channel(self.target) as ch:
             try:
-                return list(self.stub(ch).GetLoads(pb.GetLoadsRequest(), timeout=5).workers)
+                return list(self.stub(ch).GetLoads(pb.GetLoadsRequest(), metadata=self.auth,
+                                                   timeout=5).workers)
             except grpc.RpcError:
                 return []
+
+    def scheduler_metrics(self) -> str:
+        """The scheduler's full registry, on its loopback port: the operator's view."""
+        url = f"http://127.0.0.1:{self.ports['SCHEDULER_METRICS']}/metrics"
+        return urllib.request.urlopen(url, timeout=5).read().decode()
 
     def wait(self, what: str, ready, timeout: float = 180):
         deadline = time.monotonic() + timeout
@@ -122,11 +144,18 @@ def stack():
             s.down()
 
 
-def test_the_readme_command_serves(stack):
+def test_the_readme_command_serves_with_the_api_key_it_printed_once(stack):
     readme = (ROOT / "README.md").read_text()
     assert "`docker compose up`" in readme
     stack.compose("up", "-d")
     stack.serving(workers=1)
+    (gateway,) = stack.containers("gateway")
+    assert docker("exec", gateway, "cat", "/keys/api-key").strip() == stack.key
+    assert len(stack.key) == 43
+    with grpc.insecure_channel(stack.target) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            stack.stub(ch).Generate(LONG, timeout=30)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_the_readmes_grpcurl_call_answers(stack):
@@ -135,6 +164,7 @@ def test_the_readmes_grpcurl_call_answers(stack):
                 if ln.startswith(".venv/bin/grpcurl") and '"messages"' in ln)
     words = [w.replace("127.0.0.1:50051", stack.target) for w in shlex.split(line)]
     words[0] = str(ROOT / words[0])
+    words[1:1] = ["-H", f"authorization: Bearer {stack.key}"]  # docs/compose.md's form
     out = subprocess.run(words, capture_output=True, text=True, timeout=60, check=True).stdout
     messages, decoder, at = [], json.JSONDecoder(), 0
     while (at := out.find("{", at)) >= 0:
@@ -152,11 +182,20 @@ def test_the_readmes_grpcurl_call_answers(stack):
 def test_the_openai_sdk_answers(stack):
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"http://127.0.0.1:{stack.ports['HTTP']}/v1", api_key="unused")
+    client = OpenAI(base_url=f"http://127.0.0.1:{stack.ports['HTTP']}/v1", api_key=stack.key)
     out = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0,
                                          messages=[{"role": "user", "content": "Name three colors."}])
     assert out.choices[0].message.content.strip()
     assert out.usage.completion_tokens > 0
+
+
+def test_public_metrics_are_the_cluster_gauges_alone_and_the_full_registry_stays_on_its_port(stack):
+    page = urllib.request.urlopen(f"http://127.0.0.1:{stack.ports['HTTP']}/metrics", timeout=10).read().decode()
+    names = {ln.split("{")[0] for ln in page.splitlines() if ln and not ln.startswith("#")}
+    assert names == {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"}
+    full = urllib.request.urlopen(f"http://127.0.0.1:{stack.ports['GATEWAY_METRICS']}/metrics",
+                                  timeout=10).read().decode()
+    assert "pagoda_gateway_requests_total" in full
 
 
 def key_files(role: str) -> set[str]:
@@ -172,10 +211,11 @@ def test_each_container_holds_only_its_roles_keys_readable_by_its_user(stack):
         (container,) = stack.containers(role)
         listing = docker("exec", container, "find", "/keys", "-type", "f", "-printf", r"%m %U %P\n")
         files = {path: (mode, uid) for mode, uid, path in (ln.split() for ln in listing.splitlines())}
-        assert set(files) == key_files(role), role
+        # The gateway holds the public side's API key beside its CURVE keys.
+        assert set(files) == key_files(role) | ({"api-key"} if role == "gateway" else set()), role
         assert all(uid == "10001" for _, uid in files.values()), (role, files)
-        assert all(mode == "600" for path, (mode, _) in files.items() if path.endswith("_secret")), \
-            (role, files)
+        assert all(mode == "600" for path, (mode, _) in files.items()
+                   if path.endswith("_secret") or path == "api-key"), (role, files)
 
 
 def test_the_worker_runs_the_cpu_matmul_kernel(stack):
@@ -213,19 +253,21 @@ def test_scaled_to_two_workers_getloads_lists_both(stack):
                    == "healthy", timeout=60)
 
 
-def worker_container(stack: Stack, worker_id: str) -> str:
-    """Default worker ids are <hostname>-<pid>, and a container's hostname is its short id."""
-    host = worker_id.rsplit("-", 1)[0]
-    return next(c for c in stack.containers("worker") if c.startswith(host))
+def busy_worker_container(stack: Stack) -> str | None:
+    """A worker container with sequences running, from the scheduler's metrics (GetLoads names
+    no worker's host): default worker ids are <hostname>-<pid>, a container's hostname its short id."""
+    running = re.findall(r'^pagoda_num_requests_running\{worker="([^"]+)"\} (\S+)$',
+                         stack.scheduler_metrics(), re.M)
+    host = next((wid.rsplit("-", 1)[0] for wid, n in running if float(n) > 0), None)
+    return next((c for c in stack.containers("worker") if host and c.startswith(host)), None)
 
 
 def test_a_killed_workers_streams_finish_on_the_other(stack):
     with grpc.insecure_channel(stack.target) as ch:
-        undisturbed = list(stack.stub(ch).Generate(LONG, timeout=120).token_ids)
-        streams = [Stream(stack.stub(ch), LONG, timeout=180) for _ in range(4)]
-        busy = stack.wait("streaming on a worker", lambda: all(len(s.tokens) >= 4 for s in streams)
-                          and next((w for w in stack.workers() if w.running), None), timeout=60)
-        container = worker_container(stack, busy.worker_id)
+        undisturbed = list(stack.stub(ch).Generate(LONG, metadata=stack.auth, timeout=120).token_ids)
+        streams = [Stream(stack.stub(ch), LONG, timeout=180, metadata=stack.auth) for _ in range(4)]
+        container = stack.wait("streaming on a worker", lambda: all(len(s.tokens) >= 4 for s in streams)
+                               and busy_worker_container(stack), timeout=60)
         os.kill(int(stack.inspect(container, "{{.State.Pid}}")), signal.SIGKILL)
         for s in streams:
             s.join(180)
@@ -239,7 +281,7 @@ def test_a_killed_scheduler_comes_back_by_itself(stack):
     (container,) = stack.containers("scheduler")
     restarts = int(stack.inspect(container, "{{.RestartCount}}"))
     with grpc.insecure_channel(stack.target) as ch:
-        stream = Stream(stack.stub(ch), LONG, timeout=120)
+        stream = Stream(stack.stub(ch), LONG, timeout=120, metadata=stack.auth)
         stack.wait("streaming", lambda: len(stream.tokens) >= 2, timeout=60)
         os.kill(int(stack.inspect(container, "{{.State.Pid}}")), signal.SIGKILL)
         killed_at = time.monotonic()
@@ -253,12 +295,12 @@ def test_a_killed_scheduler_comes_back_by_itself(stack):
     print(f"scheduler serving again {time.monotonic() - killed_at:.1f}s after its kill; the stream "
           f"in flight ended {stream.code.name} {stream.details!r}")
     with grpc.insecure_channel(stack.target) as ch:
-        assert len(stack.stub(ch).Generate(LONG, timeout=120).token_ids) == 64
+        assert len(stack.stub(ch).Generate(LONG, metadata=stack.auth, timeout=120).token_ids) == 64
 
 
 def test_compose_stop_lets_the_gateways_streams_finish(stack):
     with grpc.insecure_channel(stack.target) as ch:
-        stream = Stream(stack.stub(ch), LONG, timeout=120)
+        stream = Stream(stack.stub(ch), LONG, timeout=120, metadata=stack.auth)
         stack.wait("streaming", lambda: len(stream.tokens) >= 2, timeout=60)
         stack.compose("stop", "gateway", timeout=60)
         stream.join(60)
@@ -281,7 +323,7 @@ def test_debians_docker_compose_1_29_runs_the_same_file():
         s.compose("up", "-d")
         s.serving(workers=1)
         with grpc.insecure_channel(s.target) as ch:
-            assert len(s.stub(ch).Generate(LONG, timeout=120).token_ids) == 64
+            assert len(s.stub(ch).Generate(LONG, metadata=s.auth, timeout=120).token_ids) == 64
     finally:
         s.down()
     assert s.left_over() == {"containers": [], "networks": [], "volumes": []}

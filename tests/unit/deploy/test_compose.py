@@ -275,6 +275,63 @@ def test_the_keys_service_keeps_a_set_and_refuses_volumes_that_disagree(tmp_path
     assert not (tmp_path / "worker").exists()
 
 
+def make_api_key(gateway: Path) -> str:
+    sys.path.insert(0, str(ROOT / "deploy" / "docker"))
+    try:
+        from keys import api_key
+    finally:
+        sys.path.remove(str(ROOT / "deploy" / "docker"))
+    return api_key(gateway)
+
+
+def test_the_keys_service_makes_an_api_key_once_and_prints_it_that_once(tmp_path):
+    said = make_api_key(tmp_path / "gateway")
+    path = tmp_path / "gateway" / "api-key"
+    key = path.read_text().strip()
+    assert len(key) == 43 and said.splitlines()[-1] == key  # 32 random bytes, URL-safe base64
+    assert path.stat().st_mode & 0o777 == 0o600
+    again = make_api_key(tmp_path / "gateway")
+    assert "kept" in again and key not in again and path.read_text().strip() == key
+
+
+def gateway_environment(env: dict, key_file: Path) -> subprocess.CompletedProcess:
+    """The gateway's process started by its entrypoint, run by sh as Docker runs it (compose's $$
+    read as $, the key file at key_file): it prints the PAGODA_API_KEY it got."""
+    gateway = services()["gateway"]
+    entry = [w.replace("$$", "$").replace("/keys/api-key", str(key_file)) for w in gateway["entrypoint"]]
+    assert expand(gateway["environment"]["PAGODA_API_KEY"], env) == env.get("PAGODA_API_KEY", "")
+    return subprocess.run([*entry, sys.executable, "-c", "import os; print(os.environ['PAGODA_API_KEY'])"],
+                          env={"PATH": os.environ["PATH"], "PAGODA_API_KEY": env.get("PAGODA_API_KEY", "")},
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_the_gateway_serves_with_the_made_api_key_unless_the_host_gives_one(tmp_path):
+    from gateway.client_auth import ENV_API_KEY
+
+    assert ENV_API_KEY == "PAGODA_API_KEY"
+    make_api_key(tmp_path)
+    made = (tmp_path / "api-key").read_text().strip()
+    assert gateway_environment({}, tmp_path / "api-key").stdout.strip() == made
+    assert gateway_environment({"PAGODA_API_KEY": "own-key"}, tmp_path / "api-key").stdout.strip() == "own-key"
+    # No key at all: the gateway does not start, rather than serve without one.
+    out = gateway_environment({}, tmp_path / "missing")
+    assert out.returncode == 1 and out.stdout == "" and f"no API key in {tmp_path / 'missing'}" in out.stderr
+    gateway = services()["gateway"]
+    assert shlex.split(gateway["command"])[:3] == ["python", "-m", "gateway.main"]
+    assert "--api-key" not in gateway["command"]
+
+
+def test_each_role_has_its_own_cache_volume_and_the_schedulers_is_read_only():
+    svcs = services()
+    caches = {name: [v for v in svc["volumes"] if ":/cache" in v]
+              for name, svc in image_services().items() if name != "keys"}
+    assert caches == {"scheduler": ["cache-scheduler:/cache:ro"], "gateway": ["cache-gateway:/cache"],
+                      "worker": ["cache-worker:/cache"], "worker-gpu": ["cache-worker:/cache"]}
+    assert "volumes" not in svcs["keys"] or not any(":/cache" in v for v in svcs["keys"]["volumes"])
+    declared = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["volumes"]
+    assert {"cache-scheduler", "cache-gateway", "cache-worker"} <= set(declared)
+
+
 def compose_clis() -> list[tuple[list[str], dict]]:
     """The Compose CLIs here: v2 (as a plugin, or the one .ci/compose-check fetched) and 1.29."""
     found = []

@@ -4,6 +4,7 @@ against the fake scheduler of tests/fake_scheduler.py: no model, no workers."""
 from __future__ import annotations
 
 import functools
+import re
 import socket
 
 import grpc
@@ -272,14 +273,23 @@ def test_duplicate_request_id_is_already_exists(run):
     run(body())
 
 
-def test_get_loads_returns_the_scheduler_answer(run):
+def test_get_loads_returns_the_scheduler_answer_naming_no_host_or_pid(run):
     async def body():
         async with harness() as h:
             h.scheduler.loads = pb.GetLoadsResponse(num_pending=4, workers=[
-                pb.WorkerLoad(worker_id="w0", running=3, waiting=2, swapped=1, kv_blocks_used=50,
-                              kv_blocks_total=200, prefix_cache_hit_rate=0.5),
-                pb.WorkerLoad(worker_id="w1", kv_blocks_total=200)])
-            assert await h.stub.GetLoads(pb.GetLoadsRequest()) == h.scheduler.loads
+                pb.WorkerLoad(worker_id="host-a-4711", running=3, waiting=2, swapped=1,
+                              kv_blocks_used=50, kv_blocks_total=200, prefix_cache_hit_rate=0.5),
+                pb.WorkerLoad(worker_id="host-b-4712", kv_blocks_total=200)])
+            got = await h.stub.GetLoads(pb.GetLoadsRequest())
+            again = await h.stub.GetLoads(pb.GetLoadsRequest())
+            labels = [w.worker_id for w in got.workers]
+            assert [w.worker_id for w in again.workers] == labels  # stable per worker
+            assert len(set(labels)) == 2 and all(re.fullmatch(r"worker-[0-9a-f]{12}", x) for x in labels)
+            for w in got.workers:
+                w.worker_id = ""
+            for w in h.scheduler.loads.workers:
+                w.worker_id = ""
+            assert got == h.scheduler.loads  # the rest as the scheduler said
     run(body())
 
 

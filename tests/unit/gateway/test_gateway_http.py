@@ -14,7 +14,7 @@ import httpx2 as httpx  # what the openai client itself runs on
 import openai
 import pytest
 
-from proto import internal_pb2 as ipb
+from proto import internal_pb2 as ipb, pagoda_pb2 as pb
 from tests.fake_scheduler import DEFAULT_REPLY as REPLY, local_gateway, reply_plan, until
 from tests.unit.gateway.test_gateway_api import LP_IDS, TOK, expected_logprobs, logprobs_plan
 
@@ -291,8 +291,30 @@ def test_models_tokenize_detokenize_metrics(run):
                 r = await http.post(f"{root}/tokenize", json={"prompt": "x", "messages": [{"role": "user", "content": "x"}]})
                 assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
                 assert (await http.get(f"{root}/health")).status_code == 200
-                metrics = await http.get(f"{root}/metrics")
-                assert "pagoda_gateway_requests_total" in metrics.text
+    run(body())
+
+
+def test_public_metrics_are_the_cluster_gauges_routers_read_and_nothing_else(run):
+    async def body():
+        async with harness(api_keys=("s3cret",)) as h:
+            h.scheduler.loads = pb.GetLoadsResponse(num_pending=2, workers=[
+                pb.WorkerLoad(worker_id="host-a-17", running=3, waiting=1, kv_blocks_used=30,
+                              kv_blocks_total=100),
+                pb.WorkerLoad(worker_id="host-b-18", running=1, waiting=0, kv_blocks_used=10,
+                              kv_blocks_total=100)])
+            async with httpx.AsyncClient() as http:
+                r = await http.get(f"http://127.0.0.1:{h.gateway.http_port}/metrics")  # no key
+                calls = len(h.scheduler.calls)
+                again = await http.get(f"http://127.0.0.1:{h.gateway.http_port}/metrics")
+            assert r.status_code == 200, r.text
+            samples = {line.split(" ")[0]: float(line.split(" ")[1])
+                       for line in r.text.splitlines() if line and not line.startswith("#")}
+            assert {name.split("{")[0]: v for name, v in samples.items()} == {
+                "vllm:num_requests_running": 4.0, "vllm:num_requests_waiting": 3.0,
+                "vllm:kv_cache_usage_perc": 0.2}
+            assert "host-" not in r.text and "pagoda_gateway" not in r.text and "s3cret" not in r.text
+            # A second scrape within the second is the first page: scrapes cannot load the scheduler.
+            assert again.text == r.text and len(h.scheduler.calls) == calls
     run(body())
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import socket
 
 import grpc
@@ -57,7 +58,9 @@ def test_stream_text_equals_decode(run, per_delta):
             assert last.usage == pb.Usage(prompt_tokens=len(TOK.encode("Say hello")),
                                           completion_tokens=len(ids), cached_prompt_tokens=16)
             add = h.scheduler.adds[0]
-            assert add.request_id.startswith(h.gateway.client.gateway_id + "-")
+            # Not guessable, nor the gateway's routing id: 128 random bits.
+            assert re.fullmatch(r"[0-9a-f]{32}", add.request_id)
+            assert h.gateway.client.gateway_id not in add.request_id
             assert h.scheduler.aborts == []  # finished by the scheduler: nothing to abort
     run(body())
 
@@ -346,4 +349,31 @@ def test_shutdown_aborts_requests_in_flight(run):
             with pytest.raises(grpc.aio.AioRpcError):
                 await call.read()
             await until(lambda: h.scheduler.aborts == [h.scheduler.adds[0].request_id])
+    run(body())
+
+
+def test_a_full_gateway_still_takes_a_tenant_holding_fewer_up_to_twice_its_bound(run):
+    """Past the scheduler's bound (ClusterInfo.max_sequences) a tenant holding fewer than another
+    may still send: the scheduler pushes out that one's newest waiting request for it. The tenant
+    holding most, or one without a name, is refused; nothing passes twice the bound."""
+    from gateway.scheduler_client import SchedulerBusy
+
+    async def body():
+        client = SchedulerClient("")
+        client.info = ipb.ClusterInfo(max_sequences=4)
+        for i in range(4):
+            client.open(f"a{i}", tenant="ka/")
+        assert not client.has_room() and not client.has_room(tenant="ka/")
+        with pytest.raises(SchedulerBusy):
+            client.open("a4", tenant="ka/")
+        client.open("b0", tenant="kb/")  # b holds 0 of a's 4
+        client.open("b1", tenant="kb/")  # 1 + 1 <= 4 - 1
+        client.open("b2", tenant="kb/")  # 2 + 1 <= 4 - 1: a's newest gives way, 3 each
+        assert not client.has_room(tenant="kb/")  # b would hold 4 to a's 3
+        assert not client.has_room(n=2, tenant="kc/")  # nor past twice the bound
+        client.open("c0", tenant="kc/")
+        assert client._open_sequences == 8 and not client.has_room(tenant="kd/")
+        for rid in ("a0", "a1", "a2", "a3", "b0", "b1", "b2", "c0"):
+            client.release(rid)
+        assert client._open_sequences == 0 and not client._held and not client._tenant_of
     run(body())
