@@ -271,7 +271,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         request has ended, so the scheduler may send its tokens with the finish
         (AddRequest.final_only)."""
         limits = self._limits()
-        if not self.client.has_room():  # before tokenizing: a full gateway refuses cheaply
+        if not self.client.has_room(tenant=tenant):  # before tokenizing: refused cheaply
             raise RpcFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             "the scheduler is full (every sequence it can hold is in flight); "
                             "retry later")
@@ -301,7 +301,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         v.add.final_only = (whole and not v.stop and v.logprobs is None and v.prompt_logprobs is None
                             and v.beam is None)
         try:
-            queue = self.client.open(internal_id, v.n)
+            queue = self.client.open(internal_id, v.n, tenant)
         except SchedulerBusy as e:
             raise RpcFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         metrics.PROMPT_TOKENS.inc(len(v.prompt_token_ids))

@@ -74,8 +74,6 @@ def test_a_flooding_tenant_keeps_the_rest_and_another_starts_within_two_of_its_r
         assert wait_for(c.idle_and_free, 10), c.scheduler_metrics()
 
 
-@pytest.mark.xfail(strict=True, reason="gateway/server.py must pass the tenant to the client's "
-                                       "has_room and open (issue 53 item 8; see the report)")
 def test_a_tenant_that_fills_the_whole_queue_gives_way_to_another(tmp_path):
     """Tenant A alone fills every seat and the whole waiting queue; its next request is refused.
     Tenant B's two then take the places of A's two newest waiting ones, which end
