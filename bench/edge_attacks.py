@@ -73,9 +73,11 @@ class Attacker:
             self.details.add(f"{e.code().name}: {(e.details() or '')[:160]}")
             return e.code().name
 
-    def post(self, path: str, body: dict, timeout: float = 60) -> str:
+    def post(self, path: str, body: dict | bytes, timeout: float = 60) -> str:
         try:
-            r = self.http.post(self.http_base + path, json=body, timeout=timeout)
+            r = (self.http.post(self.http_base + path, content=body, timeout=timeout,
+                                headers={"Content-Type": "application/json"}) if isinstance(body, bytes)
+                 else self.http.post(self.http_base + path, json=body, timeout=timeout))
         except httpx2.HTTPError as e:
             return type(e).__name__
         if r.status_code != 200:
@@ -189,27 +191,38 @@ class Attacker:
     def deep_json(self) -> dict:
         """5: JSON nested 30,000 deep inside string fields (HTTP structured_outputs.json,
         response_format's schema, gRPC json_schema) and in a tool's parameters."""
-        depth = self.n(30_000)
-        nested = "[" * depth + "]" * depth
+        # The issue's 30,000, and 16,000 (32,000 bytes: inside --max-structured-output-bytes' default)
+        depths = (self.n(30_000), self.n(16_000))
         body = {"model": self.model, "prompt": [5, 6, 7], "max_tokens": 2}
         schema = json.loads('{"type": "array", "items": ' * 900 + "{}" + "}" * 900)  # json.dumps' own limit
-        jobs = [lambda: "structured_outputs.json " + self.post("/v1/completions",
-                                                               {**body, "structured_outputs": {"json": nested}}),
-                lambda: "response_format schema " + self.post("/v1/completions", {**body, "response_format": {
-                    "type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}),
-                lambda: "gRPC json_schema " + self.grpc_call("Generate", pb.GenerateRequest(
+        jobs = [lambda d=d: f"structured_outputs.json {d} deep " + self.post("/v1/completions", {
+                    **body, "structured_outputs": {"json": "[" * d + "]" * d}}) for d in depths]
+        jobs += [lambda d=d: f"gRPC json_schema {d} deep " + self.grpc_call("Generate", pb.GenerateRequest(
                     prompt_token_ids=[5, 6, 7], stopping=pb.StoppingCriteria(max_tokens=2), sampling=pb.SamplingParams(
-                        structured_output=pb.StructuredOutput(json_schema=nested)))),
+                        structured_output=pb.StructuredOutput(json_schema="[" * d + "]" * d)))) for d in depths]
+        nested = "[" * depths[0] + "]" * depths[0]
+        jobs += [lambda: "response_format schema 900 deep " + self.post("/v1/completions", {
+                    **body, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}),
                 lambda: "gRPC tool parameters " + self.grpc_call("Generate", pb.GenerateRequest(
                     messages=[pb.ChatMessage(role="user", content="hi")], stopping=pb.StoppingCriteria(max_tokens=2),
                     tools=[pb.Tool(name="f", parameters='{"type": "object", "x": ' + nested + "}")]))]
-        return {**self.concurrently(jobs, probe_after=0.5), "note": f"depth {depth}"}
+        return self.concurrently(jobs, probe_after=0.5)
 
     def tokenize_max_code_points(self) -> dict:
-        """6: Tokenize of 1 MB of U+10FFFF, a few at once, over gRPC and HTTP."""
+        """6: Tokenize of 1 MB of U+10FFFF (and of a half MB), a few at once, over gRPC and HTTP."""
         prompt = "\U0010ffff" * self.n(MB // 4)
-        jobs = [lambda: "gRPC " + self.grpc_call("Tokenize", pb.TokenizeRequest(prompt=prompt))] * self.n(3)
-        jobs.append(lambda: "HTTP /tokenize " + self.post("/tokenize", {"prompt": prompt}))
+        jobs = []
+        for chars in (len(prompt), len(prompt) // 2):
+            message = pb.ChatMessage(role="user", content=prompt[:chars])
+            jobs += [lambda c=chars: f"gRPC prompt {c} chars " + self.grpc_call(
+                         "Tokenize", pb.TokenizeRequest(prompt=prompt[:c])),
+                     lambda m=message: f"gRPC messages {len(m.content)} chars " + self.grpc_call(
+                         "Tokenize", pb.TokenizeRequest(messages=[m]))]
+        jobs *= self.n(2)
+        # Raw UTF-8, just under --max-http-body-bytes' default (1 MiB); json.dumps would escape
+        # each character into 12 bytes.
+        body = json.dumps({"prompt": prompt[:MB // 4 - 16]}, ensure_ascii=False).encode()
+        jobs.append(lambda: "HTTP /tokenize " + self.post("/tokenize", body))
         return self.concurrently(jobs)
 
     def grammar_flood(self) -> dict:

@@ -108,4 +108,10 @@ class H2Conn:
         self.seen["closed"] += 1
 
     def close(self) -> None:
+        # shutdown first: close() alone leaves the connection open while the reader thread is
+        # blocked in recv() on it
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.sock.close()
