@@ -125,14 +125,23 @@ class Attacker:
         conns = [H2Conn(self.grpc_port, "127.0.0.4") for _ in range((calls + 549) // 550)]
         for i, conn in enumerate(conns):
             conn.open_calls(min(550, calls - 550 * i), "Generate")
-        time.sleep(1.0)
-        probe = self.probe()
-        time.sleep(max(0.0, self.hold - 1.0))
+        # As a slot frees (a legitimate call ends) the refused calls are opened again, up to
+        # as many more: the slots stay taken for the whole hold, as an attacker keeps them.
+        started, reopened, probe = time.monotonic(), 0, {}
+        while time.monotonic() - started < self.hold:
+            refused = sum(c.seen["RST_STREAM"] for c in conns)
+            if refused > reopened and reopened < calls:
+                more = min(refused - reopened, calls - reopened)
+                conns[reopened % len(conns)].open_calls(more, "Generate")
+                reopened += more
+            if not probe and time.monotonic() - started >= 1.0:
+                probe = self.probe()
+            time.sleep(0.2)
         seen = sum((c.seen for c in conns), Counter())
         for conn in conns:
             conn.close()
         return {"codes": {f"server sent {k}": v for k, v in seen.items()}, "probe": probe,
-                "note": f"{calls} calls on {len(conns)} connections held {self.hold:g} s"}
+                "note": f"{calls} calls on {len(conns)} connections (and {reopened} again) held {self.hold:g} s"}
 
     def header_flood(self) -> dict:
         """2: one endless header line (even rounds) or endless short header lines (odd)."""

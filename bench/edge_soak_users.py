@@ -80,7 +80,7 @@ class Tenant(User):
             first = send()
         except Refused as e:
             error = e
-        except (grpc.RpcError, requests.RequestException, ValueError) as e:  # a transport error is a cause too
+        except (grpc.RpcError, requests.RequestException, ValueError, LookupError) as e:  # transport, malformed
             error = Refused(type(e).__name__, str(e)[:200])
         self.environment.events.request.fire(
             request_type=self.protocol, name=f"{self.tenant} {self.protocol} {kind}",
@@ -172,12 +172,14 @@ class HttpTenant(Tenant):
             if not stream:
                 finish = r.json()["choices"][0]["finish_reason"]
             for line in r.iter_lines() if stream else ():
-                if line.startswith(b"data: {"):
-                    first = first or time.perf_counter() - started
-                    choice = json.loads(line[6:])["choices"]
-                    finish = (choice[0].get("finish_reason") if choice else None) or finish
-                elif line.startswith(b"data: ") and line != b"data: [DONE]":
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "choices" not in event:  # the stream's error event
                     raise Refused("error in stream", line[:200].decode(errors="replace"))
+                first = first or time.perf_counter() - started
+                choice = event["choices"]
+                finish = (choice[0].get("finish_reason") if choice else None) or finish
         if finish not in ("stop", "length"):
             raise Refused(f"finish {finish}")
         return first
