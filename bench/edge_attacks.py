@@ -307,7 +307,8 @@ class Attacker:
                 max_tokens=200, ignore_eos=True)), metadata=self.auth, timeout=self.hold) for k in range(1, 5)]
         time.sleep(min(3.0, self.hold))
         probe = self.probe()
-        for call in claims:
+        for call in claims:  # one that ended already was refused (ALREADY_EXISTS, ...)
+            codes["pre-claim " + (call.code().name if call.done() else "held")] += 1
             call.cancel()
         return {"codes": codes, "probe": probe,
                 "note": f"ids like {ours}; {aborted} of {len(window)} guessed ids aborted; 4 pre-claimed"}
@@ -317,7 +318,9 @@ class Attacker:
         codes, names = Counter(), set()
         r = httpx2.get(self.http_base + "/metrics", timeout=10)
         codes[f"/metrics unkeyed HTTP {r.status_code}"] += 1
-        labels = {line.split("{")[0] for line in r.text.splitlines() if "worker" in line and not line.startswith("#")}
+        series = [line for line in r.text.splitlines() if not line.startswith("#")]
+        workers = {line.split("{")[0] for line in series if "worker" in line}
+        tenants = {line.split("{")[0] for line in series if "tenant" in line}
         for key in (False, True):
             try:
                 loads = self.stub.GetLoads(pb.GetLoadsRequest(), metadata=self.auth if key else None, timeout=10)
@@ -325,7 +328,8 @@ class Attacker:
                 names |= {w.worker_id for w in loads.workers}
             except grpc.RpcError as e:
                 codes[f"GetLoads {'keyed' if key else 'unkeyed'} {e.code().name}"] += 1
-        return {"codes": codes, "note": f"{len(r.content)} bytes of /metrics, {len(labels)} series naming a worker; "
+        return {"codes": codes, "note": f"{len(r.content)} bytes of /metrics, {len(series)} series, "
+                                        f"{len(workers)} metrics naming a worker, {len(tenants)} a tenant; "
                                         f"GetLoads named workers {sorted(names)}"}
 
 
