@@ -181,7 +181,7 @@ class HttpTenant(Tenant):
                 choice = event["choices"]
                 finish = (choice[0].get("finish_reason") if choice else None) or finish
         if finish not in ("stop", "length"):
-            raise Refused(f"finish {finish}")
+            raise Refused(f"finish {finish}", f"finish_reason {finish!r}")
         return first
 
 
