@@ -24,7 +24,7 @@ from gateway.compiler_child import TOO_SLOW, CompilerChild
 from structured.lru import BytesLru
 from structured.spec import Spec
 
-__all__ = ["CLIENT", "TOO_SLOW", "CompilerBusy", "GrammarChecker", "peer_address"]
+__all__ = ["CLIENT", "TOO_SLOW", "CompilerBusy", "GrammarChecker"]
 log = logging.getLogger(__name__)
 # Verdicts: a key (64 bytes) and a reason (at most 500): the bytes bound what distinct specs cost.
 _CACHED_BYTES = 1 << 20
@@ -34,14 +34,6 @@ _ENTRY_OVERHEAD = 200  # the dict entry, the tuple and two strings' headers, rou
 # Who asks, without API keys: the peer's address, set by the RPC's or HTTP request's handler
 # (a context variable, so that it reaches the check through the shared request path untouched).
 CLIENT: contextvars.ContextVar[str] = contextvars.ContextVar("grammar_client", default="")
-
-
-def peer_address(peer: str) -> str:
-    """grpc's context.peer() ("ipv4:127.0.0.1:5555", "ipv6:[::1]:5555") without its port: one
-    client's connections share one share of the compilers."""
-    if peer.startswith(("ipv4:", "ipv6:")):
-        return peer.rsplit(":", 1)[0]
-    return peer
 
 
 class GrammarChecker:

@@ -16,11 +16,8 @@ import dataclasses
 import functools
 import hmac
 import logging
-import os
-import tempfile
 import time
 from contextlib import aclosing
-from pathlib import Path
 from typing import AsyncIterator
 
 import grpc
@@ -28,9 +25,11 @@ import grpc
 from gateway import grammar_check, metrics
 from gateway.answer_budget import AnswerBudget
 from gateway.beam_request import add_completion
+from gateway.call_bounds import peer_host
 from gateway.client_auth import parse_range, priority_ranges, tenant_of
 from gateway.edge import EdgeConfig
-from gateway.grammar_check import CompilerBusy, GrammarChecker
+from gateway.grammar_check import CompilerBusy
+from gateway.grammar_service import GrammarService
 from gateway.grpc_bounds import context_bound
 from gateway.large_inputs import Busy, LargeJobs, tokenize_response
 from gateway.response_builder import ResponseBuilder
@@ -114,11 +113,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         self.default_priority = (parse_range(edge.default_tenant_priority)
                                  if edge.default_tenant_priority and api_keys else None)
         self.grammar_timeout = edge.max_grammar_compile_seconds
-        self.grammar_processes = edge.structured_check_processes
-        self.grammar_queue_s = edge.max_grammar_queue_seconds
-        self._grammar: GrammarChecker | None = None  # started by warm_grammar, else on first use
-        self._warming: asyncio.Task | None = None
-        self._spawning: asyncio.Task | None = None
+        self.grammar = GrammarService(tokenizer, lambda: self._vocab_size, edge, bool(api_keys))
         # The flags' bounds; max_model_len and vocab_size come from the scheduler per request.
         self.base_limits = limits or Limits(max_model_len=0, vocab_size=0)
         self.large_jobs = LargeJobs(self.base_limits.max_large_input_jobs,
@@ -155,7 +150,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         started = time.monotonic()
         code = grpc.StatusCode.OK
         metrics.IN_FLIGHT.inc()
-        grammar_check.CLIENT.set(grammar_check.peer_address(context.peer()))  # this RPC's task only
+        grammar_check.CLIENT.set(peer_host(context.peer()))  # this RPC's task only
         try:
             # aclosing: a cancel that lands while this handler waits at `yield` must still run
             # responses' finally (the abort) now, not whenever the generator is collected.
@@ -180,7 +175,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         started = time.monotonic()
         code = grpc.StatusCode.OK
         metrics.IN_FLIGHT.inc()
-        grammar_check.CLIENT.set(grammar_check.peer_address(context.peer()))  # this RPC's task only
+        grammar_check.CLIENT.set(peer_host(context.peer()))  # this RPC's task only
         try:
             out = pagoda_pb2.GenerateResponse()
             async with aclosing(self.responses(request, started, unary=True, whole=True,
@@ -208,38 +203,19 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         finally:
             _record_end("Generate", code, started)
 
-    def _checker(self) -> GrammarChecker:
-        if self._grammar is None:
-            self._grammar = GrammarChecker(self.tokenizer.source or _tokenizer_file(self.tokenizer),
-                                           lambda: (self._vocab_size, self.tokenizer.eos_token_ids or [0]),
-                                           self.grammar_timeout, self.grammar_processes,
-                                           queue_s=self.grammar_queue_s)
-        return self._grammar
-
     def spawn_grammar(self) -> asyncio.Task:
-        """Starts the grammar compiler children importing (2.1 s of torch and xgrammar on a Zen 2
-        EPYC) while the workers load; warm_grammar gives it the vocabulary later."""
-        if self._spawning is None:
-            self._spawning = asyncio.create_task(self._checker().spawn())
-        return self._spawning
+        return self.grammar.spawn()
 
     def warm_grammar(self) -> asyncio.Task | None:
-        """Makes the grammar compiler children ready in the background, once the scheduler has
-        said the vocabulary's size: loading the vocabulary takes seconds (2.7 s for SmolLM2 on a
-        Zen 2 EPYC, imports included), which the first structured request would otherwise wait.
-        The task that does it (None before the scheduler has said), done once the children are ready
-        or failed to start."""
-        if self._warming is None and self.client.info is not None:
-            self._warming = asyncio.create_task(self._checker().warm())
-        return self._warming
+        """None before the scheduler has said the vocabulary's size."""
+        return self.grammar.warm() if self.client.info is not None else None
 
     async def grammar_error(self, spec, tenant: str = "") -> str | None:
         """Why the spec does not compile (or within --max-grammar-compile-seconds); None if it
         does. RpcFailed UNAVAILABLE when the compiler cannot start, RESOURCE_EXHAUSTED when none
         is free in time. The compilers are shared fairly by tenant (by peer without API keys)."""
-        client = tenant if self.api_keys else grammar_check.CLIENT.get()
         try:
-            return await self._checker().check(spec, client)
+            return await self.grammar.error(spec, tenant)
         except CompilerBusy as e:
             name = "sampling.structured_output"
             raise RpcFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{name}: {e}", name) from None
@@ -253,11 +229,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
             raise RpcFailed(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {why}", name)
 
     async def close(self) -> None:
-        for task in (self._spawning, self._warming):
-            if task is not None:
-                task.cancel()
-        if self._grammar is not None:
-            await self._grammar.close()
+        await self.grammar.close()
         self.large_jobs.close()
 
     def _tenant(self, context) -> str:
@@ -396,14 +368,6 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
             vocab_size=info.vocab_size or self.tokenizer.vocab_size, block_size=info.block_size,
             num_workers=info.num_workers, eos_token_ids=info.eos_token_ids)
 
-
-
-def _tokenizer_file(tokenizer: TextTokenizer) -> Path:
-    """A tokenizer built in memory (tests) gets a file for the grammar compiler to read."""
-    fd, name = tempfile.mkstemp(prefix="pagoda-tokenizer-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        f.write(tokenizer.tokenizer.to_str())
-    return Path(name)
 
 
 def _cancel_code(context) -> grpc.StatusCode:

@@ -351,7 +351,7 @@ def test_a_spec_that_waits_past_the_bound_for_a_compiler_gets_429(run):
 
     async def body():
         async with harness() as h:
-            h.gateway.servicer._grammar = GrammarChecker(None, lambda: (0, []), timeout_s=2.0, processes=1,
+            h.gateway.servicer.grammar.checker = GrammarChecker(None, lambda: (0, []), timeout_s=2.0, processes=1,
                                                          args=[sys.executable, "-c", STAND_IN], queue_s=0.3)
             async with httpx.AsyncClient(timeout=30) as http:
                 def post(structured):
@@ -381,7 +381,7 @@ def test_the_grammar_check_shares_its_compilers_by_tenant_and_without_keys_by_pe
 
     async def body(keys, source):
         async with harness(api_keys=keys) as h:
-            h.gateway.servicer._grammar = checker = GrammarChecker(
+            h.gateway.servicer.grammar.checker = checker = GrammarChecker(
                 None, lambda: (0, []), timeout_s=1.0, args=[sys.executable, "-c", STAND_IN])
             transport = httpx.AsyncHTTPTransport(local_address=source)
             async with httpx.AsyncClient(timeout=30, transport=transport) as http:
