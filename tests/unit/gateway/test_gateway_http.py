@@ -5,7 +5,6 @@ client against the real stack."""
 from __future__ import annotations
 
 import asyncio
-import time
 import functools
 import json
 import re
