@@ -31,6 +31,7 @@ from gateway.client_auth import key_of, tenant_of
 from gateway.edge import EdgeConfig
 from gateway.json_body import BadBody, parse_object
 from gateway.openai_render import Collector, now
+from gateway.openapi import document_bytes
 from gateway.openai_structured import StructuredBadField, structured_output
 from gateway.openai_schema import (BadField, ChatCompletionRequest, CompletionRequest, Message,
                                    add_messages, chat_request, completion_requests)
@@ -84,6 +85,8 @@ class HttpApi:
         route("/detokenize", self.detokenize, methods=["POST"])
         route("/health", self.health, methods=["GET"])
         route("/metrics", self.metrics, methods=["GET"])
+        route("/openapi.json", self.openapi, methods=["GET"])  # no key: gateway/openapi.py says why
+        self.openapi_document = document_bytes(self.app.routes, keyed=bool(self.api_keys))
 
     # ------------------------------------------------------------------ plumbing
 
@@ -342,8 +345,12 @@ class HttpApi:
         data = await self._json(request)
         if "model" in data:
             self._check_model(data.pop("model"))
+        unknown = set(data) - {"tokens"}
+        if unknown:  # as /tokenize does (the fuzzer found extra fields ignored)
+            raise bad_request(f"unknown field(s): {', '.join(sorted(unknown))}", sorted(unknown)[0])
         tokens = data.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < 1 << 32
+        # type(): `true` is an int to Python, which protobuf then refused (a 500)
+        if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < 1 << 32
                                                    for t in tokens):
             raise bad_request("tokens must be a list of token ids", "tokens")
         reply = await self._unary(self.servicer.Detokenize,
@@ -369,6 +376,9 @@ class HttpApi:
 
     async def metrics(self) -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    async def openapi(self) -> Response:
+        return Response(self.openapi_document, media_type="application/json")
 
 
 class _Aborted(Exception):

@@ -132,6 +132,24 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: StrictBool | None = None  # unset: true
 
 
+TokenId = Annotated[StrictInt, Field(ge=0, le=(1 << 32) - 1)]
+
+
+# POST /tokenize and /detokenize, as HttpApi reads them (field by field, into the gRPC
+# requests). A field left out is not null: `None` defaults below only mark them optional.
+class TokenizeRequest(_Strict):
+    model: str = None  # type: ignore[assignment]  # the served one: else 404
+    prompt: str = None  # type: ignore[assignment]
+    messages: list[Message] | None = None  # instead of prompt, as chat renders them
+    add_special_tokens: StrictBool = None  # type: ignore[assignment]
+    tools: list[ToolDefinition] | None = None  # with messages
+
+
+class DetokenizeRequest(_Strict):
+    model: str = None  # type: ignore[assignment]
+    tokens: list[TokenId]
+
+
 _TOKEN_ID = re.compile(r"-?[0-9]{1,12}")
 _CALL_ARGUMENTS = re.compile(r"(messages\[\d+\]\.tool_calls\[\d+\])\.arguments")
 _TOOL_FIELD = re.compile(r"(tools\[\d+\])\.(name|description|parameters)")

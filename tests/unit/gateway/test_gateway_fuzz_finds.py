@@ -1,0 +1,47 @@
+"""What the fuzzers of tests/faults/test_fuzz_api.py found, each kept as a plain regression test
+(on the fake scheduler of tests/fake_scheduler.py, no model)."""
+from __future__ import annotations
+
+import grpc
+import httpx2 as httpx
+import pytest
+
+from proto import pagoda_pb2 as pb
+from tests.fake_scheduler import local_gateway
+from tests.unit.gateway.test_gateway_api import TOK
+
+
+def test_detokenize_refuses_unknown_fields_and_booleans_as_token_ids(run):
+    """schemathesis: /detokenize ignored a field it does not know (the document forbids any),
+    and took `true` for the token id 1."""
+    async def body():
+        async with local_gateway(TOK, http=True) as h:
+            url = f"http://127.0.0.1:{h.gateway.http_port}/detokenize"
+            async with httpx.AsyncClient() as http:
+                extra = await http.post(url, json={"tokens": [1], "skip_special": True})
+                boolean = await http.post(url, json={"tokens": [True]})
+            return extra, boolean
+    extra, boolean = run(body())
+    assert extra.status_code == 400 and extra.json()["error"]["param"] == "skip_special", extra.text
+    assert boolean.status_code == 400 and boolean.json()["error"]["param"] == "tokens", boolean.text
+
+
+def test_a_long_role_is_refused_naming_it_not_cut_off_by_the_clients_metadata_limit(run):
+    """hypothesis: a 60,000-character role was quoted whole in the status details, which the
+    client's gRPC library refuses past its metadata limit: the caller got RESOURCE_EXHAUSTED
+    "Stream removed" instead of INVALID_ARGUMENT naming the field."""
+    role = "x" * 60_000
+    async def body():
+        async with local_gateway(TOK) as h:
+            errors = []
+            for call in (h.stub.Tokenize(pb.TokenizeRequest(
+                    messages=[pb.ChatMessage(role=role, content="hi")])),
+                    h.stub.Generate(pb.GenerateRequest(
+                        messages=[pb.ChatMessage(role=role, content="hi")]))):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call
+                errors.append((e.value.code(), e.value.details()))
+            return errors
+    for code, details in run(body()):
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert details.startswith("messages[0].role must be one of") and len(details) < 200
