@@ -226,6 +226,9 @@ class HttpApi:
             watch.cancel()
             if not task.done():
                 task.cancel()
+                # until the cancel has landed: a task told to cancel is not cancelled yet, and
+                # its result() raised InvalidStateError, a 500 logged for every hang-up
+                await asyncio.wait({task})
         if task.cancelled():
             return Response(status_code=499)  # nobody is there to read it
         return task.result()

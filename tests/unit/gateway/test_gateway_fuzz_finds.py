@@ -2,12 +2,14 @@
 (on the fake scheduler of tests/fake_scheduler.py, no model)."""
 from __future__ import annotations
 
+import logging
+
 import grpc
 import httpx2 as httpx
 import pytest
 
 from proto import pagoda_pb2 as pb
-from tests.fake_scheduler import local_gateway
+from tests.fake_scheduler import local_gateway, until
 from tests.unit.gateway.test_gateway_api import TOK
 
 
@@ -45,3 +47,22 @@ def test_a_long_role_is_refused_naming_it_not_cut_off_by_the_clients_metadata_li
     for code, details in run(body()):
         assert code == grpc.StatusCode.INVALID_ARGUMENT
         assert details.startswith("messages[0].role must be one of") and len(details) < 200
+
+
+def test_a_client_that_hangs_up_before_the_first_token_is_no_bug_in_the_log(run, caplog):
+    """bench/fuzz_api.py, real model: a chat request given up by its client (its deadline)
+    before the first token was logged as "failed inside the gateway" with InvalidStateError
+    (the request's task was told to cancel but not yet cancelled when its result was read)."""
+    async def body():
+        async with local_gateway(TOK, http=True) as h:
+            h.scheduler.plan = lambda add: []  # nothing comes back
+            for extra in ({}, {"stream": True}):
+                with pytest.raises(httpx.ReadTimeout):
+                    async with httpx.AsyncClient(timeout=0.5) as http:
+                        await http.post(f"{h.base_url}/chat/completions", json={
+                            "model": TOK.name, "messages": [{"role": "user", "content": "hi"}],
+                            **extra})
+                await until(lambda: len(h.scheduler.aborts) == len(h.scheduler.adds))
+            return len(h.scheduler.aborts)
+    assert run(body()) == 2
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
