@@ -1,5 +1,5 @@
 """The HTTP API fuzzed from its own OpenAPI document (gateway/openapi.py) with schemathesis, for
-tests/faults/test_fuzz_http.py (the fake worker, few examples) and bench/fuzz_api.py (the real
+tests/faults/test_fuzz_api.py (the fake worker, few examples) and bench/fuzz_api.py (the real
 model, many): an operation's requests drawn by hypothesis from the document, half of them
 valid by it and half not, each sent to a running gateway with the key, and its answer checked:
 no 5xx, a status code, media type and body the document lists, and a request the document calls

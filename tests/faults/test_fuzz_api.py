@@ -58,7 +58,7 @@ def assert_healthy(stack) -> None:
     assert stack.health_status() == SERVING
     conn = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=10)
     conn.request("POST", "/v1/completions", json.dumps(
-        {"model": MODEL, "prompt": "Hello", "max_tokens": 3}),
+        {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "ignore_eos": True}),
         {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     response = conn.getresponse()
     answer = json.loads(response.read())
