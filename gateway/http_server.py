@@ -324,6 +324,12 @@ class HttpApi:
         unknown = set(data) - {"prompt", "messages", "add_special_tokens", "tools"}
         if unknown:
             raise bad_request(f"unknown field(s): {', '.join(sorted(unknown))}", sorted(unknown)[0])
+        # As the document's TokenizeRequest says (the fuzzer's invalid bodies passed): `false`
+        # is no list, and protobuf's bool takes 0 and 1.
+        for name, kind, what in (("messages", list, "a list"), ("tools", list, "a list"),
+                                 ("add_special_tokens", bool, "true or false")):
+            if data.get(name) is not None and type(data[name]) is not kind:
+                raise bad_request(f"{name} must be {what}", name)
         try:
             if "prompt" in data:
                 msg.prompt = data["prompt"]

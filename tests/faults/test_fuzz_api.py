@@ -33,7 +33,6 @@ SIZES = Sizes(huge=1 << 16)
 DEADLINE = 5.0  # each call's: on the fake worker every answer takes milliseconds
 
 
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fuzz")

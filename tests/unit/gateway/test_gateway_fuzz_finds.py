@@ -66,3 +66,25 @@ def test_a_client_that_hangs_up_before_the_first_token_is_no_bug_in_the_log(run,
             return len(h.scheduler.aborts)
     assert run(body()) == 2
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/tokenize", {"prompt": "hi", "messages": False}, "messages"),
+    ("/tokenize", {"prompt": "hi", "tools": 0}, "tools"),
+    ("/tokenize", {"prompt": "hi", "add_special_tokens": 1}, "add_special_tokens"),
+    ("/v1/chat/completions", {"top_p": True}, "top_p"),
+    ("/v1/chat/completions", {"temperature": "0.5"}, "temperature"),
+    ("/v1/chat/completions", {"logit_bias": {"5": False}}, "logit_bias"),
+])
+def test_bodies_the_document_calls_invalid_are_refused(run, path, body, param):
+    """schemathesis's invalid bodies (2,000 per route, fake worker): each was answered 200,
+    `false` taken for no messages, 1 for true, `true` for 1.0 and "0.5" for 0.5."""
+    chat = {"model": TOK.name, "messages": [{"role": "user", "content": "hi"}]}
+
+    async def body_():
+        async with local_gateway(TOK, http=True) as h:
+            async with httpx.AsyncClient() as http:
+                return await http.post(f"http://127.0.0.1:{h.gateway.http_port}{path}",
+                                       json={**(chat if path.startswith("/v1") else {}), **body})
+    r = run(body_())
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
