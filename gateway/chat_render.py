@@ -34,7 +34,7 @@ def template_messages(messages: Sequence[pagoda_pb2.ChatMessage]) -> list[dict]:
         if m.role not in ROLES:
             raise ValidationError(
                 f"messages[{i}].role",
-                f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.role!r}")
+                f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.role[:64]!r}")
         msg: dict = {"role": m.role, "content": m.content}
         if m.name:
             msg["name"] = m.name

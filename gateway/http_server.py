@@ -31,6 +31,7 @@ from gateway.client_auth import key_of, tenant_of
 from gateway.edge import EdgeConfig
 from gateway.json_body import BadBody, parse_object
 from gateway.openai_render import Collector, now
+from gateway.openapi import document_bytes
 from gateway.openai_structured import StructuredBadField, structured_output
 from gateway.openai_schema import (BadField, ChatCompletionRequest, CompletionRequest, Message,
                                    add_messages, chat_request, completion_requests)
@@ -85,6 +86,8 @@ class HttpApi:
         route("/health", self.health, methods=["GET"])
         self.cluster_gauges = metrics.ClusterGauges(self.client)
         route("/metrics", self.metrics, methods=["GET"])
+        route("/openapi.json", self.openapi, methods=["GET"])  # no key: gateway/openapi.py says why
+        self.openapi_document = document_bytes(self.app.routes, keyed=bool(self.api_keys))
 
     # ------------------------------------------------------------------ plumbing
 
@@ -224,6 +227,9 @@ class HttpApi:
             watch.cancel()
             if not task.done():
                 task.cancel()
+                # until the cancel has landed: a task told to cancel is not cancelled yet, and
+                # its result() raised InvalidStateError, a 500 logged for every hang-up
+                await asyncio.wait({task})
         if task.cancelled():
             return Response(status_code=499)  # nobody is there to read it
         return task.result()
@@ -321,6 +327,12 @@ class HttpApi:
         unknown = set(data) - {"prompt", "messages", "add_special_tokens", "tools"}
         if unknown:
             raise bad_request(f"unknown field(s): {', '.join(sorted(unknown))}", sorted(unknown)[0])
+        # As the document's TokenizeRequest says (the fuzzer's invalid bodies passed): `false`
+        # is no list, and protobuf's bool takes 0 and 1.
+        for name, kind, what in (("messages", list, "a list"), ("tools", list, "a list"),
+                                 ("add_special_tokens", bool, "true or false")):
+            if data.get(name) is not None and type(data[name]) is not kind:
+                raise bad_request(f"{name} must be {what}", name)
         try:
             if "prompt" in data:
                 msg.prompt = data["prompt"]
@@ -345,8 +357,12 @@ class HttpApi:
         data = await self._json(request)
         if "model" in data:
             self._check_model(data.pop("model"))
+        unknown = set(data) - {"tokens"}
+        if unknown:  # as /tokenize does (the fuzzer found extra fields ignored)
+            raise bad_request(f"unknown field(s): {', '.join(sorted(unknown))}", sorted(unknown)[0])
         tokens = data.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < 1 << 32
+        # type(): `true` is an int to Python, which protobuf then refused (a 500)
+        if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < 1 << 32
                                                    for t in tokens):
             raise bad_request("tokens must be a list of token ids", "tokens")
         reply = await self._unary(self.servicer.Detokenize,
@@ -377,6 +393,9 @@ class HttpApi:
         if page is None:
             return Response("the scheduler did not answer\n", status_code=503, media_type="text/plain")
         return Response(page, media_type=CONTENT_TYPE_LATEST)
+
+    async def openapi(self) -> Response:
+        return Response(self.openapi_document, media_type="application/json")
 
 
 class _Aborted(Exception):

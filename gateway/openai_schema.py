@@ -7,7 +7,8 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt,
+                      ValidationError, field_validator)
 from pydantic_core import PydanticCustomError
 
 from gateway.openai_structured import ResponseFormat, StructuredOutputsParams
@@ -33,7 +34,9 @@ def seed_bits(seed: int) -> int:
 
 
 class _Strict(BaseModel):
-    # Unknown fields are refused, so that a misspelt parameter is not silently ignored.
+    # Unknown fields are refused, so that a misspelt parameter is not silently ignored. Numbers
+    # are StrictFloat: an int or a float, as the document says, not `true` or "0.5" (pydantic's
+    # float takes both, which the fuzzer's invalid bodies showed).
     model_config = ConfigDict(extra="forbid")
 
 
@@ -48,17 +51,17 @@ class _Common(_Strict):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     max_tokens: Int32 | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
     top_k: Int32 | None = None
-    min_p: float | None = None
+    min_p: StrictFloat | None = None
     seed: Seed | None = None
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[StrictInt] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
     ignore_eos: StrictBool = False
     min_tokens: Int32 = 0
     include_stop_str_in_output: StrictBool = False
@@ -72,7 +75,7 @@ class _Common(_Strict):
     structured_outputs: StructuredOutputsParams | None = None  # vLLM's
     # vLLM's beam search fields: n beams, best first (gateway/beam_request.py).
     use_beam_search: StrictBool = False
-    length_penalty: float = 1.0
+    length_penalty: StrictFloat = 1.0
     early_stopping: Union[StrictBool, Literal["never"]] = False
 
 
@@ -130,6 +133,24 @@ class ChatCompletionRequest(_Common):
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None  # unset: true
+
+
+TokenId = Annotated[StrictInt, Field(ge=0, le=(1 << 32) - 1)]
+
+
+# POST /tokenize and /detokenize, as HttpApi reads them (field by field, into the gRPC
+# requests). A field left out is not null: `None` defaults below only mark them optional.
+class TokenizeRequest(_Strict):
+    model: str = None  # type: ignore[assignment]  # the served one: else 404
+    prompt: str = None  # type: ignore[assignment]
+    messages: list[Message] | None = None  # instead of prompt, as chat renders them
+    add_special_tokens: StrictBool = None  # type: ignore[assignment]
+    tools: list[ToolDefinition] | None = None  # with messages
+
+
+class DetokenizeRequest(_Strict):
+    model: str = None  # type: ignore[assignment]
+    tokens: list[TokenId]
 
 
 _TOKEN_ID = re.compile(r"-?[0-9]{1,12}")
