@@ -214,15 +214,17 @@ ERRORS = {
     408: "The body took longer than --http-body-timeout to arrive",
     409: "The request_id is already in flight",
     413: "The body is larger than --max-http-body-bytes",
-    429: "The waiting queue or a quota is full; try again later",
+    429: "The waiting queue or a quota is full, or this client or API key holds its share of "
+         "HTTP connections (--max-http-connections-per-peer, --max-http-connections-per-key); "
+         "try again later",
     431: "The request's headers are larger or more than the gateway takes",
     500: "A bug in the gateway (its log has the detail)",
-    503: "No worker serves, or the scheduler cannot be reached; or (text/plain) the gateway "
-         "holds --max-http-connections connections",
+    503: "No worker serves, or the scheduler cannot be reached; or the gateway holds "
+         "--max-http-connections connections of clients",
     504: "The request's deadline passed",
 }
-# Every route may answer these: the header bound and the connection cap come before routing.
-_ANY_ROUTE = (431, 500, 503)
+# Every route may answer these: the header bound and the connection bounds come before routing.
+_ANY_ROUTE = (429, 431, 500, 503)
 _BODY = (400, 408, 413)
 _GENERATION = (*_BODY, 404, 409, 429, 504, *_ANY_ROUTE)
 
@@ -316,8 +318,7 @@ def _responses(op: Operation, keyed: bool, refs: dict) -> dict:
         if not op.ok:  # /health: a status alone
             out[str(status)] = {"description": "No worker serves"}
             continue
-        content = {**error, "text/plain": {"schema": {"type": "string"}}} if status == 503 else error
-        out[str(status)] = {"description": ERRORS[status], "content": content}
+        out[str(status)] = {"description": ERRORS[status], "content": error}
     return out
 
 
