@@ -236,13 +236,18 @@ def test_an_operator_mounts_their_own_keys_in_place_of_the_volumes():
         assert key_volume(svcs[name], env) == [(f"/srv/pagoda-keys/{name}", "/keys", ["ro"])]
 
 
-def split_keys(root: Path) -> str:
+def keys_module():
+    """deploy/docker/keys.py, which the image runs as a script."""
     sys.path.insert(0, str(ROOT / "deploy" / "docker"))
     try:
-        from keys import split
+        import keys
     finally:
         sys.path.remove(str(ROOT / "deploy" / "docker"))
-    return split(root)
+    return keys
+
+
+def split_keys(root: Path) -> str:
+    return keys_module().split(root)
 
 
 def test_the_keys_service_gives_each_role_what_it_loads_and_nothing_of_the_others(tmp_path):
@@ -276,12 +281,7 @@ def test_the_keys_service_keeps_a_set_and_refuses_volumes_that_disagree(tmp_path
 
 
 def make_api_key(gateway: Path) -> str:
-    sys.path.insert(0, str(ROOT / "deploy" / "docker"))
-    try:
-        from keys import api_key
-    finally:
-        sys.path.remove(str(ROOT / "deploy" / "docker"))
-    return api_key(gateway)
+    return keys_module().api_key(gateway)
 
 
 def test_the_keys_service_makes_an_api_key_once_and_prints_it_that_once(tmp_path):
