@@ -29,6 +29,8 @@ from gateway.chat_render import FRAME_CHARS
 from gateway.structured_check import MAX_CHOICES
 from gateway.tokenizer import ROLES, TextTokenizer
 from gateway.limits import Limits
+from gateway.wire_fields import largest_field
+from proto import pagoda_pb2
 from proto.sizes import MAX_ID_BYTES, MAX_LIST, MAX_WORKERS, worker_load_bytes
 
 CONTEXT_BOUND = 1 << 17
@@ -243,11 +245,18 @@ def largest_request(method: str, limits: Limits, max_model_len: int) -> int | No
 
 
 class _Oversized:
-    """What the deserializer gives the handler in place of a request it did not parse."""
+    """What the deserializer gives the handler in place of a request it did not parse: invalid
+    (no valid request is this large), naming the field that holds most of it."""
 
-    def __init__(self, size: int, bound: int, context: int):
-        self.message = (f"the request is {size} bytes, more than the largest valid one for "
-                        f"max_model_len {context} ({bound} bytes); refused before parsing")
+    def __init__(self, raw: bytes, bound: int, context: int, descriptor):
+        self.field = largest_field(raw, descriptor)
+        self.message = (f"{self.field}: the request is {len(raw)} bytes, more than the largest "
+                        f"valid one for max_model_len {context} ({bound} bytes); refused before "
+                        "parsing")
+
+    async def refuse(self, context) -> None:
+        context.set_trailing_metadata((("pagoda-field", self.field),))  # server.FIELD_METADATA
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.message)
 
 
 class RequestSizeInterceptor(grpc.aio.ServerInterceptor):
@@ -265,18 +274,19 @@ class RequestSizeInterceptor(grpc.aio.ServerInterceptor):
         method = details.method[len(SERVICE):]
         if largest_request(method, self.limits, 1) is None:
             return handler
-        return _bounded(handler, lambda: self._bound(method))
+        descriptor = pagoda_pb2.DESCRIPTOR.services_by_name["Generation"].methods_by_name[method].input_type
+        return _bounded(handler, lambda: self._bound(method), descriptor)
 
     def _bound(self, method: str) -> tuple[int, int]:
         context = self.context()
         return (largest_request(method, self.limits, context) or 0, context) if context else (0, 0)
 
 
-def _bounded(handler: grpc.RpcMethodHandler, bound: Callable[[], tuple[int, int]]):
+def _bounded(handler: grpc.RpcMethodHandler, bound: Callable[[], tuple[int, int]], descriptor):
     def deserialize(raw: bytes):
         limit, context = bound()
         if limit and len(raw) > limit:
-            return _Oversized(len(raw), limit, context)
+            return _Oversized(raw, limit, context, descriptor)
         return handler.request_deserializer(raw)
 
     if handler.response_streaming:
@@ -284,7 +294,7 @@ def _bounded(handler: grpc.RpcMethodHandler, bound: Callable[[], tuple[int, int]
 
         async def stream(request, context):
             if isinstance(request, _Oversized):
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, request.message)
+                await request.refuse(context)
             async with aclosing(inner(request, context)) as responses:
                 async for response in responses:
                     yield response
@@ -294,7 +304,7 @@ def _bounded(handler: grpc.RpcMethodHandler, bound: Callable[[], tuple[int, int]
 
     async def unary(request, context):
         if isinstance(request, _Oversized):
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, request.message)
+            await request.refuse(context)
         return await inner(request, context)
     return grpc.unary_unary_rpc_method_handler(
         unary, request_deserializer=deserialize, response_serializer=handler.response_serializer)

@@ -216,10 +216,15 @@ def test_requests_past_the_contexts_largest_are_refused_before_parsing(run):
             context[0] = 4096
             bound = largest_request("Generate", Limits(0, 0), 4096)
             for rpc in (stub.Generate(big), stub.GenerateStream(big).read()):
-                details = await expect_error(rpc, grpc.StatusCode.RESOURCE_EXHAUSTED)
-                assert details == (f"the request is {big.ByteSize()} bytes, more than the largest "
-                                   f"valid one for max_model_len 4096 ({bound} bytes); refused "
-                                   "before parsing")
+                details = await expect_error(rpc, grpc.StatusCode.INVALID_ARGUMENT)
+                assert details == (f"prompt_token_ids: the request is {big.ByteSize()} bytes, more "
+                                   f"than the largest valid one for max_model_len 4096 ({bound} "
+                                   "bytes); refused before parsing")
+            # The field named is the one holding most of the request, whatever comes first.
+            chat = pb.GenerateRequest(request_id="r", messages=[pb.ChatMessage(content="x" * (4 << 20))],
+                                      prompt_token_ids=[5] * 1000)
+            details = await expect_error(stub.Generate(chat), grpc.StatusCode.INVALID_ARGUMENT)
+            assert details.startswith("messages: the request is ")
             small = pb.GenerateRequest(prompt_token_ids=[5] * 100)
             assert (await stub.Generate(small)).text == "100"
             assert [r.text async for r in stub.GenerateStream(small)] == ["0", "1"]
