@@ -43,6 +43,7 @@ WORKDIR /app
 # key splitter.
 COPY pyproject.toml ./
 COPY proto ./proto
+COPY runtime ./runtime
 COPY scheduler ./scheduler
 COPY worker ./worker
 COPY kernels ./kernels

@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 from launch.children import ROOT
-from launch.flag_types import COUNT, POSITIVE_SECONDS, float_at_least
+from runtime.flag_types import COUNT, POSITIVE_SECONDS, float_at_least
 
 BENCHES = {"serve": "bench/serve.py", "offline": "bench/offline.py"}
 

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from launch.flag_errors import FlagError
+from runtime.flag_errors import FlagError
 from kernels import cpu_decode_layer, cpu_gemm_gguf
 from kernels.cpu_decode_layer import decode_step
 from tests.unit.worker.test_worker_loader import write_gguf

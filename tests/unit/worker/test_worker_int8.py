@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import worker.layers as layers
-from launch.flag_errors import FlagError
+from runtime.flag_errors import FlagError
 from kernels import cpu_decode_layer, cpu_gemm_int8
 from worker import cpu_matmul
 from tests.worker_tiny_models import (VARIANTS, assert_greedy_equals_reference, make_hf_model,
