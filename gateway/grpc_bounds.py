@@ -29,6 +29,7 @@ from gateway.chat_render import FRAME_CHARS
 from gateway.structured_check import MAX_CHOICES
 from gateway.tokenizer import ROLES, TextTokenizer
 from gateway.limits import Limits
+from gateway.validation_error import FIELD_METADATA
 from gateway.wire_fields import largest_field
 from proto import pagoda_pb2
 from proto.sizes import MAX_ID_BYTES, MAX_LIST, MAX_WORKERS, worker_load_bytes
@@ -255,7 +256,7 @@ class _Oversized:
                         "parsing")
 
     async def refuse(self, context) -> None:
-        context.set_trailing_metadata((("pagoda-field", self.field),))  # server.FIELD_METADATA
+        context.set_trailing_metadata(((FIELD_METADATA, self.field),))
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.message)
 
 

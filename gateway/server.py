@@ -36,6 +36,7 @@ from gateway.response_builder import ResponseBuilder
 from gateway.scheduler_client import SchedulerBusy, SchedulerClient, SchedulerUnavailable
 from gateway.tokenizer import TextTokenizer
 from gateway.limits import Limits
+from gateway.validation_error import FIELD_METADATA
 from gateway.validate import ValidationError, check_abort_ids, check_ids, prompt_offsets, validate
 from proto import internal_pb2, pagoda_pb2, pagoda_pb2_grpc
 
@@ -62,10 +63,6 @@ def _record_end(method: str, code: grpc.StatusCode, started: float) -> None:
     metrics.REQUESTS.labels(method, code.name).inc()
     if code == grpc.StatusCode.OK:
         metrics.E2E_LATENCY.labels(method).observe(time.monotonic() - started)
-
-
-# Trailing metadata of a refused unary call: the request field at fault (HTTP's `param`).
-FIELD_METADATA = "pagoda-field"
 
 
 def _unary(method):

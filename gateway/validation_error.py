@@ -3,6 +3,10 @@ checks it calls (gateway/beam_request.py) both raise it without importing each o
 from __future__ import annotations
 
 
+# Trailing metadata of a refused call: the request field at fault (HTTP's `param`).
+FIELD_METADATA = "pagoda-field"
+
+
 class ValidationError(ValueError):
     """Becomes INVALID_ARGUMENT; str() is the client-facing message and starts with the field."""
 

@@ -199,7 +199,8 @@ class Router:
     def abort_gateway(self, gateway: bytes, error: pb.Error) -> int:
         """The gateway's lease lapsed: end every request it streams, freeing their blocks, each
         with `error` (delivered should the gateway still be there). Returns how many."""
-        self.end_requests(ids := [rid for rid, seqs in self.seqs.items() if seqs[0].gateway == gateway], error)
+        ids = [rid for rid, seqs in self.seqs.items() if seqs[0].gateway == gateway]
+        self.end_requests(ids, error)
         return len(ids)
 
     def end_requests(self, ids, error: pb.Error) -> None:
