@@ -27,7 +27,7 @@ def resolve_dtype(name: str, device: torch.device, quantized: bool = False) -> t
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     # A CPU with bf16 instructions (AVX512-BF16 dot products or AMX tiles) computes bf16 at up to twice
     # fp32's rate and reads half the bytes: bf16 served SmolLM2's offline workload 1.7x faster than
-    # fp32 on a Zen 5 EPYC (docs/benchmarks.md, "Stop 41"). Without them torch emulates bf16
+    # fp32 on a Zen 5 EPYC (docs/benchmarks-history.md, "Stop 41"). Without them torch emulates bf16
     # matmuls and runs batches slower than fp32 (stop 36).
     return torch.bfloat16 if cpu_computes_bf16() else torch.float32
 

@@ -7,7 +7,7 @@ next layer's allocation faulted its pages in again: 150-260 thousand page faults
 workload's steps, about a microsecond each in this VM (disabling only the trim, which also pins the
 mmap threshold at 128 KB, made 1.55 million faults and the run 1.5 s slower). With allocations of
 up to 32 MB (glibc's most) served from the heap and the heap never trimmed, 11-14 thousand were
-left and the steps ran 3-4% faster (docs/benchmarks.md, "Stop 43"). The cost: the heap keeps its
+left and the steps ran 3-4% faster (docs/benchmarks-history.md, "Stop 43"). The cost: the heap keeps its
 peak, about a prefill chunk's activations, which the next prefill wants again."""
 from __future__ import annotations
 

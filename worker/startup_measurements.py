@@ -102,7 +102,7 @@ def measure_attention_prefetch(runner) -> None:
     requests the blocks ahead of the one it reads or leaves them to the hardware prefetchers: the
     machine's. On a Zen 5 EPYC the prefetch sped 64 rows up (fp32 56 -> 50 ms a step, bf16 48 ->
     26); on a Zen 2 EPYC, with the cache in huge pages, it slows fp32 by a tenth (32 rows: 52 against
-    46 ms) while bf16 needs it (35 against 46; docs/benchmarks.md, "Stop 46"). Timed on the real
+    46 ms) while bf16 needs it (35 against 46; docs/benchmarks-history.md, "Stop 46"). Timed on the real
     cache (its huge pages, every layer's blocks, scattered tables), PREFETCH_ROWS rows, off and on
     back to back; kept per machine, model, cache dtype and kernel build."""
     k_cache = runner.cache.kv_caches[0][0]
@@ -158,7 +158,7 @@ def measure_decode_step_bound(runner) -> None:
     too (it pins the bound only: without the timing an AMX Xeon's single stream took the widened
     weights, 14.7 ms a token against 11.8).
     The bound is the machine's: 8 paid on a Zen 3 EPYC in fp32 and bf16, 4 on a Zen 5
-    (docs/benchmarks.md, "Stop 41"). Kept per machine and configuration."""
+    (docs/benchmarks-history.md, "Stop 41"). Kept per machine and configuration."""
     step = getattr(runner.model.model, "fused_decode", None)
     if step is None or not step.dense:
         return

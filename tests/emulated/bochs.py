@@ -2,7 +2,7 @@
 models Sapphire Rapids (AMX, AVX512-BF16, AVX512-FP16) and older Xeons, with
 tests/emulated/runner.c as its init process. The calls and their input buffers go in the
 initramfs; each call's output comes back in hex on the serial console. Slow (minutes to boot),
-so it is a developer's check, not part of `make test`: docs/benchmarks.md "Kernels on CPUs
+so it is a developer's check, not part of `make test`: docs/benchmarks-history.md "Kernels on CPUs
 this machine lacks" says how to get a Bochs that can and what it showed.
 
 What the guest needs comes from this machine: a Debian kernel image (its package, unpacked),
