@@ -5,13 +5,13 @@
     .venv/bin/python bench/bench_cpu_attention.py --decode [--rows 64]
     .venv/bin/python bench/bench_cpu_attention.py --paths [RUNS]
 
-Prefill (default): kernels/cpu_prefill_attention.c against the path it replaces (kernels/
+Prefill (default): kernels/csrc/cpu_prefill_attention.c against the path it replaces (kernels/
 cpu_attention.py's gather of each sequence's context and torch's flash SDPA), one layer over
 shuffled blocks, alternating, medians of --repeats. A shape NxT[+C] is N sequences of T new
 tokens after C cached ones; the table gives each path's milliseconds and GFLOP/s (causal: 2 * 2 *
 Hq * D * T * (C + (T + 1) / 2) per sequence).
 
---decode: kernels/cpu_decode_attention.c for --rows decode rows with contexts of 200-600, over 30
+--decode: kernels/csrc/cpu_decode_attention.c for --rows decode rows with contexts of 200-600, over 30
 layers' caches (as a step reads them: 600 MB in bf16 at 64 rows, far past any cache, in huge
 pages as the worker's cache lies), block tables scattered (shuffled blocks) and contiguous;
 milliseconds a step (30 layers) and the GB/s of keys and values read, with the kernel's prefetch
@@ -65,7 +65,7 @@ def _median_ms(fn, repeats: int) -> float:
 
 def paths(runs: int) -> None:
     """Median ms of one layer's attention per path, runs alternating; the once-a-step plan apart.
-    The C prefill kernel (kernels/cpu_prefill_attention.c) is a fourth column where it runs."""
+    The C prefill kernel (kernels/csrc/cpu_prefill_attention.c) is a fourth column where it runs."""
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {HQ}/{HKV} heads, D={D}, "
           f"block {BS}, C prefill kernel: {cpu_prefill_attention.isa()}\n\n| dtype | B | context | m | "
           "decode rows ms | short ms | SDPA ms | C prefill ms | plan ms: rows / short / SDPA / C |\n"

@@ -1,14 +1,14 @@
 """The CPU projections of one SmolLM2-135M step (30 layers' qkv, o, gate_up and down, and the LM
 head: 538 MB of fp32 weights, far beyond any cache), by number of rows, through torch's
-F.linear (MKL) and through kernels/cpu_gemm.c, interleaved in one run; best of --repeats.
+F.linear (MKL) and through kernels/csrc/cpu_gemm.c, interleaved in one run; best of --repeats.
 
     .venv/bin/python bench/bench_gemm.py [--rows 1,4,8,16,32,64,128,256,512,1024,2048] [--threads 2]
     .venv/bin/python bench/bench_gemm.py --dtype bfloat16 --rows 1,2,4,8,16,32
     .venv/bin/python bench/bench_gemm.py --quantization q4_1 --rows 1,16,64,128
 
---dtype bfloat16 runs the same set in bf16 (269 MB) through torch and kernels/cpu_gemm_bf16.c,
+--dtype bfloat16 runs the same set in bf16 (269 MB) through torch and kernels/csrc/cpu_gemm_bf16.c,
 on each instruction-set path this CPU has. --quantization int8 / q8_0 / q4_1 runs it quantized
-(134, 142 and 84 MB) through kernels/cpu_gemm_int8.c or cpu_gemm_gguf.c on each path, and
+(134, 142 and 84 MB) through kernels/csrc/cpu_gemm_int8.c or cpu_gemm_gguf.c on each path, and
 "torch" is then the weights dequantized and multiplied by F.linear (what a prefill chunk does).
 
 It prints each path's time for the whole set, the weight bytes streamed per second and the
@@ -55,11 +55,11 @@ def main() -> None:
         paths = quantized_paths(opts.quantization)
     elif dtype == torch.float32:
         if not cpu_gemm.available():
-            sys.exit("kernels/cpu_gemm.c cannot run here (no AVX2 or no C compiler)")
+            sys.exit("kernels/csrc/cpu_gemm.c cannot run here (no AVX2 or no C compiler)")
         paths = [("kernel", cpu_gemm.xwt)]
     else:
         if not cpu_gemm_bf16.available():
-            sys.exit("kernels/cpu_gemm_bf16.c cannot run here (no AVX2 or no C compiler)")
+            sys.exit("kernels/csrc/cpu_gemm_bf16.c cannot run here (no AVX2 or no C compiler)")
         paths = [(cpu_gemm_bf16.ISA_NAMES[i], lambda x, w, i=i: cpu_gemm_bf16.xwt(x, w, i))
                  for i in cpu_gemm_bf16.supported_isas()]
     gen = torch.Generator().manual_seed(0)

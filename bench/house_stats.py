@@ -13,12 +13,13 @@ What it counts:
 - functions: every def and async def, nested ones and methods included, by
   end_lineno - lineno + 1 (the def line to the last line of its body; decorators not counted).
 - import cycles: the graph of imports between the project's modules (the .py files counted
-  above, named by their path: tests/unit/x/test_y.py is tests.unit.x.test_y). Every import
-  statement counts wherever it stands: at module level, under `if TYPE_CHECKING:`, inside a
-  function or a try; the cycles are given so, then again without the TYPE_CHECKING imports (the
-  ones that can bite at run time). `import a.b.c` and `from a.b import c` point at the deepest
-  project module they name (a.b.c when it is a module, else a.b); relative imports are resolved
-  against the importing module's package. A cycle is a strongly connected component of more than
+  above, named by their path: tests/unit/<package>/test_<name>.py is
+  tests.unit.<package>.test_<name>). Every import statement counts wherever it stands: at
+  module level, under `if TYPE_CHECKING:`, inside a function or a try; the cycles are given so,
+  then again without the TYPE_CHECKING imports (the ones that can bite at run time).
+  `import a.b.c` and `from a.b import c` point at the deepest project module they name (a.b.c
+  when it is a module, else a.b); relative imports are resolved against the importing module's
+  package. A cycle is a strongly connected component of more than
   one module; a module that imports itself is counted apart.
 
 Prints markdown: one table per figure, then the cycles, each as its modules.

@@ -14,7 +14,7 @@ start and a one-request warm-up excluded).
 
 The machine's floor for the workload, from two rates measured in the same run: `R` = GEMM
 FLOP/s of a 512x576x1536 matmul in the dtype (the shape of SmolLM2's MLP on a 512-token chunk;
-the faster of torch's BLAS and, in fp32, pagoda's kernels/cpu_gemm.c)
+the faster of torch's BLAS and, in fp32, pagoda's kernels/csrc/cpu_gemm.c)
 and `B` = copy bandwidth (bytes read + written per second copying 256 MiB). With N = the
 parameters the layers multiply by (q, k, v, o, gate, up, down; norms counted as bytes only),
 H = the LM head (tied to the embedding, so read once per step; the embedding lookup reads a row
@@ -74,7 +74,7 @@ WARM_UP = Request(random_ids(random.Random("warm-up"), 16), 4)
 def machine_rates(dtype: str) -> tuple[float, float]:
     """(GEMM FLOP/s, copy bytes/s), best of several repeats: a floor wants the machine at its
     best, and on a shared machine the best repeat is the one least disturbed. The GEMM is the
-    faster of torch's BLAS and, in fp32, pagoda's own kernel (kernels/cpu_gemm.c), which outruns
+    faster of torch's BLAS and, in fp32, pagoda's own kernel (kernels/csrc/cpu_gemm.c), which outruns
     MKL on some CPUs: a floor at BLAS's rate would be one pagoda can beat."""
     import torch
     dt = getattr(torch, dtype)

@@ -1,6 +1,6 @@
 """Beam search at the edge: its request fields checked (it is exclusive with sampling), and the
 unary answer assembled from its beam_width final messages. The search itself is the
-scheduler's (scheduler/beam.py)."""
+scheduler's (scheduler/beam_search.py)."""
 from __future__ import annotations
 
 import math

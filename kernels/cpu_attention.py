@@ -15,7 +15,7 @@ arithmetic, is most of the time. Here a decode never copies the cache:
   head_dim], as everywhere): a table of head_dim-long rows per (slot, kv head), one bag per
   (sequence, q head) over its positions, weighted by the probabilities.
 
-Where kernels/cpu_decode_attention.c runs (an fp32 or bf16 cache on AVX2 or AVX-512), the decode
+Where kernels/csrc/cpu_decode_attention.c runs (an fp32 or bf16 cache on AVX2 or AVX-512), the decode
 rows take it instead: one C call a layer over the block tables, none of the indices above.
 
 All the indices depend only on the step's metadata: `plan_attention` builds them once per step
@@ -32,7 +32,7 @@ A sequence with n > 1 new tokens (a speculative verification, a prefill chunk) t
   per sequence, and the copy costs little next to the n x context products.
 - SDPA, one call per sequence over its gathered context: torch's flash kernel, which never
   holds the n x context scores, is best for long chunks.
-Where kernels/cpu_prefill_attention.c runs (an fp32 or bf16 cache, AVX2 or AVX-512), every
+Where kernels/csrc/cpu_prefill_attention.c runs (an fp32 or bf16 cache, AVX2 or AVX-512), every
 sequence past the decode rows takes it instead of the last two: one C call a layer, no copy.
 
 Shapes as in kernels/reference.py, except the layout of the K blocks.
@@ -55,7 +55,7 @@ from kernels import cpu_decode_attention, cpu_prefill_attention
 # level or ahead and the short path's scores grow with n. 17 is a verification of k = 16.
 MAX_DECODE_ROWS = 2
 MAX_SHORT_QUERY = 17
-# With kernels/cpu_decode_attention.c a decode row costs no indices and the rows win up to 4-8
+# With kernels/csrc/cpu_decode_attention.c a decode row costs no indices and the rows win up to 4-8
 # (the same benchmark, stop 33: at batch 16 and 512 tokens, 4 rows 2.4 ms against 6.5 for the
 # short path and 4.6 for SDPA, 8 rows 4.3 against 8.8 and 6.3 in fp32; bf16 about even at 4): a
 # verification of k = 4 proposals is 5 decode rows.
@@ -76,7 +76,7 @@ def key_blocks(k_cache: torch.Tensor) -> torch.Tensor:
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor, kernel: bool | None = None) -> None:
     """The step's keys and values into the cache (negative slots skipped): in one C call where
-    kernels/cpu_decode_attention.c runs (kernel None), else torch's index ops."""
+    kernels/csrc/cpu_decode_attention.c runs (kernel None), else torch's index ops."""
     if kernel is None:
         kernel = cpu_decode_attention.runs_on(k_cache)
     if kernel:
@@ -121,7 +121,7 @@ class PrefillPlan:
 
 @dataclass
 class KernelPrefillPlan:
-    """The sequences kernels/cpu_prefill_attention.c attends in one call: sequence i's
+    """The sequences kernels/csrc/cpu_prefill_attention.c attends in one call: sequence i's
     num_tokens[i] queries are rows starts[i]... of q and out, the last of its lens[i] positions."""
     starts: torch.Tensor        # int32 [S]
     num_tokens: torch.Tensor    # int32 [S]
@@ -147,7 +147,7 @@ class AttentionPlan:
     decode: DecodePlan | None
     prefills: list[PrefillPlan]
     shorts: list[ShortPlan] = field(default_factory=list)
-    kernel: bool = False  # kernels/cpu_decode_attention.c serves this step's cache (decode, write_kv)
+    kernel: bool = False  # kernels/csrc/cpu_decode_attention.c serves this step's cache (decode, write_kv)
     kernel_prefill: KernelPrefillPlan | None = None  # instead of prefills, where the C kernel runs
 
 

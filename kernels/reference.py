@@ -150,7 +150,7 @@ def matmul_error(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rtol: floa
 
 
 def bf16_matmul_error(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
-    """A bf16 product's (kernels/cpu_gemm_bf16.c) largest distance from x @ w^T in float64 over
+    """A bf16 product's (kernels/csrc/cpu_gemm_bf16.c) largest distance from x @ w^T in float64 over
     its bound: one rounding to bf16 (2^-8 relative, half an ulp is 2^-9) over an fp32 sum of
     exact products (error ~ sqrt(K) 2^-24 sum |x||w|)."""
     x, w = x.double(), w.double()

@@ -1,5 +1,5 @@
-"""Which path a CPU projection takes, by dtype and rows: pagoda's kernels (kernels/cpu_gemm.c,
-kernels/cpu_gemm_bf16.c) where they are faster, torch's BLAS (MKL, oneDNN) where it is.
+"""Which path a CPU projection takes, by dtype and rows: pagoda's kernels (kernels/csrc/cpu_gemm.c,
+kernels/csrc/cpu_gemm_bf16.c) where they are faster, torch's BLAS (MKL, oneDNN) where it is.
 
 Decided once, at start-up (choose): a kernel that disagreed with float64 is off (its own
 start-up check, kernels/cbuild.py IsaKernel.check); then the rows up to which it pays are measured on
@@ -117,7 +117,7 @@ def up_to(rows: int) -> str:
 def choose_quantized(wanted: bool, shapes: tuple[tuple[int, int], ...], kind: str, again: bool = False,
                      vocab: bool = False, fp32_rows: int = 0) -> int:
     """The rows up to which a layer's projections, weights of `shapes` quantized as `kind`
-    ("int8", "q8_0" or "q4_1"), run through their kernel (kernels/cpu_gemm_int8.c,
+    ("int8", "q8_0" or "q4_1"), run through their kernel (kernels/csrc/cpu_gemm_int8.c,
     cpu_gemm_gguf.c) on this machine; larger products dequantize the weights for an fp32 product
     (fp32_rows: choose()'s bound for it, which the race uses too). The race multiplies by every
     shape of the layer, as a step does: on a Zen 2 EPYC the Q4_1 panels lost 5-15% to the fp32

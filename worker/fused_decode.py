@@ -1,4 +1,4 @@
-"""A Llama model's decode steps in one C call (kernels/cpu_decode_layer.c) instead of layer by
+"""A Llama model's decode steps in one C call (kernels/csrc/cpu_decode_layer.c) instead of layer by
 layer in torch, for GGUF-quantized and int8 weights and for dense fp32 and bf16 ones.
 
 A single stream's Q4_1 step reads about 10 ms of weights; layer by layer it took 19-25 ms, the

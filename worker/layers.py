@@ -48,7 +48,7 @@ def bf16_widens(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through kernels/cpu_gemm.c or cpu_gemm_bf16.c where they fit."""
+    """F.linear, through kernels/csrc/cpu_gemm.c or cpu_gemm_bf16.c where they fit."""
     if kernel_fits(x, weight):
         out = cpu_gemm.xwt(x, weight)
     elif bf16_kernel_fits(x, weight):
@@ -61,7 +61,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 # Rows up to which an int8, Q8_0 or Q4_1 projection runs through its kernel
-# (kernels/cpu_gemm_int8.c, cpu_gemm_gguf.c); above, the weights are dequantized (in C, one pass)
+# (kernels/csrc/cpu_gemm_int8.c, cpu_gemm_gguf.c); above, the weights are dequantized (in C, one pass)
 # for an fp32 product (linear above), as a prefill chunk is bound by arithmetic, not by weight bytes. The
 # machine's, for the model's format, measured at start-up (use_quantized_kernel): on an AVX-512
 # Xeon, one thread, SmolLM2's projections in Q4_1 took 97 ms through the kernel against 316

@@ -106,7 +106,7 @@ class Batch:
 
     def run_cpu(self, kernels=None):
         """The CPU backend on the same poisoned cache, its K blocks rearranged into its layout;
-        decode rows and prefill chunks through kernels/cpu_decode_attention.c and
+        decode rows and prefill chunks through kernels/csrc/cpu_decode_attention.c and
         cpu_prefill_attention.c where they run, or (kernels False) through torch ops."""
         k_cache = torch.empty(self.k_cache.shape, dtype=self.dtype)
         cpu.key_blocks(k_cache).copy_(self.k_cache.cpu().permute(0, 2, 3, 1))

@@ -56,7 +56,7 @@ def test_cpu_write_kv_keeps_keys_transposed_within_blocks(dtype, path, slots_kin
 
 @pytest.mark.parametrize("ctx", [0, 24], ids=["causal", "with-cache"])
 def test_cpu_prefill_runs_torch_flash_kernel(ctx):
-    """Where kernels/cpu_prefill_attention.c does not run, a prefill chunk's SDPA takes torch's
+    """Where kernels/csrc/cpu_prefill_attention.c does not run, a prefill chunk's SDPA takes torch's
     CPU flash kernel, not the unfused math path (3-4x slower at a few hundred tokens): torch
     picks it only for 4-D inputs."""
     batch = Batch([ctx], [40], 6, 2, 64, 16, torch.float32, seed=7)

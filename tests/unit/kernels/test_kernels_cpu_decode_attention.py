@@ -1,4 +1,4 @@
-"""kernels/cpu_decode_attention.c against float64 (kernels/reference.py) on a poisoned cache (NaN
+"""kernels/csrc/cpu_decode_attention.c against float64 (kernels/reference.py) on a poisoned cache (NaN
 in every slot no sequence owns, table entries past each sequence's last block pointing at a NaN
 block), on every instruction set this CPU has (the test names them), fp32 and bf16 caches, with the
 query heads of a kv head attended one by one and together (where the shapes allow), the kernel's

@@ -1,4 +1,4 @@
-"""kernels/cpu_decode_layer.c (a whole decode step in one call) against its float64 reference on
+"""kernels/csrc/cpu_decode_layer.c (a whole decode step in one call) against its float64 reference on
 the dequantized (or widened) weights, on every instruction set this CPU has (the test names
 them): Q4_1, Q8_0, fp32 and bf16 weights, fp32 and bf16 caches, one token of each of several
 sequences and a verification's several tokens of one, on a cache poisoned with NaN wherever no

@@ -1,4 +1,4 @@
-"""kernels/cpu_gemm.c against a float64 product: every block shape and tail of the kernel, strided
+"""kernels/csrc/cpu_gemm.c against a float64 product: every block shape and tail of the kernel, strided
 rows, any thread count, and the build that refuses to load a stale or missing library."""
 from __future__ import annotations
 

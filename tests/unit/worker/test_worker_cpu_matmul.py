@@ -299,7 +299,7 @@ def _weights(packed):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_past_its_bound_a_quantized_projection_is_an_fp32_product_as_fp32_projections_are(cache, monkeypatch, kind):
-    """Dequantized weights go through linear(): the fp32 kernel up to its bound (kernels/cpu_gemm.c
+    """Dequantized weights go through linear(): the fp32 kernel up to its bound (kernels/csrc/cpu_gemm.c
     outruns MKL on some machines at every size), BLAS past it; and the quantized race times that
     same path, under the fp32 bound it is given (kept apart from another fp32 bound's)."""
     if not (_module(kind).available() and cpu_gemm.available()):

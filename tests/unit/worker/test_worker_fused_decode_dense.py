@@ -1,5 +1,5 @@
 """Dense fp32 and bf16 models take worker/fused_decode.py's one-C-call decode step: their decode
-steps go through kernels/cpu_decode_layer.c, and what comes out is transformers' (fp32: the same
+steps go through kernels/csrc/cpu_decode_layer.c, and what comes out is transformers' (fp32: the same
 greedy tokens, logits within 1e-4; bf16: within bf16's rounding of transformers in fp32). A
 model the step does not take (--cpu-matmul torch) runs layer by layer (int8 weights:
 tests/unit/worker/test_worker_int8.py)."""

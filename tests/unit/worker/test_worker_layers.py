@@ -22,7 +22,7 @@ GEN = torch.Generator().manual_seed(0)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_rms_norm_with_residual_is_hf_bit_for_bit(dtype, monkeypatch):
-    """torch's ops (bf16 too where kernels/cpu_pointwise.c is off; its own tests compare it with
+    """torch's ops (bf16 too where kernels/csrc/cpu_pointwise.c is off; its own tests compare it with
     these ops and float64)."""
     monkeypatch.setattr(cpu_pointwise, "runs_on", lambda x: False)
     hidden = 96
@@ -126,7 +126,7 @@ def test_the_model_calls_the_backend_only_through_forward(tmp_path, monkeypatch)
 @pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_cpu_logits_equal_float64(rows, kernel, monkeypatch):
-    """The CPU logits product: through kernels/cpu_gemm.c, or without it in slices of the
+    """The CPU logits product: through kernels/csrc/cpu_gemm.c, or without it in slices of the
     vocabulary written in place; every column, the last partial slice's too, must hold the
     float64 product's value."""
     from worker.model import LlamaForCausalLM
@@ -148,7 +148,7 @@ def test_cpu_logits_equal_float64(rows, kernel, monkeypatch):
 @pytest.mark.parametrize("rows", [1, 4, 5, 300])
 def test_bf16_logits_go_through_the_bf16_kernel_or_fp32_and_equal_float64(rows, widen, monkeypatch):
     """A bf16 step's vocabulary projection, the largest matmul of a single stream's step: through
-    kernels/cpu_gemm_bf16.c up to its bound's rows; past it, widened to fp32 where the CPU has
+    kernels/csrc/cpu_gemm_bf16.c up to its bound's rows; past it, widened to fp32 where the CPU has
     no bf16 instructions, else torch's slices; within bf16's rounding of the float64 product."""
     from kernels import cpu_gemm_bf16
     from worker.model import LlamaForCausalLM
@@ -204,7 +204,7 @@ def test_bf16_linear_past_the_kernels_rows_is_widened_to_fp32_where_the_cpu_lack
 @pytest.mark.parametrize("rows", [1, 2, 9, 64, 1024, 1025])
 @pytest.mark.parametrize("bias", [False, True])
 def test_cpu_linear_equals_float64(rows, bias, kernel, monkeypatch):
-    """worker.layers.linear runs up to its bound's rows through kernels/cpu_gemm.c and more
+    """worker.layers.linear runs up to its bound's rows through kernels/csrc/cpu_gemm.c and more
     through F.linear: both are x W^T + b to float32 rounding, contiguous, in the input's dtype."""
     from worker.layers import linear
     # The parametrization straddles the kernel's bound.

@@ -2,8 +2,8 @@
 
 Rank 0 runs tests/tp_driver.py (PlanDriver's plans instead of a scheduler), or worker.main
 against a ROUTER socket playing the scheduler; ranks 1..N-1 are the real worker.main followers
-either way. The reference is the same model in one process (TP=1), which tests/test_model_parity
-compares with transformers.
+either way. The reference is the same model in one process (TP=1), which
+tests/unit/worker/test_model_parity.py compares with transformers.
 """
 from __future__ import annotations
 
