@@ -319,7 +319,7 @@ static inline void attend_task(int64_t task, int grouped, const void *q, int64_t
 // How a layer's attention is split: grouped for a bf16 cache, where each widened load then serves
 // the whole group, if its (row, kv head) tasks are at least 4 a thread. An fp32 cache stays head by
 // head: grouped, in 8-float vectors a step of 64 rows measured a third slower, and in the AVX-512
-// path's 16-float ones the offline workload 5% slower (docs/benchmarks.md, "Stop 41").
+// path's 16-float ones the offline workload 5% slower (docs/benchmarks-history.md, "Stop 41").
 static inline int attend_grouped_here(int num_rows, int Hq, int Hkv, int D, int bs, int dtype, int threads) {
     return dtype == 1 && groups_fit(Hq / Hkv, D, bs) && (int64_t)num_rows * Hkv >= 4 * (int64_t)threads;
 }
