@@ -7,8 +7,8 @@ import math
 
 from gateway.validation_error import ValidationError
 from proto import internal_pb2, pagoda_pb2
+from proto.sizes import MAX_BEAM_WIDTH
 
-MAX_BEAM_WIDTH = 16
 EARLY_STOPPING = ("true", "false", "never")
 
 # Sampling fields that mean nothing to a deterministic search, with their neutral values (a

@@ -1,22 +1,13 @@
 """HTTP errors in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with the
-status codes OpenAI uses for each gRPC status the servicer ends with."""
+status codes OpenAI uses for each gRPC status the servicer ends with (gateway/statuses.py)."""
 from __future__ import annotations
 
 import logging
 
-import grpc
 from starlette.responses import JSONResponse
 
 from gateway.openai_schema import openai_param
-from gateway.server import RpcFailed
-
-HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-               grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-               grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
-               grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-               grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-               grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
-               grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error")}
+from gateway.statuses import INTERNAL_HTTP, RpcFailed, http_status
 
 
 class HttpError(Exception):
@@ -31,7 +22,7 @@ class HttpError(Exception):
 
 
 def from_rpc(e: RpcFailed, chat: bool) -> HttpError:
-    status, type_ = HTTP_STATUS.get(e.code, (500, "internal_error"))
+    status, type_ = http_status(e.code)
     param = openai_param(e.field, chat) if e.field else None
     message = str(e).replace(e.field, param) if e.field and param else str(e)
     return HttpError(status, message, type_, param, e.code.name.lower())
@@ -79,5 +70,6 @@ class CatchBugs:
             if started:  # a response is half sent: nothing clean can follow, the connection ends
                 raise
             self.log.exception("%s %s failed inside the gateway", scope.get("method"), scope.get("path"))
-            body = HttpError(500, "the request failed inside the gateway; see its log", "internal_error").body()
-            await JSONResponse(body, status_code=500)(scope, receive, send)
+            status, type_ = INTERNAL_HTTP
+            body = HttpError(status, "the request failed inside the gateway; see its log", type_).body()
+            await JSONResponse(body, status_code=status)(scope, receive, send)

@@ -36,13 +36,15 @@ from gateway.openai_structured import StructuredBadField, structured_output
 from gateway.openai_schema import (BadField, ChatCompletionRequest, CompletionRequest,
                                    chat_request, completion_requests)
 from gateway.openai_tools import ToolBadField, ToolConfig, check_tools, tool_request
-from gateway.beam_request import MAX_BEAM_WIDTH
 from gateway.http_errors import CatchBugs, HttpError, as_sent, bad_request, from_rpc
 from gateway.http_tokens import detokenize_request, tokenize_json, tokenize_request
 from gateway.large_inputs import Busy
-from gateway.server import FIELD_METADATA, GenerationServicer, RpcFailed
-from gateway.validate import MAX_N
+from gateway.limits import MAX_N
+from gateway.server import GenerationServicer
+from gateway.statuses import RpcFailed, http_status, refused
+from gateway.validation_error import FIELD_METADATA
 from proto import pagoda_pb2
+from proto.sizes import MAX_BEAM_WIDTH
 
 log = logging.getLogger("pagoda.gateway")
 
@@ -331,7 +333,8 @@ class HttpApi:
             body = await self.servicer.large_jobs.run(
                 msg, tokenize_json, reply.token_ids, info.max_model_len if info is not None else None)
         except Busy as e:
-            raise HttpError(429, str(e), "rate_limit_error") from None
+            status, type_ = http_status(refused(e).code)
+            raise HttpError(status, str(e), type_) from None
         return Response(body, media_type="application/json")
 
     async def detokenize(self, request: Request) -> dict:
@@ -377,10 +380,14 @@ class _Aborted(Exception):
 
 class _Context:
     """Enough of a grpc.aio context for the servicer's unary handlers: abort raises; the field
-    at fault comes as trailing metadata (gateway/server.py FIELD_METADATA)."""
+    at fault comes as trailing metadata (gateway/validation_error.py FIELD_METADATA)."""
     code = grpc.StatusCode.OK
     details = ""
     field = ""
+
+    @staticmethod
+    def time_remaining() -> None:
+        return None  # no deadline: a hang-up cancels the route (gateway/statuses.py cancel_code)
 
     def set_trailing_metadata(self, metadata) -> None:
         self.field = dict(metadata).get(FIELD_METADATA, "")

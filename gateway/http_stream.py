@@ -9,7 +9,7 @@ from typing import AsyncIterator
 
 from gateway.http_errors import from_rpc
 from gateway.openai_render import Collector, chat_delta, chat_logprobs, chunk, finish_reason
-from gateway.server import RpcFailed
+from gateway.statuses import RpcFailed
 from gateway.tool_render import ToolStream
 
 

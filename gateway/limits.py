@@ -6,6 +6,11 @@ from dataclasses import dataclass
 
 from gateway.gateway_flags import REQUEST_LIMITS
 
+# Sequences one request may ask for (sampling.n, HTTP's n), fixed: a client's n builds n of
+# everything at once. Beam search's own bound is proto/sizes.py MAX_BEAM_WIDTH, which the
+# scheduler checks too; both sit below what the internal link carries (MAX_REQUEST_SEQUENCES).
+MAX_N = 16
+
 _LIMIT_DEFAULTS = {dest: default for dest, default, _, _ in REQUEST_LIMITS}
 
 

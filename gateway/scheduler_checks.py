@@ -17,10 +17,9 @@ import grpc
 
 from proto import internal_pb2 as pb
 from proto.columns import unpack, unpack_f32
-from proto.sizes import MAX_ID_BYTES, MAX_LIST, MAX_TEXT
+from proto.sizes import MAX_ID_BYTES, MAX_LEN, MAX_LIST, MAX_TEXT
 from proto.token_stream import Columns, Update
 
-MAX_LEN = 1 << 20          # max_model_len, positions, token counts: as the scheduler's checks
 MAX_COUNT = 1 << 20        # preemptions
 MAX_EPOCH = 1 << 63        # the scheduler draws its epoch from [1, 2**63]
 MAX_SEQ = 1 << 62

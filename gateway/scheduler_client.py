@@ -33,7 +33,7 @@ from gateway.limits import Limits
 from runtime.ratelog import RateLimitedLog
 from proto import internal_pb2
 from proto.auth import PROTOCOL_VERSION, secure_client
-from proto.sizes import largest_scheduler_message
+from proto.sizes import MAX_LEN, largest_scheduler_message
 from proto.token_stream import Columns, Update, updates
 
 log = logging.getLogger("pagoda.gateway")
@@ -276,7 +276,7 @@ class SchedulerClient:
         its own stream with INTERNAL (and is aborted), and disturbs no other. The token columns
         are checked as arrays, in a few passes for the whole message."""
         vocab = self.info.vocab_size if self.info is not None else 0
-        max_len = (self.info.max_model_len if self.info is not None else 0) or checks.MAX_LEN
+        max_len = (self.info.max_model_len if self.info is not None else 0) or MAX_LEN
         try:
             columns = Columns(msg)
             bad = checks.check_columns(columns, vocab, max_len)

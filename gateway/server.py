@@ -5,9 +5,10 @@ SchedulerClient and become responses in gateway/response_builder.py. Whatever wa
 before the scheduler finished every index (client cancel, deadline, stop string, error, server shutdown),
 the `finally` sends an AbortRequest so the scheduler frees the request's KV blocks at once.
 
-Every handler ends in a status a client can act on: INVALID_ARGUMENT naming the field, the
-scheduler's code (UNAVAILABLE, RESOURCE_EXHAUSTED, ALREADY_EXISTS), or INTERNAL with a short
-message for anything unexpected (the traceback goes to the log, never to the client).
+Every handler ends in a status a client can act on, through gateway/statuses.py: INVALID_ARGUMENT
+naming the field, the scheduler's code (UNAVAILABLE, RESOURCE_EXHAUSTED, ALREADY_EXISTS), or
+INTERNAL with a short message for anything unexpected (the traceback goes to the log, never to
+the client).
 """
 from __future__ import annotations
 
@@ -15,10 +16,9 @@ import asyncio
 import dataclasses
 import functools
 import hmac
-import logging
 import time
 from contextlib import aclosing
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 
@@ -34,64 +34,35 @@ from gateway.grpc_bounds import context_bound
 from gateway.large_inputs import Busy, LargeJobs, tokenize_response
 from gateway.response_builder import ResponseBuilder
 from gateway.scheduler_client import SchedulerBusy, SchedulerClient, SchedulerUnavailable
+from gateway.statuses import REFUSALS, RpcFailed, ending, refused, status_code
 from gateway.tokenizer import TextTokenizer
 from gateway.limits import Limits
-from gateway.validation_error import FIELD_METADATA
-from gateway.validate import ValidationError, check_abort_ids, check_ids, prompt_offsets, validate
+from gateway.validate import (Caller, ValidationError, check_abort_ids, check_ids, prompt_offsets,
+                              validate)
 from proto import internal_pb2, pagoda_pb2, pagoda_pb2_grpc
 
-log = logging.getLogger("pagoda.gateway")
 
-
-class RpcFailed(Exception):
-    """Ends an RPC with a status; raised inside the stream, turned into context.abort outside."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, field: str = ""):
-        super().__init__(message)
-        self.code = code
-        self.field = field  # the request field at fault, where one is (HTTP names it as `param`)
-
-
-def status_code(name: str) -> grpc.StatusCode:
-    """An internal Error.code (a grpc.StatusCode name) as a status; unknown or OK -> INTERNAL."""
-    code = grpc.StatusCode.__members__.get(name)
-    return code if code is not None and code != grpc.StatusCode.OK else grpc.StatusCode.INTERNAL
-
-
-def _record_end(method: str, code: grpc.StatusCode, started: float) -> None:
-    metrics.IN_FLIGHT.dec()
-    metrics.REQUESTS.labels(method, code.name).inc()
-    if code == grpc.StatusCode.OK:
-        metrics.E2E_LATENCY.labels(method).observe(time.monotonic() - started)
+def _record_end(method: str, started: float) -> Callable[[grpc.StatusCode], None]:
+    """A Generate call's end in the metrics: its status, and its latency when it answered."""
+    def record(code: grpc.StatusCode) -> None:
+        metrics.IN_FLIGHT.dec()
+        metrics.REQUESTS.labels(method, code.name).inc()
+        if code == grpc.StatusCode.OK:
+            metrics.E2E_LATENCY.labels(method).observe(time.monotonic() - started)
+    return record
 
 
 def _unary(method):
-    """Status handling shared by the unary RPCs other than Generate."""
+    """A unary RPC other than Generate, ended as every handler is (gateway/statuses.py)."""
     name = method.__name__
+
+    def record(code: grpc.StatusCode) -> None:
+        metrics.REQUESTS.labels(name, code.name).inc()
 
     @functools.wraps(method)
     async def handler(self, request, context):
-        code = grpc.StatusCode.OK
-        try:
+        async with ending(context, name, record):
             return await method(self, request, context)
-        except ValidationError as e:
-            code = grpc.StatusCode.INVALID_ARGUMENT
-            context.set_trailing_metadata(((FIELD_METADATA, e.field),))
-            await context.abort(code, str(e))
-        except SchedulerUnavailable as e:
-            code = grpc.StatusCode.UNAVAILABLE
-            await context.abort(code, str(e))
-        except RpcFailed as e:
-            code = e.code
-            if e.field:
-                context.set_trailing_metadata(((FIELD_METADATA, e.field),))
-            await context.abort(code, str(e))
-        except Exception:  # noqa: BLE001 - a bug must not reach the client as a traceback
-            code = grpc.StatusCode.INTERNAL
-            log.exception("%s failed", name)
-            await context.abort(code, f"{name} failed inside the gateway; see its log")
-        finally:
-            metrics.REQUESTS.labels(name, code.name).inc()
     return handler
 
 
@@ -125,7 +96,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         try:
             return await self.large_jobs.run(request, fn, *args, **kwargs)
         except Busy as e:
-            raise RpcFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+            raise refused(e) from None
 
     def _limits(self) -> Limits:
         info = self.client.info
@@ -145,35 +116,21 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
 
     async def GenerateStream(self, request, context) -> AsyncIterator[pagoda_pb2.GenerateResponse]:
         started = time.monotonic()
-        code = grpc.StatusCode.OK
         metrics.IN_FLIGHT.inc()
         grammar_check.CLIENT.set(peer_host(context.peer()))  # this RPC's task only
-        try:
+        async with ending(context, "GenerateStream", _record_end("GenerateStream", started)):
             # aclosing: a cancel that lands while this handler waits at `yield` must still run
             # responses' finally (the abort) now, not whenever the generator is collected.
             async with aclosing(self.responses(request, started, unary=False,
                                                tenant=self._tenant(context))) as responses:
                 async for response in responses:
                     yield response
-        except RpcFailed as e:
-            code = e.code
-            await context.abort(e.code, str(e))
-        except (asyncio.CancelledError, GeneratorExit):
-            code = _cancel_code(context)
-            raise
-        except Exception:  # noqa: BLE001 - a bug must not reach the client as a traceback
-            code = grpc.StatusCode.INTERNAL
-            log.exception("GenerateStream failed")
-            await context.abort(code, "GenerateStream failed inside the gateway; see its log")
-        finally:
-            _record_end("GenerateStream", code, started)
 
     async def Generate(self, request, context) -> pagoda_pb2.GenerateResponse:
         started = time.monotonic()
-        code = grpc.StatusCode.OK
         metrics.IN_FLIGHT.inc()
         grammar_check.CLIENT.set(peer_host(context.peer()))  # this RPC's task only
-        try:
+        async with ending(context, "Generate", _record_end("Generate", started)):
             out = pagoda_pb2.GenerateResponse()
             async with aclosing(self.responses(request, started, unary=True, whole=True,
                                                tenant=self._tenant(context))) as responses:
@@ -187,18 +144,6 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
                     out.MergeFrom(response)
                     out.text = text
             return out
-        except RpcFailed as e:
-            code = e.code
-            await context.abort(e.code, str(e))
-        except asyncio.CancelledError:
-            code = _cancel_code(context)
-            raise
-        except Exception:  # noqa: BLE001 - a bug must not reach the client as a traceback
-            code = grpc.StatusCode.INTERNAL
-            log.exception("Generate failed")
-            await context.abort(code, "Generate failed inside the gateway; see its log")
-        finally:
-            _record_end("Generate", code, started)
 
     def spawn_grammar(self) -> asyncio.Task:
         return self.grammar.spawn()
@@ -215,7 +160,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
             return await self.grammar.error(spec, tenant)
         except CompilerBusy as e:
             name = "sampling.structured_output"
-            raise RpcFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{name}: {e}", name) from None
+            raise RpcFailed(REFUSALS[CompilerBusy], f"{name}: {e}", name) from None
         except RuntimeError as e:  # its compiler did not start: not the request's fault
             raise RpcFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
 
@@ -237,42 +182,27 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         """The responses of one request, for GenerateStream, Generate and the HTTP API alike;
         raises RpcFailed. Closing it early aborts the request at the scheduler. tenant
         namespaces the public request id by API key. whole: the caller answers only once the
-        request has ended, so the scheduler may send its tokens with the finish
-        (AddRequest.final_only)."""
+        request has ended (validate's Caller.whole)."""
         limits = self._limits()
         if not self.client.has_room(tenant=tenant):  # before tokenizing: refused cheaply
-            raise RpcFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise RpcFailed(REFUSALS[SchedulerBusy],
                             "the scheduler is full (every sequence it can hold is in flight); "
                             "retry later")
         internal_id = self.client.new_request_id()
+        caller = Caller(tenant=tenant, priorities=self.priority_ranges.get(tenant, self.default_priority),
+                        salt_by_tenant=not self.shared_prefix_cache, whole=whole)
         try:
             v = await self._large(request, validate, request, self.tokenizer, limits,
-                                  internal_id, unary=unary)
+                                  internal_id, unary=unary, caller=caller)
         except ValidationError as e:
-            raise RpcFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
+            raise refused(e) from None
         if v.spec is not None:
             await self._check_grammar(v.spec, tenant)
-        v.add.public_id = tenant + v.add.public_id  # the client's own id stays in v.public_id
-        v.add.tenant = tenant
-        allowed = self.priority_ranges.get(tenant, self.default_priority)
-        if allowed is not None and not allowed[0] <= v.add.priority <= allowed[1]:
-            raise RpcFailed(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"priority must be in [{allowed[0]}, {allowed[1]}] for this API key, "
-                            f"got {v.add.priority}", "priority")
-        if not self.shared_prefix_cache:
-            # Tenants are fixed-length prefixes ("k" + 16 hex digits + "/"), so no client salt
-            # of one tenant can equal another tenant's salted one.
-            v.add.cache_salt = tenant + v.add.cache_salt
         builder = ResponseBuilder(self.tokenizer, v, v.public_id, started)
-        # Nothing to read step by step: the scheduler sends the tokens with the finish. Not with
-        # stop strings (the gateway ends the request when it sees one) nor with the per-position
-        # extras that come in their own messages (logprobs); a beam search is whole anyway.
-        v.add.final_only = (whole and not v.stop and v.logprobs is None and v.prompt_logprobs is None
-                            and v.beam is None)
         try:
             queue = self.client.open(internal_id, v.n, tenant)
         except SchedulerBusy as e:
-            raise RpcFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+            raise refused(e) from None
         metrics.PROMPT_TOKENS.inc(len(v.prompt_token_ids))
         sent, held = False, None
         try:
@@ -282,7 +212,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
                 self.client.add(v.add)
                 builder.sent_at = time.monotonic()
             except SchedulerUnavailable as e:
-                raise RpcFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+                raise refused(e) from None
             sent = True
             while not builder.all_done:
                 item = await queue.get()
@@ -366,8 +296,3 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
             num_workers=info.num_workers, eos_token_ids=info.eos_token_ids)
 
 
-
-def _cancel_code(context) -> grpc.StatusCode:
-    remaining = context.time_remaining()
-    return (grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0
-            else grpc.StatusCode.CANCELLED)

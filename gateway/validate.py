@@ -13,7 +13,7 @@ from typing import Sequence
 
 from gateway import beam_request
 from gateway.chat_render import render_chat_request
-from gateway.limits import Limits
+from gateway.limits import MAX_N, Limits
 from gateway.structured_check import StructuredError, structured_spec
 from gateway.tokenizer import TextTokenizer
 from gateway.validation_error import ValidationError
@@ -21,7 +21,6 @@ from proto import internal_pb2, pagoda_pb2
 from proto.sizes import MAX_LIST
 from structured.spec import Spec
 
-MAX_N = 16
 MAX_CACHE_SALT_BYTES = 256
 DEFAULT_MAX_TOKENS = 256
 MAX_PENALTY = 2.0        # presence and frequency, either sign
@@ -31,6 +30,17 @@ MAX_LOGIT_BIAS = 100.0   # either sign
 # arrives; each id is at most --max-request-id-bytes, itself under MAX_ID_BYTES with the
 # tenant's prefix (gateway_flags.REQUEST_CEILINGS).
 MAX_ABORT_IDS = MAX_LIST
+
+
+@dataclass(frozen=True)
+class Caller:
+    """What validation needs to know beyond the request: who sent it and how its answer is read."""
+    tenant: str = ""  # the API key's namespace ("" without keys): prefixes the public id
+    priorities: tuple[int, int] | None = None  # the tenant's range; None: --max-priority alone
+    # The tenant prefixes the cache salt, so no tenant's prefix-cache hits (and their timing)
+    # reveal what another sent; False with --shared-prefix-cache.
+    salt_by_tenant: bool = True
+    whole: bool = False  # answered only once the request has ended (unary Generate, HTTP whole)
 
 
 @dataclass
@@ -279,13 +289,32 @@ def _stopping(stopping: pagoda_pb2.StoppingCriteria, limits: Limits) -> None:
                               f"stopping.min_tokens must be >= 0, got {stopping.min_tokens}")
 
 
+def _priority(priority: int, limits: Limits, allowed: tuple[int, int] | None) -> None:
+    if abs(priority) > limits.max_priority:
+        raise ValidationError("priority", f"priority must be in [-{limits.max_priority}, "
+                                          f"{limits.max_priority}], got {priority}")
+    if allowed is not None and not allowed[0] <= priority <= allowed[1]:
+        raise ValidationError("priority", f"priority must be in [{allowed[0]}, {allowed[1]}] "
+                                          f"for this API key, got {priority}")
+
+
+def _final_only(caller: Caller, stopping: pagoda_pb2.StoppingCriteria,
+                s: pagoda_pb2.SamplingParams, search) -> bool:
+    """Whether the scheduler may send the tokens with the finish (AddRequest.final_only): when
+    nothing reads them step by step. Not with stop strings (the gateway ends the request when
+    it sees one) nor with the per-position extras that come in their own messages (logprobs);
+    a beam search is whole anyway."""
+    return (caller.whole and not stopping.stop and not s.HasField("logprobs")
+            and not s.HasField("prompt_logprobs") and search is None)
+
+
 def validate(req: pagoda_pb2.GenerateRequest, tokenizer: TextTokenizer, limits: Limits,
-             internal_id: str, unary: bool = False) -> Validated:
+             internal_id: str, unary: bool = False, caller: Caller = Caller()) -> Validated:
+    """The request as the finished AddRequest the scheduler gets (the caller's tenant, salt and
+    priority range applied) with what the gateway keeps to answer it; raises ValidationError."""
     # Cheap checks first: a request that fails one is refused before any tokenizing.
     _request_id(req.request_id, limits)
-    if abs(req.priority) > limits.max_priority:
-        raise ValidationError("priority", f"priority must be in [-{limits.max_priority}, "
-                                          f"{limits.max_priority}], got {req.priority}")
+    _priority(req.priority, limits, caller.priorities)
     search = beam_request.beam_params(req)
     if search is None:
         sampling, n = _sampling(req, limits, unary)
@@ -303,6 +332,10 @@ def validate(req: pagoda_pb2.GenerateRequest, tokenizer: TextTokenizer, limits: 
     if salt_bytes > MAX_CACHE_SALT_BYTES:
         raise ValidationError("cache_salt", f"cache_salt is {salt_bytes} bytes, at most "
                                             f"{MAX_CACHE_SALT_BYTES} are allowed")
+    # Tenants are fixed-length prefixes ("k" + 16 hex digits + "/"), so no client salt of one
+    # tenant can equal another tenant's salted one.
+    salt = caller.tenant + req.cache_salt if caller.salt_by_tenant else req.cache_salt
+    final_only = _final_only(caller, stopping, req.sampling, search)
     truncate = req.truncate_prompt_tokens if req.HasField("truncate_prompt_tokens") else None
     if truncate is not None and truncate < 1:
         raise ValidationError("truncate_prompt_tokens",
@@ -339,12 +372,13 @@ def validate(req: pagoda_pb2.GenerateRequest, tokenizer: TextTokenizer, limits: 
 
     # EOS is not added to stop_token_ids: the scheduler stops on the ids the workers report in
     # WorkerHello.eos_token_ids (unless ignore_eos), one source of truth for what EOS is.
-    public_id = req.request_id or internal_id
+    public_id = req.request_id or internal_id  # the client's; the scheduler's is the tenant's
     add = internal_pb2.AddRequest(
         request_id=internal_id, prompt_token_ids=ids, sampling=sampling, n=1 if search else n,
         max_tokens=max_tokens, ignore_eos=stopping.ignore_eos,
-        stop_token_ids=stopping.stop_token_ids, priority=req.priority, public_id=public_id,
-        cache_salt=req.cache_salt, beam_search=search)
+        stop_token_ids=stopping.stop_token_ids, priority=req.priority,
+        public_id=caller.tenant + public_id, tenant=caller.tenant, cache_salt=salt,
+        beam_search=search, final_only=final_only)
     s = req.sampling
     return Validated(
         add=add, prompt_token_ids=ids, n=n, stop=list(stopping.stop),

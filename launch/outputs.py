@@ -73,7 +73,7 @@ class GenerationError(RuntimeError):
 
 async def collect(servicer, tokenizer, request: pb.GenerateRequest, request_id: str) -> RequestOutput:
     """One request through the gateway's own response generator, gathered into a RequestOutput."""
-    from gateway.server import RpcFailed
+    from gateway.statuses import RpcFailed
 
     # Filled as the indices arrive: the request's n is the caller's until the servicer has
     # checked it (a list of n built here first took 20 GB for n = 10^9, and the OOM killer).

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 MAX_ID_BYTES = 1024           # request ids, worker ids, salts, model names
 MAX_LIST = 4096               # stop ids, eos ids, abort lists, logit_bias entries, logprobs
-MAX_N = 256                   # sequences of one request
+# Sequences of one request on the internal links (AddRequest.n, an abort's indices): far above
+# what a client may ask for (gateway/limits.py MAX_N, MAX_BEAM_WIDTH below).
+MAX_REQUEST_SEQUENCES = 256
+MAX_BEAM_WIDTH = 16           # beams of one search: the public bound, checked by both ends
+MAX_LEN = 1 << 20             # max_model_len, max_tokens, positions, token counts, vocab size
 MAX_LOGPROBS = 64             # alternatives per position: the scheduler refuses more
 MAX_TEXT = 4096               # error and refusal messages to a gateway
 MAX_WORKERS = 1024            # registered with one scheduler at once
@@ -65,7 +69,7 @@ def largest_gateway_message(max_model_len: int) -> int:
     add = (_ids(max_model_len) + largest_sampling() + _ids(MAX_LIST)
            + 3 * _field(MAX_ID_BYTES) + _SCALARS)
     call = _field(MAX_LIST * _field(MAX_ID_BYTES)) + _SCALARS
-    abort = _field(MAX_ID_BYTES) + _ids(MAX_N)
+    abort = _field(MAX_ID_BYTES) + _ids(MAX_REQUEST_SEQUENCES)
     return with_margin(_field(max(add, call, abort)))
 
 

@@ -13,15 +13,14 @@ import math
 from proto import internal_pb2 as pb
 from proto.auth import PROTOCOL_VERSION
 from proto.columns import unpack
-from proto.sizes import (MAX_ID_BYTES, MAX_LIST, MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS,
-                         MAX_STRUCTURED_OUTPUT)
+from proto.sizes import (MAX_BEAM_WIDTH, MAX_ID_BYTES, MAX_LEN, MAX_LIST, MAX_LOGPROBS,
+                         MAX_REQUEST_SEQUENCES, MAX_SPECULATIVE_TOKENS, MAX_STRUCTURED_OUTPUT)
 
 MAX_BLOCKS = 1 << 21          # per pool, device or CPU
 MAX_BLOCK_SIZE = 2048
-MAX_LEN = 1 << 20             # max_model_len, max_tokens, batched tokens, vocab size
-MAX_N = 256
-MAX_BEAM_WIDTH = 16
-MAX_PENALTY = 1000.0
+# A sanity bound on any penalty, far above the public one for presence and frequency
+# (gateway/validate.py MAX_PENALTY).
+MAX_PENALTY_INTERNAL = 1000.0
 
 
 def _text(name: str, value: str, limit: int = MAX_ID_BYTES, required: bool = False) -> str | None:
@@ -96,9 +95,11 @@ def check_sampling(s: pb.SamplingConfig, vocab_size: int, max_logprobs: int = MA
         _float("sampling.top_p", s.top_p, 0.0, 1.0),
         _int("sampling.top_k", s.top_k, 0, MAX_LEN),
         _float("sampling.min_p", s.min_p, 0.0, 1.0),
-        _float("sampling.presence_penalty", s.presence_penalty, -MAX_PENALTY, MAX_PENALTY),
-        _float("sampling.frequency_penalty", s.frequency_penalty, -MAX_PENALTY, MAX_PENALTY),
-        _float("sampling.repetition_penalty", s.repetition_penalty, 0.0, MAX_PENALTY),
+        _float("sampling.presence_penalty", s.presence_penalty, -MAX_PENALTY_INTERNAL,
+               MAX_PENALTY_INTERNAL),
+        _float("sampling.frequency_penalty", s.frequency_penalty, -MAX_PENALTY_INTERNAL,
+               MAX_PENALTY_INTERNAL),
+        _float("sampling.repetition_penalty", s.repetition_penalty, 0.0, MAX_PENALTY_INTERNAL),
         _tokens("sampling.logit_bias", list(s.logit_bias), vocab_size, MAX_LIST),
         next((f"sampling.logit_bias[{k}] = {v} is not finite"
               for k, v in s.logit_bias.items() if not math.isfinite(v)), None),
@@ -119,7 +120,7 @@ def check_add(add: pb.AddRequest, vocab_size: int, max_logprobs: int = MAX_LOGPR
         _text("public_id", add.public_id), _text("cache_salt", add.cache_salt),
         _text("tenant", add.tenant),
         _tokens("prompt_token_ids", add.prompt_token_ids, vocab_size),
-        _int("n", add.n, 0, MAX_N), _int("max_tokens", add.max_tokens, 0, MAX_LEN),
+        _int("n", add.n, 0, MAX_REQUEST_SEQUENCES), _int("max_tokens", add.max_tokens, 0, MAX_LEN),
         _tokens("stop_token_ids", add.stop_token_ids, vocab_size, MAX_LIST),
         check_sampling(add.sampling, vocab_size, max_logprobs),
         _int("beam_search.beam_width", add.beam_search.beam_width, 0, MAX_BEAM_WIDTH),
@@ -138,7 +139,7 @@ def check_request_id(request_id: str) -> str | None:
 
 def check_abort(abort: pb.AbortRequest) -> str | None:
     return _first(check_request_id(abort.request_id),
-                  _int("abort.indices (count)", len(abort.indices), 0, MAX_N))
+                  _int("abort.indices (count)", len(abort.indices), 0, MAX_REQUEST_SEQUENCES))
 
 
 def check_call(call: pb.Call) -> str | None:

@@ -17,7 +17,7 @@ from gateway.gateway_flags import REQUEST_CEILINGS, REQUEST_LIMITS, parse_gatewa
 from gateway.grpc_bounds import RequestSizeInterceptor, largest_request
 from gateway.large_inputs import LargeJobs
 from gateway.limits import Limits
-from gateway.server import RpcFailed
+from gateway.statuses import RpcFailed
 from gateway.structured_check import MAX_CHOICES, StructuredError, structured_spec
 from gateway.tool_parsers import parser
 from gateway.validate import MAX_ABORT_IDS, MAX_CACHE_SALT_BYTES, ValidationError, prompt_ids

@@ -18,7 +18,7 @@ from gateway.app import Gateway
 from gateway.call_bounds import GENERATION_PREFIX, CallSlots, peer_host
 from gateway.client_auth import ApiKeyInterceptor
 from gateway.edge import EdgeConfig
-from gateway.server import FIELD_METADATA
+from gateway.validation_error import FIELD_METADATA
 from gateway.tokenizer import load_tokenizer
 from proto import pagoda_pb2 as pb, pagoda_pb2_grpc
 from tests.fake_scheduler import FakeScheduler, until, workers_of
