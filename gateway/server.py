@@ -18,7 +18,7 @@ import hmac
 import logging
 import time
 from contextlib import aclosing
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 
@@ -98,8 +98,9 @@ def _unary(method):
 class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: TextTokenizer, client: SchedulerClient,
                  limits: Limits | None = None, api_keys: tuple[str, ...] = (),
-                 edge: EdgeConfig = EdgeConfig()):
+                 edge: EdgeConfig = EdgeConfig(), client_host: Callable[[str], str] = peer_host):
         self.tokenizer = tokenizer
+        self.client_host = client_host  # context.peer() -> the client's address (grpc_front.py)
         self.client = client
         self.api_keys = api_keys  # each one a tenant: its request ids are its own (client_auth.py)
         # False: the tenant is part of every cache salt, so no tenant's prefix-cache hits (and
@@ -147,7 +148,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         started = time.monotonic()
         code = grpc.StatusCode.OK
         metrics.IN_FLIGHT.inc()
-        grammar_check.CLIENT.set(peer_host(context.peer()))  # this RPC's task only
+        grammar_check.CLIENT.set(self.client_host(context.peer()))  # this RPC's task only
         try:
             # aclosing: a cancel that lands while this handler waits at `yield` must still run
             # responses' finally (the abort) now, not whenever the generator is collected.
@@ -172,7 +173,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         started = time.monotonic()
         code = grpc.StatusCode.OK
         metrics.IN_FLIGHT.inc()
-        grammar_check.CLIENT.set(peer_host(context.peer()))  # this RPC's task only
+        grammar_check.CLIENT.set(self.client_host(context.peer()))  # this RPC's task only
         try:
             out = pagoda_pb2.GenerateResponse()
             async with aclosing(self.responses(request, started, unary=True, whole=True,
