@@ -172,7 +172,12 @@ class _Splice:
     def made(self, side: _Side) -> None:
         if side is not self.client:
             return
-        self.host = side.transport.get_extra_info("peername")[0]
+        peer = side.transport.get_extra_info("peername")
+        if not peer:  # reset before it was accepted
+            self.done = True
+            side.transport.abort()
+            return
+        self.host = peer[0]
         refusal, evicted = self.front.table.admit(self, self.host)
         if refusal is not None:
             metrics.GRPC_CONNECTIONS_REFUSED.labels(refusal).inc()
@@ -243,7 +248,7 @@ class _Splice:
             return True  # else _connect passes the half-close on
         if len(self.eofs) == 2:
             self.close()
-        elif other.transport.can_write_eof():
+        elif not other.transport.is_closing() and other.transport.can_write_eof():
             other.transport.write_eof()
         return True  # keep writing the other way
 
