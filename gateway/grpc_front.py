@@ -204,10 +204,10 @@ class _Splice:
         if self.done:
             return
         self.front.table.touch(self)
-        if side is not self.client:
-            self.client.transport.write(data)
-        elif self.connected:
-            self.upstream.transport.write(data)
+        if side is not self.client or self.connected:
+            other = self.other(side).transport
+            if not other.is_closing():  # else its connection_lost closes this side too
+                other.write(data)
         else:  # the first bytes: hold them (and reading) until grpc's connection is up
             self.pending.append(data)
             side.transport.pause_reading()
