@@ -32,6 +32,7 @@ share keep seeing the client.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
 import struct
@@ -177,7 +178,7 @@ class _Splice:
             self.done = True
             side.transport.abort()
             return
-        self.host = peer[0]
+        self.host = _client_address(peer)
         refusal, evicted = self.front.table.admit(self, self.host)
         if refusal is not None:
             metrics.GRPC_CONNECTIONS_REFUSED.labels(refusal).inc()
@@ -278,6 +279,48 @@ class _Splice:
                                                   self.port, self)
 
 
+def _listening_sockets(host: str, port: int) -> list[socket.socket]:
+    """Bound sockets for `host` as grpc binds it: a wildcard (0.0.0.0, [::]) as one dual-stack
+    IPv6 socket (IPv4 alone where the host has no IPv6), a name on each of its addresses with
+    one port."""
+    if host in _WILDCARDS:
+        addresses = [(socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")]
+    else:
+        addresses = list(dict.fromkeys(
+            (family, address[0]) for family, _, _, _, address in socket.getaddrinfo(
+                host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)))
+    socks: list[socket.socket] = []
+    for family, address in addresses:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, host not in _WILDCARDS)
+            sock.bind((address, port))
+        except OSError:
+            sock.close()
+            if host in _WILDCARDS and family == socket.AF_INET6:
+                continue  # no IPv6 here: IPv4 alone
+            for bound in socks:
+                bound.close()
+            raise
+        port = port or sock.getsockname()[1]
+        socks.append(sock)
+        if host in _WILDCARDS:
+            break
+    return socks
+
+
+def _client_address(peer) -> str:
+    """The client's address; an IPv4 client of a dual-stack socket as IPv4, as grpc names it."""
+    address = peer[0]
+    if address.startswith("::ffff:"):
+        mapped = ipaddress.ip_address(address.partition("%")[0]).ipv4_mapped
+        if mapped is not None:
+            return str(mapped)
+    return address
+
+
 class GrpcFront:
     """Listens on the public gRPC address; splices admitted connections to 127.0.0.1:upstream_port."""
 
@@ -291,25 +334,26 @@ class GrpcFront:
         self.ports: dict[int, _Splice] = {}  # grpc's view (our local port) -> the client
         self.refused = RateLimitedLog(log, 10.0)
         self.strangers = RateLimitedLog(log, 10.0)
-        self._server: asyncio.AbstractServer | None = None
+        self._servers: list[asyncio.AbstractServer] = []
 
     async def bind(self) -> int:
-        """Binds the public address (not yet accepting); returns its port. A wildcard binds
-        every family, as grpc does for 0.0.0.0 and [::]."""
-        host = None if self.host in _WILDCARDS else self.host.strip("[]")
-        self._server = await asyncio.get_running_loop().create_server(
-            lambda: _Splice(self).client, host, self.port, start_serving=False,
-            backlog=min(max(self.table.total, 128), 4096), reuse_address=True)
-        self.port = self._server.sockets[0].getsockname()[1]
+        """Binds the public address (not yet accepting); returns its port."""
+        loop = asyncio.get_running_loop()
+        for sock in _listening_sockets(self.host, self.port):
+            self.port = sock.getsockname()[1]  # port 0: every address gets the first's port
+            self._servers.append(await loop.create_server(
+                lambda: _Splice(self).client, sock=sock, start_serving=False,
+                backlog=min(max(self.table.total, 128), 4096)))
         return self.port
 
     async def serve(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
-        await self._server.start_serving()
+        for server in self._servers:
+            await server.start_serving()
 
     def stop_accepting(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        for server in self._servers:
+            server.close()
 
     def close(self) -> None:
         """Resets every connection left (after grpc's drain, those that never became calls)."""

@@ -222,3 +222,24 @@ def test_a_silent_connection_is_closed_after_the_handshake_timeout(run):
 
 def test_a_newcomer_evicts_the_biggest_holders_idle_connection(run):
     run(_case_a_newcomer_evicts_the_biggest_holders_idle_connection())
+
+
+async def _case_a_wildcard_is_one_dual_stack_port_and_ipv4_clients_count_as_ipv4():
+    front = GrpcFront("0.0.0.0", 0, 8, 4, 5.0)
+    port = await front.bind()
+    await front.serve(1)
+    try:
+        assert len(front._servers) == 1  # one port for both families, as grpc binds it
+        _, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.4", 0))
+        await _until(lambda: front.table.counts() == {"127.0.0.4": 1})  # not ::ffff:127.0.0.4
+        writer.close()
+        if socket.has_ipv6:
+            _, writer6 = await asyncio.open_connection("::1", port)
+            await _until(lambda: "::1" in front.table.counts())
+            writer6.close()
+    finally:
+        front.close()
+
+
+def test_a_wildcard_is_one_dual_stack_port_and_ipv4_clients_count_as_ipv4(run):
+    run(_case_a_wildcard_is_one_dual_stack_port_and_ipv4_clients_count_as_ipv4())
