@@ -18,6 +18,7 @@ from gateway.call_bounds import CallBounds, CallSlots
 from gateway.client_auth import ApiKeyInterceptor, server_credentials
 from gateway.edge import EdgeConfig
 from gateway.grpc_bounds import RequestSizeInterceptor
+from gateway.grpc_front import GrpcFront
 from gateway.http_listener import HttpServer
 from gateway.http_server import HttpApi
 from gateway.scheduler_client import SchedulerClient
@@ -60,11 +61,15 @@ class Gateway:
                                                 keys_dir=keys_dir, model=tokenizer.name)
         self.health = health.aio.HealthServicer()
         self.ssl = ssl  # (certfile, keyfile): TLS on the gRPC port
+        # The public gRPC port is the front's: it bounds connections per address and in total
+        # and splices them to the grpc server's private port (gateway/grpc_front.py).
+        self.front = GrpcFront(host, port, edge.max_grpc_connections,
+                               edge.max_grpc_connections_per_peer, edge.grpc_handshake_timeout)
         # Outermost first: a call without a key is refused before it takes a slot. The bound
         # on calls is CallBounds', not grpc.aio's maximum_concurrent_rpcs, which counts health.
         self.slots = CallSlots(max_concurrent_rpcs, edge.max_rpcs_per_peer)
         interceptors = ([ApiKeyInterceptor(api_keys)] if api_keys else []) + [
-            CallBounds(self.slots, edge.grpc_first_message_timeout),
+            CallBounds(self.slots, edge.grpc_first_message_timeout, self.front.client_host),
             # Innermost: its deserializer refuses a request larger than the largest valid one
             # for the context the scheduler announced, before protobuf parses it.
             RequestSizeInterceptor(limits or Limits(max_model_len=0, vocab_size=0),
@@ -76,14 +81,17 @@ class Gateway:
             # Without this a second gateway on the same port would silently share it.
             ("grpc.so_reuseport", 0),
             ("grpc.max_concurrent_streams", edge.max_streams_per_connection),
-            ("grpc.max_allowed_incoming_connections", edge.max_grpc_connections),
+            # No grpc.max_allowed_incoming_connections: it was global and taken before any key;
+            # the front bounds connections now, per address and in total.
             ("grpc.max_connection_age_ms", int(edge.max_connection_age * 1000)),
             ("grpc.max_connection_age_grace_ms", int(edge.max_connection_age_grace * 1000)),
             ("grpc.max_connection_idle_ms", int(edge.grpc_max_connection_idle * 1000)),
+            # From the front's connect, made once the client sent its first bytes.
             ("grpc.server_handshake_timeout_ms", int(edge.grpc_handshake_timeout * 1000)),
         ])
         self.edge = edge
-        self.servicer = GenerationServicer(tokenizer, self.client, limits, api_keys, edge=edge)
+        self.servicer = GenerationServicer(tokenizer, self.client, limits, api_keys, edge=edge,
+                                           client_host=self.front.client_host)
         pagoda_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
         # OpenAI-compatible HTTP on the same host and loop (0 = off), behind the same keys.
         self.http_port = http_port
@@ -100,18 +108,26 @@ class Gateway:
 
     async def start(self) -> int:
         """Binds and starts serving; returns the bound port (useful with port 0)."""
-        address = _bind_address(self.host, self.port)
-        bound = (self.server.add_secure_port(address, server_credentials(*self.ssl)) if self.ssl
-                 else self.server.add_insecure_port(address))
-        if not bound:
-            raise OSError(f"cannot bind the gateway to {_bind_address(self.host, self.port)}")
-        self.port = bound
+        # The grpc server's own port: 127.0.0.1 only, so that no other host can reach it past
+        # the front's bounds (a process on this host that connects to it is logged by the
+        # front's client_host, and its calls count against 127.0.0.1).
+        private = _bind_address("127.0.0.1", 0)
+        upstream = (self.server.add_secure_port(private, server_credentials(*self.ssl)) if self.ssl
+                    else self.server.add_insecure_port(private))
+        if not upstream:
+            raise OSError(f"cannot bind the gateway's private gRPC port on {private}")
+        try:
+            bound = self.port = await self.front.bind()
+        except OSError as e:
+            raise OSError(f"cannot bind the gateway to {_bind_address(self.host, self.port)}: "
+                          f"{e}") from e
         await self._set_health(False)
         await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         if self.warm_grammar:
             self.servicer.spawn_grammar()
         await self.client.start()
         await self.server.start()
+        await self.front.serve(upstream)
         if self.http is not None:
             self.http_port = await self.http.start()
         log.info("gateway serving %s on %s:%d (gRPC)%s (scheduler %s)", self.tokenizer.name,
@@ -124,10 +140,12 @@ class Gateway:
         # need the scheduler socket to send aborts), then close the socket.
         # One drain: HTTP and gRPC streams get the same grace, side by side.
         await self.health.enter_graceful_shutdown()
+        self.front.stop_accepting()  # as grpc's own listener did at server.stop
         drains = [self.server.stop(grace)]
         if self.http is not None:
             drains.append(self.http.stop(grace))
         await asyncio.gather(*drains)
+        self.front.close()  # the connections that never became calls
         await self.client.close()
         await self.servicer.close()  # the grammar compiler child, if one was started
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections import Counter
+from collections.abc import Callable
 from contextlib import aclosing
 from urllib.parse import unquote
 
@@ -75,9 +76,11 @@ class CallBounds(grpc.aio.ServerInterceptor):
     """Wraps every (async) handler: Generation's take a slot, and every call, health's and
     reflection's too, gets its first request message within `first_message_timeout` seconds."""
 
-    def __init__(self, slots: CallSlots, first_message_timeout: float) -> None:
+    def __init__(self, slots: CallSlots, first_message_timeout: float,
+                 client_host: Callable[[str], str] = peer_host) -> None:
         self.slots = slots
         self.timeout = first_message_timeout
+        self.client_host = client_host  # context.peer() -> the client's address
         self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
 
     async def intercept_service(self, continuation, details):
@@ -89,7 +92,7 @@ class CallBounds(grpc.aio.ServerInterceptor):
             slots = self.slots if details.method.startswith(GENERATION_PREFIX) else None
             wrapped = self._wrapped[details.method] = (
                 first_of_stream(handler, self.timeout) if handler.request_streaming
-                else bounded(handler, slots, self.timeout))
+                else bounded(handler, slots, self.timeout, self.client_host))
         return wrapped
 
 
@@ -109,15 +112,16 @@ def _deadline_exceeded(timeout: float) -> str:
             f"(--grpc-first-message-timeout)")
 
 
-def bounded(handler: grpc.RpcMethodHandler, slots: CallSlots | None,
-            timeout: float) -> grpc.RpcMethodHandler:
+def bounded(handler: grpc.RpcMethodHandler, slots: CallSlots | None, timeout: float,
+            client_host: Callable[[str], str] = peer_host) -> grpc.RpcMethodHandler:
     """`handler` (unary request) as a request-streaming handler that takes a slot of `slots`
-    (None: none) and waits at most `timeout` seconds for the request."""
+    (None: none) for the client `client_host` names, and waits at most `timeout` seconds for
+    the request."""
     behaviour = _behaviour(handler)
 
     async def first_request(requests, context):
         if slots is not None:
-            host = peer_host(context.peer())
+            host = client_host(context.peer())
             refusal = slots.take(host)
             if refusal is not None:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)

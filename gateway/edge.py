@@ -18,7 +18,8 @@ class EdgeConfig:
     trusted_proxies: tuple[str, ...] = ()      # whose X-Forwarded-For names the peer
     max_http_header_bytes: int = 64 << 10      # a request's head (request line too); past it, 431
     max_http_headers: int = 100                # headers of one request; past it, 431
-    max_grpc_connections: int = 1024      # open gRPC connections; past it, new ones are closed
+    max_grpc_connections: int = 1024      # open gRPC connections; past it, the biggest holder's go
+    max_grpc_connections_per_peer: int = 64  # gRPC connections of one address; past it, closed
     # A gRPC call whose client reads nothing cannot be cancelled from grpc.aio (its status
     # queues behind the unread messages), so a connection's age is what bounds how long it can
     # hold its RPC slots: past age it gets GOAWAY, past age + grace it is closed.

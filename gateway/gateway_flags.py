@@ -114,8 +114,15 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "connection than this gets some refused (UNAVAILABLE, REFUSED_STREAM) "
                         "(default: %(default)s)")
     g.add_argument("--max-grpc-connections", type=COUNT, default=1024,
-                   help="open gRPC connections at once; past it, a new one is closed at once "
-                        "(the client sees UNAVAILABLE) (default: %(default)s)")
+                   help="open gRPC connections at once; past it, a new one from an address "
+                        "holding fewer than the biggest holder closes that holder's least "
+                        "recently active one, else it is closed at once (the client sees "
+                        "UNAVAILABLE) (default: %(default)s)")
+    g.add_argument("--max-grpc-connections-per-peer", type=COUNT, default=64,
+                   help="open gRPC connections from one address; past it, a new one is closed at "
+                        "once. A client needs one per channel; 16 addresses must join to fill "
+                        "the default total. Behind a proxy or NAT every client shares one "
+                        "address: raise it to --max-grpc-connections there (default: %(default)s)")
     g.add_argument("--max-connection-age", type=POSITIVE_SECONDS, default=1800.0,
                    help="seconds a gRPC connection may live: then it gets GOAWAY (clients "
                         "reconnect for new calls) and its open streams get "
@@ -138,8 +145,9 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "gets GOAWAY and is closed (clients reconnect when they call again) "
                         "(default: %(default)s)")
     g.add_argument("--grpc-handshake-timeout", type=POSITIVE_SECONDS, default=10.0,
-                   help="seconds a new gRPC connection gets to finish its TLS handshake and send "
-                        "HTTP/2's preface and settings; then it is closed (default: %(default)s)")
+                   help="seconds a new gRPC connection gets to send its first bytes, and then to "
+                        "finish its TLS handshake and send HTTP/2's preface and settings; then "
+                        "it is closed (default: %(default)s)")
     g.add_argument("--max-grammar-compile-seconds", type=POSITIVE_SECONDS, default=5.0,
                    help="seconds a structured-output spec (schema, regex, grammar) may take to "
                         "compile in the gateway's check; a slower one gets INVALID_ARGUMENT / 400, and "

@@ -30,6 +30,15 @@ E2E_LATENCY = Histogram("pagoda_gateway_e2e_request_latency_seconds",
                         "From request arrival to its last message", ["method"], buckets=_LATENCY_BUCKETS)
 TOKENS_STREAMED = Counter("pagoda_gateway_tokens_streamed_total", "Output tokens sent to clients")
 PROMPT_TOKENS = Counter("pagoda_gateway_prompt_tokens_total", "Prompt tokens of accepted requests")
+GRPC_CONNECTIONS = Gauge("pagoda_gateway_grpc_connections", "Open connections on the gRPC port")
+GRPC_CONNECTIONS_REFUSED = Counter(
+    "pagoda_gateway_grpc_connections_refused_total",
+    "gRPC connections closed by the front (gateway/grpc_front.py): per_peer (the address had "
+    "--max-grpc-connections-per-peer open), total (--max-grpc-connections full and the address "
+    "held as many as any other), silent (no bytes within --grpc-handshake-timeout)", ["reason"])
+GRPC_CONNECTIONS_EVICTED = Counter(
+    "pagoda_gateway_grpc_connections_evicted_total",
+    "gRPC connections closed to make room for a new one from an address holding fewer")
 NUM_WORKERS = Gauge("pagoda_gateway_cluster_workers", "Workers the scheduler reports as ready")
 
 

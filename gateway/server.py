@@ -69,8 +69,9 @@ def _unary(method):
 class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: TextTokenizer, client: SchedulerClient,
                  limits: Limits | None = None, api_keys: tuple[str, ...] = (),
-                 edge: EdgeConfig = EdgeConfig()):
+                 edge: EdgeConfig = EdgeConfig(), client_host: Callable[[str], str] = peer_host):
         self.tokenizer = tokenizer
+        self.client_host = client_host  # context.peer() -> the client's address (grpc_front.py)
         self.client = client
         self.api_keys = api_keys  # each one a tenant: its request ids are its own (client_auth.py)
         # False: the tenant is part of every cache salt, so no tenant's prefix-cache hits (and
@@ -117,7 +118,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
     async def GenerateStream(self, request, context) -> AsyncIterator[pagoda_pb2.GenerateResponse]:
         started = time.monotonic()
         metrics.IN_FLIGHT.inc()
-        grammar_check.CLIENT.set(peer_host(context.peer()))  # this RPC's task only
+        grammar_check.CLIENT.set(self.client_host(context.peer()))  # this RPC's task only
         async with ending(context, "GenerateStream", _record_end("GenerateStream", started)):
             # aclosing: a cancel that lands while this handler waits at `yield` must still run
             # responses' finally (the abort) now, not whenever the generator is collected.
@@ -129,7 +130,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context) -> pagoda_pb2.GenerateResponse:
         started = time.monotonic()
         metrics.IN_FLIGHT.inc()
-        grammar_check.CLIENT.set(peer_host(context.peer()))  # this RPC's task only
+        grammar_check.CLIENT.set(self.client_host(context.peer()))  # this RPC's task only
         async with ending(context, "Generate", _record_end("Generate", started)):
             out = pagoda_pb2.GenerateResponse()
             async with aclosing(self.responses(request, started, unary=True, whole=True,
