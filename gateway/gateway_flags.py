@@ -40,6 +40,9 @@ REQUEST_LIMITS: tuple[tuple[str, int, int, str], ...] = (
     ("max_prompt_chars_per_token", 32, 1,
      "a prompt (or the chat messages' content) longer than max_model_len times this many "
      "characters is refused before it is tokenized"),
+    ("max_tokenize_contexts", 2, 1,
+     "a Tokenize answer holds at most max_model_len times this many tokens: a longer prompt "
+     "gets INVALID_ARGUMENT (HTTP 400) naming it, found while it is encoded in pieces"),
     ("max_large_input_jobs", 2, 1,
      "requests over 32 KiB tokenized, rendered, decoded or answered (Tokenize) at once, each on "
      "a thread of their own so the event loop stays free; more wait their turn"),

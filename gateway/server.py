@@ -37,7 +37,7 @@ from gateway.scheduler_client import SchedulerBusy, SchedulerClient, SchedulerUn
 from gateway.tokenizer import TextTokenizer
 from gateway.limits import Limits
 from gateway.validation_error import FIELD_METADATA
-from gateway.validate import ValidationError, check_abort_ids, check_ids, prompt_offsets, validate
+from gateway.validate import ValidationError, check_abort_ids, check_ids, tokenize_parts, validate
 from proto import internal_pb2, pagoda_pb2, pagoda_pb2_grpc
 
 log = logging.getLogger("pagoda.gateway")
@@ -322,8 +322,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         return await self._large(request, self._tokenize, request, limits)
 
     def _tokenize(self, request, limits: Limits) -> pagoda_pb2.TokenizeResponse:
-        text, ids, offsets = prompt_offsets(request, self.tokenizer, limits=limits)
-        return tokenize_response(text, ids, offsets, self.tokenizer)
+        return tokenize_response(*tokenize_parts(request, self.tokenizer, limits), self.tokenizer)
 
     @_unary
     async def Detokenize(self, request, context) -> pagoda_pb2.DetokenizeResponse:

@@ -20,6 +20,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from gateway.chat_literals import encode_with_literals
+from gateway.piece_encoding import PieceEncoder
 from gateway.chat_templates import TOOLS_TEMPLATE, reads_tools, wants_tools
 from modelfiles.resolve import model_display_name, tokenizer_folder
 
@@ -141,6 +142,7 @@ class TextTokenizer:
     # template never reads `tools`.
     _reads_tools: bool = field(default=False, repr=False, compare=False)
     _tools_template: jinja2.Template | None = field(default=None, repr=False, compare=False)
+    _pieces: PieceEncoder | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.chat_template:
@@ -169,6 +171,14 @@ class TextTokenizer:
             self._literal.encode_special_tokens = True
         return encode_with_literals(_Unlocked(self.tokenizer), _Unlocked(self._literal), text,
                                     literal, add_special_tokens)
+
+    def encode_bounded(self, text: str, add_special_tokens: bool, max_tokens: int):
+        """(ids, offsets) as encode_with_offsets, in arrays (offsets: start and end per id,
+        interleaved), encoded in pieces so that memory follows the tokens kept, not the text;
+        raises piece_encoding.TooManyTokens past max_tokens."""
+        if self._pieces is None:
+            self._pieces = PieceEncoder(self.tokenizer)
+        return self._pieces.encode(text, add_special_tokens, max_tokens)
 
     @property
     def special_texts(self) -> frozenset[str]:

@@ -3,6 +3,7 @@ prompt_token_ids counted before they are built, Tokenize off the loop, unary log
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -250,6 +251,8 @@ def test_large_tokenize_calls_run_off_the_loop_at_most_slots_at_once(run):
         async with local_gateway(TOK) as h:
             servicer = h.gateway.servicer
             servicer.large_jobs = LargeJobs(slots=2, wait=30)
+            # 32 contexts of 2,048: room for the answer of 65,536 tokens below.
+            servicer.base_limits = dataclasses.replace(servicer.base_limits, max_tokenize_contexts=32)
             loop_thread, threads, running, most = threading.get_ident(), set(), [0], [0]
             tokenize = servicer._tokenize
 
