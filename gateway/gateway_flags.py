@@ -52,11 +52,12 @@ REQUEST_LIMITS: tuple[tuple[str, int, int, str], ...] = (
     ("large_input_wait_seconds", 5, 0,
      "how long such a request waits for its turn; then RESOURCE_EXHAUSTED (HTTP 429)"),
     ("max_whole_answer_bytes", 16 << 20, 1 << 16,
-     "bytes one whole answer with logprobs (unary Generate, HTTP not streamed) may keep; past "
+     "bytes of memory one whole answer with logprobs (unary Generate, HTTP not streamed) may "
+     "keep, counted as 6 per byte of its wire size (about 8,000 tokens with 20 logprobs); past "
      "it the request ends with RESOURCE_EXHAUSTED (stream it instead)"),
-    ("max_whole_answers_bytes", 256 << 20, 1 << 16,
-     "bytes all whole answers with logprobs on this gateway may reserve at once (each what it "
-     "can grow to, at most --max-whole-answer-bytes); one that does not fit gets "
+    ("max_whole_answers_bytes", 64 << 20, 1 << 16,
+     "bytes of memory all whole answers with logprobs on this gateway may reserve at once (each "
+     "what it can grow to, at most --max-whole-answer-bytes); one that does not fit gets "
      "RESOURCE_EXHAUSTED (HTTP 429)"),
 )
 
