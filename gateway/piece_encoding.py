@@ -18,7 +18,8 @@ kept had the same context to its left and OVERLAP_CHARS to its right as in the w
 
 Whether a tokenizer's pieces equal its whole-text encoding is checked once on a sample of the
 hard cases (tests/unit/gateway/test_piece_encoding.py has more); one whose normalizer or
-pre-tokenizer looks further (Metaspace's "first" prepend) fails it and is encoded whole.
+pre-tokenizer marks the start of a text (Llama's legacy Prepend("▁")) fails it and is encoded
+whole, bounded by --max-large-input-bytes alone.
 """
 from __future__ import annotations
 
@@ -85,17 +86,22 @@ class PieceEncoder:
         start = 0
         while start < len(text):
             end, overlap = self._cut(text, start)
-            enc = self.tok.encode_batch([text[start:end]], add_special_tokens=False)[0]
-            part_ids, part_offsets = enc.ids, enc.offsets  # each property builds a new list
-            del enc
-            keep = len(part_ids)
-            if overlap:  # drop the tokens ending in the overlap; the next part starts at them
+            while True:
+                enc = self.tok.encode_batch([text[start:end]], add_special_tokens=False)[0]
+                part_ids, part_offsets = enc.ids, enc.offsets  # each property builds a new list
+                del enc
+                keep = len(part_ids)
+                if not overlap:
+                    break
+                # Drop the tokens ending in the overlap; the next part starts at them.
                 limit = end - start - self.overlap
                 while keep and part_offsets[keep - 1][1] > limit:
                     keep -= 1
-                if keep == 0:
-                    raise AssertionError("a token spans the whole overlap")
-                end = start + part_offsets[keep - 1][1]
+                if keep:
+                    end = start + part_offsets[keep - 1][1]
+                    break
+                # One token (a word-level model's [UNK]) spans the part: a longer one.
+                end, overlap = min(len(text), end + self.piece_chars), end + self.piece_chars < len(text)
             _check(len(ids) + keep, max_tokens)
             ids.extend(part_ids[:keep])
             offsets.extend(start + x for pair in part_offsets[:keep] for x in pair)

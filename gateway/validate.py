@@ -148,10 +148,10 @@ def prompt_ids(req, tokenizer: TextTokenizer, vocab_size: int, *,
     else:
         text, literal = _prompt_text(req, source, tokenizer, limits)
         add = _add_special(req, source, add_special_tokens)
-        if literal:
+        if limits is not None:
+            ids = _encode_bounded(source, text, add, literal, tokenizer, limits, truncate)
+        elif literal:
             ids = tokenizer.encode_with_offsets(text, add, literal)[0]
-        elif limits is not None:
-            ids = _encode_bounded(source, text, add, tokenizer, limits, truncate)
         else:
             ids = tokenizer.encode(text, add_special_tokens=add)
     if not ids:
@@ -159,13 +159,13 @@ def prompt_ids(req, tokenizer: TextTokenizer, vocab_size: int, *,
     return source, ids
 
 
-def _encode_bounded(source: str, text: str, add: bool, tokenizer: TextTokenizer, limits: Limits,
-                    truncate: int | None) -> list[int]:
+def _encode_bounded(source: str, text: str, add: bool, literal: Sequence[tuple[int, int]],
+                    tokenizer: TextTokenizer, limits: Limits, truncate: int | None) -> list[int]:
     """A prompt's ids, encoding stopped as soon as they cannot fit the context (piece_encoding.py:
     a million-token prompt never becomes one Encoding); with truncate_prompt_tokens all of them."""
     most = limits.max_model_len - 1 if truncate is None else limits.max_prompt_chars * 4
     try:
-        ids, _ = tokenizer.encode_bounded(text, add, most)
+        ids, _ = tokenizer.encode_bounded(text, add, most, literal)
     except TooManyTokens:
         raise ValidationError(
             source, f"{source} is more than {most} tokens, must be fewer than max_model_len "
@@ -182,13 +182,7 @@ def tokenize_parts(req: pagoda_pb2.TokenizeRequest, tokenizer: TextTokenizer, li
     add = _add_special(req, source, None)
     most = limits.max_tokenize_tokens
     try:
-        if literal:  # special-token text in chat content: encoded span by span, then counted
-            listed, pairs = tokenizer.encode_with_offsets(text, add, literal)
-            if len(listed) > most:
-                raise TooManyTokens(len(listed))
-            ids, offsets = array("I", listed), array("I", (x for pair in pairs for x in pair))
-        else:
-            ids, offsets = tokenizer.encode_bounded(text, add, most)
+        ids, offsets = tokenizer.encode_bounded(text, add, most, literal)
     except TooManyTokens:
         raise ValidationError(
             source, f"{source} is more than {most} tokens, the most a Tokenize answer holds "
