@@ -51,7 +51,7 @@ REQUEST_LIMITS: tuple[tuple[str, int, int, str], ...] = (
      "per input byte); a larger one runs alone"),
     ("large_input_wait_seconds", 5, 0,
      "how long such a request waits for its turn; then RESOURCE_EXHAUSTED (HTTP 429)"),
-    ("max_whole_answer_bytes", 16 << 20, 1 << 16,
+    ("max_whole_answer_bytes", 24 << 20, 1 << 16,
      "bytes of memory one whole answer with logprobs (unary Generate, HTTP not streamed) may "
      "keep, counted as 6 per byte of its wire size (about 8,000 tokens with 20 logprobs); past "
      "it the request ends with RESOURCE_EXHAUSTED (stream it instead)"),

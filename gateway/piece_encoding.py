@@ -28,7 +28,7 @@ from array import array
 
 from tokenizers import Tokenizer
 
-PIECE_CHARS = 8192
+PIECE_CHARS = 2048
 WINDOW_CHARS = 256    # each side of a wanted cut, for the pre-tokenizer's boundaries
 OVERLAP_CHARS = 256   # re-encoded at a cut inside a run without boundaries
 # Texts up to this many characters are encoded whole: their Encoding is small.

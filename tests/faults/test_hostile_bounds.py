@@ -28,7 +28,7 @@ AUTH_A, AUTH_B = (("authorization", f"Bearer {KEY_A}"),), (("authorization", f"B
 RSS_GROWTH = 100e6
 MODEL = "SmolLM2-135M-Instruct"
 TOK = load_tokenizer("")  # the gateway's
-WHOLE_ANSWER, WHOLE_ANSWERS = 16 << 20, 64 << 20  # the defaults
+WHOLE_ANSWER, WHOLE_ANSWERS = 24 << 20, 64 << 20  # the defaults
 BIG = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
@@ -232,16 +232,16 @@ def test_whole_answers_with_logprobs_are_bounded_per_gateway(stack):
         return pb.GenerateRequest(prompt_token_ids=[3, 4, 5], sampling=pb.SamplingParams(logprobs=20),
                                   stopping=pb.StoppingCriteria(max_tokens=max_tokens))
     with Attack(stack, 5), ThreadPoolExecutor(8) as pool:
-        # 300 positions with 20 alternatives can cost more than 16 MiB of memory (the defaults):
-        # each reserves the 16 MiB a whole answer may keep, and the gateway has 64 MiB for them
-        # all, so of 8 sent at once (each running 3 s), 4 are served and 4 refused at once.
+        # 400 positions with 20 alternatives can cost more than 24 MiB of memory (the defaults):
+        # each reserves the 24 MiB a whole answer may keep, and the gateway has 64 MiB for them
+        # all, so of 8 sent at once (each running 4 s), 2 are served and 6 refused at once.
         calls = list(pool.map(lambda _: _outcome(lambda: stack.stub.Generate(
-            whole(300), metadata=AUTH_A, timeout=60)), range(8)))
-        assert sorted(calls, key=lambda c: (c[0].value[0], c[1])) == [(grpc.StatusCode.OK, "")] * 4 + [(
+            whole(400), metadata=AUTH_A, timeout=60)), range(8)))
+        assert sorted(calls, key=lambda c: (c[0].value[0], c[1])) == [(grpc.StatusCode.OK, "")] * 2 + [(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"whole answers on this gateway hold {WHOLE_ANSWERS} of {WHOLE_ANSWERS} bytes "
+            f"whole answers on this gateway hold {2 * WHOLE_ANSWER} of {WHOLE_ANSWERS} bytes "
             f"(--max-whole-answers-bytes) and this one needs {WHOLE_ANSWER} more; retry later, "
-            "or stream it")] * 4
+            "or stream it")] * 6
         # Streamed, an answer is not kept, so not counted.
         streams = list(pool.map(lambda _: sum(len(r.token_ids) for r in stack.stub.GenerateStream(
             whole(100), metadata=AUTH_A, timeout=60)), range(8)))
