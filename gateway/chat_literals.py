@@ -103,6 +103,17 @@ def render_with_literals(render: Callable[[list, list | None], str], messages: l
     return text, _between(markup, len(text))
 
 
+def literal_segments(spans: Sequence[tuple[int, int]], length: int) -> list[tuple[bool, int, int]]:
+    """(whether it is a literal span, start, end) for each non-empty part of a text of `length`
+    code points, in order."""
+    out, at = [], 0
+    for start, end in spans:
+        out += [(False, at, start), (True, start, end)]
+        at = end
+    out.append((False, at, length))
+    return [part for part in out if part[1] < part[2]]
+
+
 def _between(markup: Sequence[tuple[int, int]], end: int) -> list[tuple[int, int]]:
     spans, at = [], 0
     for a, b in markup:
@@ -124,14 +135,8 @@ def encode_with_literals(markup: Tokenizer, literal: Tokenizer, text: str,
         return enc.ids, [(int(a), int(b)) for a, b in enc.offsets]
     ids: list[int] = []
     offsets: list[tuple[int, int]] = []
-    pieces, at = [], 0
-    for start, end in spans:
-        pieces += [(markup, at, start), (literal, start, end)]
-        at = end
-    pieces.append((markup, at, len(text)))
-    for tok, start, end in pieces:
-        if start == end:
-            continue
+    for is_literal, start, end in literal_segments(spans, len(text)):
+        tok = literal if is_literal else markup
         enc = tok.encode(text[start:end], add_special_tokens=False)
         ids += enc.ids
         offsets += [(start + int(a), start + int(b)) for a, b in enc.offsets]

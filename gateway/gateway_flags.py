@@ -40,6 +40,9 @@ REQUEST_LIMITS: tuple[tuple[str, int, int, str], ...] = (
     ("max_prompt_chars_per_token", 32, 1,
      "a prompt (or the chat messages' content) longer than max_model_len times this many "
      "characters is refused before it is tokenized"),
+    ("max_tokenize_contexts", 2, 1,
+     "a Tokenize answer holds at most max_model_len times this many tokens: a longer prompt "
+     "gets INVALID_ARGUMENT (HTTP 400) naming it, found while it is encoded in pieces"),
     ("max_large_input_jobs", 2, 1,
      "requests over 32 KiB tokenized, rendered, decoded or answered (Tokenize) at once, each on "
      "a thread of their own so the event loop stays free; more wait their turn"),
@@ -48,12 +51,13 @@ REQUEST_LIMITS: tuple[tuple[str, int, int, str], ...] = (
      "per input byte); a larger one runs alone"),
     ("large_input_wait_seconds", 5, 0,
      "how long such a request waits for its turn; then RESOURCE_EXHAUSTED (HTTP 429)"),
-    ("max_whole_answer_bytes", 16 << 20, 1 << 16,
-     "bytes one whole answer with logprobs (unary Generate, HTTP not streamed) may keep; past "
+    ("max_whole_answer_bytes", 24 << 20, 1 << 16,
+     "bytes of memory one whole answer with logprobs (unary Generate, HTTP not streamed) may "
+     "keep, counted as 6 per byte of its wire size (about 8,000 tokens with 20 logprobs); past "
      "it the request ends with RESOURCE_EXHAUSTED (stream it instead)"),
-    ("max_whole_answers_bytes", 256 << 20, 1 << 16,
-     "bytes all whole answers with logprobs on this gateway may reserve at once (each what it "
-     "can grow to, at most --max-whole-answer-bytes); one that does not fit gets "
+    ("max_whole_answers_bytes", 64 << 20, 1 << 16,
+     "bytes of memory all whole answers with logprobs on this gateway may reserve at once (each "
+     "what it can grow to, at most --max-whole-answer-bytes); one that does not fit gets "
      "RESOURCE_EXHAUSTED (HTTP 429)"),
 )
 

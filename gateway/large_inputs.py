@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import functools
+from array import array
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
@@ -117,12 +118,14 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn) -> None:
         pass
 
 
-def tokenize_response(text: str, ids: list[int], offsets: list[tuple[int, int]],
+def tokenize_response(text: str, ids: array, offsets: array,
                       tokenizer: TextTokenizer) -> pagoda_pb2.TokenizeResponse:
+    """offsets: start and end of each id, interleaved (validate.tokenize_parts)."""
     out = pagoda_pb2.TokenizeResponse(prompt=text)
     for at in range(0, len(ids), _CHUNK):
         part = ids[at:at + _CHUNK]
         out.token_ids.extend(part)
         out.tokens.extend([tokenizer.id_to_token(i) for i in part])
-        out.offsets.extend([pagoda_pb2.Offset(start=a, end=b) for a, b in offsets[at:at + _CHUNK]])
+        spans = offsets[2 * at:2 * (at + _CHUNK)]
+        out.offsets.extend([pagoda_pb2.Offset(start=a, end=b) for a, b in zip(spans[::2], spans[1::2])])
     return out

@@ -32,6 +32,7 @@ class Limits:
     max_structured_output_bytes: int = _LIMIT_DEFAULTS["max_structured_output_bytes"]
     max_tools: int = _LIMIT_DEFAULTS["max_tools"]
     max_tool_calls: int = _LIMIT_DEFAULTS["max_tool_calls"]
+    max_tokenize_contexts: int = _LIMIT_DEFAULTS["max_tokenize_contexts"]
     max_large_input_jobs: int = _LIMIT_DEFAULTS["max_large_input_jobs"]
     max_large_input_bytes: int = _LIMIT_DEFAULTS["max_large_input_bytes"]
     large_input_wait_seconds: int = _LIMIT_DEFAULTS["large_input_wait_seconds"]
@@ -41,6 +42,10 @@ class Limits:
     @property
     def max_prompt_chars(self) -> int:
         return self.max_model_len * self.max_prompt_chars_per_token
+
+    @property
+    def max_tokenize_tokens(self) -> int:
+        return self.max_model_len * self.max_tokenize_contexts
 
 
 def limits_from_args(args, max_model_len: int, vocab_size: int) -> Limits:

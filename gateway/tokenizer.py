@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from array import array
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -19,7 +20,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from gateway.chat_literals import encode_with_literals
+from gateway.chat_literals import encode_with_literals, literal_segments
+from gateway.piece_encoding import PieceEncoder
 from gateway.chat_templates import TOOLS_TEMPLATE, reads_tools, wants_tools
 from modelfiles.resolve import model_display_name, tokenizer_folder
 
@@ -141,6 +143,8 @@ class TextTokenizer:
     # template never reads `tools`.
     _reads_tools: bool = field(default=False, repr=False, compare=False)
     _tools_template: jinja2.Template | None = field(default=None, repr=False, compare=False)
+    _pieces: PieceEncoder | None = field(default=None, repr=False, compare=False)
+    _literal_pieces: PieceEncoder | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.chat_template:
@@ -164,11 +168,33 @@ class TextTokenizer:
         if not literal:  # tokenizers' own list: no copy (a million offsets are 60 MB of tuples)
             enc = _Unlocked(self.tokenizer).encode(text, add_special_tokens=add_special_tokens)
             return enc.ids, enc.offsets
+        return encode_with_literals(_Unlocked(self.tokenizer), _Unlocked(self._literal_tokenizer()), text,
+                                    literal, add_special_tokens)
+
+    def encode_bounded(self, text: str, add_special_tokens: bool, max_tokens: int,
+                       literal: Sequence[tuple[int, int]] = ()) -> tuple[array, array]:
+        """(ids, offsets) as encode_with_offsets, in arrays (offsets: start and end per id,
+        interleaved), encoded in pieces so that memory follows the tokens kept, not the text;
+        raises piece_encoding.TooManyTokens past max_tokens."""
+        if self._pieces is None:
+            self._pieces = PieceEncoder(self.tokenizer)
+        if not literal:
+            return self._pieces.encode(text, add_special_tokens, max_tokens)
+        if self._literal_pieces is None:
+            self._literal_pieces = PieceEncoder(self._literal_tokenizer())
+        ids, offsets = array("I"), array("I")
+        for is_literal, start, end in literal_segments(literal, len(text)):
+            encoder = self._literal_pieces if is_literal else self._pieces
+            part_ids, part_offsets = encoder.encode(text[start:end], False, max_tokens - len(ids))
+            ids.extend(part_ids)
+            offsets.extend(start + x for x in part_offsets)
+        return ids, offsets
+
+    def _literal_tokenizer(self) -> Tokenizer:
         if self._literal is None:
             self._literal = Tokenizer.from_str(self.tokenizer.to_str())
             self._literal.encode_special_tokens = True
-        return encode_with_literals(_Unlocked(self.tokenizer), _Unlocked(self._literal), text,
-                                    literal, add_special_tokens)
+        return self._literal
 
     @property
     def special_texts(self) -> frozenset[str]:

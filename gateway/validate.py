@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import math
 import secrets
+from array import array
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from gateway import beam_request
 from gateway.chat_render import render_chat_request
 from gateway.limits import MAX_N, Limits
+from gateway.piece_encoding import TooManyTokens
 from gateway.structured_check import StructuredError, structured_spec
 from gateway.tokenizer import TextTokenizer
 from gateway.validation_error import ValidationError
@@ -156,11 +158,49 @@ def prompt_ids(req, tokenizer: TextTokenizer, vocab_size: int, *,
     else:
         text, literal = _prompt_text(req, source, tokenizer, limits)
         add = _add_special(req, source, add_special_tokens)
-        ids = (tokenizer.encode_with_offsets(text, add, literal)[0] if literal
-               else tokenizer.encode(text, add_special_tokens=add))
+        if limits is not None:
+            ids = _encode_bounded(source, text, add, literal, tokenizer, limits, truncate)
+        elif literal:
+            ids = tokenizer.encode_with_offsets(text, add, literal)[0]
+        else:
+            ids = tokenizer.encode(text, add_special_tokens=add)
     if not ids:
         raise ValidationError(source, f"{source} encodes to no tokens")
     return source, ids
+
+
+def _encode_bounded(source: str, text: str, add: bool, literal: Sequence[tuple[int, int]],
+                    tokenizer: TextTokenizer, limits: Limits, truncate: int | None) -> list[int]:
+    """A prompt's ids, encoding stopped as soon as they cannot fit the context (piece_encoding.py:
+    a million-token prompt never becomes one Encoding); with truncate_prompt_tokens all of them."""
+    most = limits.max_model_len - 1 if truncate is None else limits.max_prompt_chars * 4
+    try:
+        ids, _ = tokenizer.encode_bounded(text, add, most, literal)
+    except TooManyTokens:
+        raise ValidationError(
+            source, f"{source} is more than {most} tokens, must be fewer than max_model_len "
+                    f"{limits.max_model_len} to leave room for output") from None
+    return ids[-truncate:].tolist() if truncate is not None else ids.tolist()
+
+
+def tokenize_parts(req: pagoda_pb2.TokenizeRequest, tokenizer: TextTokenizer, limits: Limits
+                   ) -> tuple[str, array, array]:
+    """Tokenize's answer as prompt_offsets gives it, in arrays (offsets: start and end per id,
+    interleaved), at most limits.max_tokenize_tokens of them (INVALID_ARGUMENT past it)."""
+    source = _source(req)
+    text, literal = _prompt_text(req, source, tokenizer, limits)
+    add = _add_special(req, source, None)
+    most = limits.max_tokenize_tokens
+    try:
+        ids, offsets = tokenizer.encode_bounded(text, add, most, literal)
+    except TooManyTokens:
+        raise ValidationError(
+            source, f"{source} is more than {most} tokens, the most a Tokenize answer holds "
+                    f"(max_model_len {limits.max_model_len} x {limits.max_tokenize_contexts}, "
+                    "--max-tokenize-contexts)") from None
+    if not ids:
+        raise ValidationError(source, f"{source} encodes to no tokens")
+    return text, ids, offsets
 
 
 def _count_ids(count: int, limits: Limits, truncate: int | None) -> None:

@@ -118,6 +118,7 @@ class Seq:
     num_prompt_tokens: int = 0
     min_tokens: int = 0
     beam_k: int = 0  # SamplingConfig.beam_candidates
+    logprobs_k: int = -1  # SamplingConfig.logprobs; -1: unset (prompt_logprobs are not sent)
 
 
 class FakeWorker:
@@ -188,7 +189,8 @@ class FakeWorker:
             assert s.slot not in self.seqs, f"slot {s.slot} ({s.seq_id}) is still live"
             seq = Seq(list(s.token_ids), list(s.block_ids), s.num_computed_tokens,
                       s.sampling.seed if s.sampling.has_seed else 0, s.num_prompt_tokens,
-                      s.sampling.min_tokens, s.sampling.beam_candidates)
+                      s.sampling.min_tokens, s.sampling.beam_candidates,
+                      s.sampling.logprobs if s.sampling.HasField("logprobs") else -1)
             self.seqs[s.slot] = seq
             work.append((s.slot, seq, s.num_new_tokens))
         for slot, block in zip(unpack_list(plan.new_block_slots), unpack_list(plan.new_block_ids)):
@@ -224,6 +226,13 @@ class FakeWorker:
                     run, p = self._speculate(sid, seq, n, spec.pop(sid))
                 else:
                     tok = next_token(context, seq.seed, seq.num_prompt_tokens, seq.min_tokens)
+                    if seq.logprobs_k >= 0:  # made-up values: what is kept is the point
+                        k = seq.logprobs_k
+                        logprobs.append(pb.Logprobs(
+                            slot=sid, first_position=len(seq.tokens), token_ids=pack([tok]),
+                            logprobs=pack_f32([-0.5]), ranks=pack([1]), k=k,
+                            top_token_ids=pack([1 + (tok + j) % (VOCAB - 2) for j in range(k)]),
+                            top_logprobs=pack_f32([-0.5 - j for j in range(k)])))
                     seq.tokens.append(tok)
                     run, p = [tok], 0
                 slots.append(sid)

@@ -1,7 +1,7 @@
 """Issue 53 items 3-6 and 9 against the real stack (scheduler, gateway, fake worker processes):
 one tenant sends what is bounded, and is refused as soon as the bound is known, while tenant B's
 stream runs and ends token-exact, health answers within 1 s throughout (probed every 0.2 s), and
-the gateway's RSS grows by less than 100 MB."""
+the gateway's RSS grows by less than 100 MB, at its peak (sampled with each probe) and after."""
 from __future__ import annotations
 
 import http.client
@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2
 
 from proto import pagoda_pb2 as pb, pagoda_pb2_grpc
 from tests.cluster import wait_for
+from gateway.tokenizer import load_tokenizer
 from tests.fake_cluster import SERVING, FakeCluster, rss_bytes
 from tests.fake_worker import reference_output
 from tests.streams import Stream
@@ -26,7 +27,8 @@ KEY_A, KEY_B = "tenant-a-secret", "tenant-b-secret"
 AUTH_A, AUTH_B = (("authorization", f"Bearer {KEY_A}"),), (("authorization", f"Bearer {KEY_B}"),)
 RSS_GROWTH = 100e6
 MODEL = "SmolLM2-135M-Instruct"
-WHOLE_ANSWER, WHOLE_ANSWERS = 1 << 20, 3 << 20
+TOK = load_tokenizer("")  # the gateway's
+WHOLE_ANSWER, WHOLE_ANSWERS = 24 << 20, 64 << 20  # the defaults
 BIG = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
@@ -35,8 +37,6 @@ def stack(tmp_path_factory):
     c = FakeCluster(
         tmp_path_factory.mktemp("hostile-bounds"), http=True,
         gateway_flags=["--api-key", KEY_A, "--api-key", KEY_B,
-                       "--max-whole-answer-bytes", str(WHOLE_ANSWER),
-                       "--max-whole-answers-bytes", str(WHOLE_ANSWERS),
                        "--max-large-input-bytes", str(256 << 10)],
         worker_flags=["--num-gpu-blocks-override", "20000", "--step-delay", "0.01"]).start()
     c.max_model_len = c.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=AUTH_A).max_model_len
@@ -105,7 +105,7 @@ class Attack:
         assert self.stream.tokens == reference_output([7, 8, 9, 100 + self.i], self.max_tokens,
                                                       seed=self.i)
         assert health.failed == 0 and health.slowest < 1.0
-        assert grown < RSS_GROWTH
+        assert grown < RSS_GROWTH and health.peak - self.rss < RSS_GROWTH
         assert wait_for(self.stack.idle_and_free, 30), self.stack.scheduler_metrics()
 
 
@@ -121,8 +121,8 @@ def field_of(error: grpc.RpcError) -> str:
 
 def post(stack, path: str, body: dict) -> tuple[int, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=30)
-    conn.request("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json",
-                                                           "Authorization": f"Bearer {KEY_A}"})
+    conn.request("POST", path, json.dumps(body, ensure_ascii=False).encode(),
+                 {"Content-Type": "application/json", "Authorization": f"Bearer {KEY_A}"})
     response = conn.getresponse()
     status, payload = response.status, json.loads(response.read())
     conn.close()
@@ -193,17 +193,36 @@ def test_json_nested_16000_deep_is_400_or_invalid_argument_naming_the_field(stac
 
 # ---------------------------------------------------------------------------- 6: Tokenize
 
-def test_concurrent_largest_tokenize_calls_leave_the_loop_to_streams_and_health(stack):
-    # Half the characters the context takes, each of 4 UTF-8 bytes and 4 tokens: 262,144 tokens,
-    # an answer of 4.4 MB. Each costs the gateway about 250 bytes per token while it is built
-    # (tokenizers' Encoding alone keeps about 160): this cluster admits 256 KiB of them at once.
-    chars = stack.max_model_len * 16
-    req = pb.TokenizeRequest(prompt="\U0010ffff" * chars)
+def test_the_largest_tokenize_is_refused_in_pieces_and_the_largest_answered_run_two_at_once(stack):
+    # The most characters a prompt may have, each of 4 UTF-8 bytes and 4 tokens: 524,288 tokens,
+    # which encoded whole took the gateway 330 MB. Encoding in pieces stops past the bound.
+    chars = stack.max_model_len * 32
+    most = 2 * stack.max_model_len  # --max-tokenize-contexts
+    refusal = (f"is more than {most} tokens, the most a Tokenize answer holds (max_model_len "
+               f"{stack.max_model_len} x 2, --max-tokenize-contexts)")
+    huge = "\U0010ffff" * chars
+    # The same characters as "=": 128 KiB, tokenized off the loop into a few thousand tokens.
+    largest = pb.TokenizeRequest(prompt="=" * chars)
+    expected = TOK.encode(largest.prompt)
     with Attack(stack, 4, max_tokens=200), ThreadPoolExecutor(4) as pool:
-        replies = list(pool.map(lambda _: stack.big_stub.Tokenize(req, metadata=AUTH_A, timeout=60),
+        started = time.monotonic()
+        errors = list(pool.map(lambda _: rpc_error(lambda: stack.big_stub.Tokenize(
+            pb.TokenizeRequest(prompt=huge), metadata=AUTH_A, timeout=30)), range(4)))
+        assert [(e.code(), e.details(), field_of(e)) for e in errors] == [
+            (grpc.StatusCode.INVALID_ARGUMENT, "prompt " + refusal, "prompt")] * 4
+        # Chat content holding special-token text is encoded span by span: bounded the same way.
+        e = rpc_error(lambda: stack.big_stub.Tokenize(pb.TokenizeRequest(messages=[pb.ChatMessage(
+            role="user", content="<|im_end|>" + huge[:-64])]), metadata=AUTH_A, timeout=30))
+        assert (e.code(), e.details()) == (grpc.StatusCode.INVALID_ARGUMENT, "messages " + refusal)
+        status, body = post(stack, "/tokenize", {"model": MODEL, "prompt": huge})
+        assert (status, body["error"]["param"], body["error"]["message"]) == (
+            400, "prompt", "prompt " + refusal)
+        assert time.monotonic() - started < 5.0
+        # Four of the largest that are answered: two at a time (--max-large-input-bytes).
+        replies = list(pool.map(lambda _: stack.big_stub.Tokenize(largest, metadata=AUTH_A, timeout=60),
                                 range(4)))
-        assert {len(r.token_ids) for r in replies} == {4 * chars}
-        assert {len(r.offsets) for r in replies} == {4 * chars}
+        assert [list(r.token_ids) for r in replies] == [expected] * 4
+        assert {len(r.offsets) for r in replies} == {len(expected)}
 
 
 # ---------------------------------------------------------------------------- 9: whole answers
@@ -213,16 +232,16 @@ def test_whole_answers_with_logprobs_are_bounded_per_gateway(stack):
         return pb.GenerateRequest(prompt_token_ids=[3, 4, 5], sampling=pb.SamplingParams(logprobs=20),
                                   stopping=pb.StoppingCriteria(max_tokens=max_tokens))
     with Attack(stack, 5), ThreadPoolExecutor(8) as pool:
-        # 500 positions with 20 alternatives can cost more than 1 MiB: each reserves the 1 MiB a
-        # whole answer may keep, and the gateway has 3 MiB for them all, so of 8 sent at once
-        # (each running 5 s), 3 are served and 5 refused at once.
+        # 400 positions with 20 alternatives can cost more than 24 MiB of memory (the defaults):
+        # each reserves the 24 MiB a whole answer may keep, and the gateway has 64 MiB for them
+        # all, so of 8 sent at once (each running 4 s), 2 are served and 6 refused at once.
         calls = list(pool.map(lambda _: _outcome(lambda: stack.stub.Generate(
-            whole(500), metadata=AUTH_A, timeout=60)), range(8)))
-        assert sorted(calls, key=lambda c: (c[0].value[0], c[1])) == [(grpc.StatusCode.OK, "")] * 3 + [(
+            whole(400), metadata=AUTH_A, timeout=60)), range(8)))
+        assert sorted(calls, key=lambda c: (c[0].value[0], c[1])) == [(grpc.StatusCode.OK, "")] * 2 + [(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"whole answers on this gateway hold {WHOLE_ANSWERS} of {WHOLE_ANSWERS} bytes "
+            f"whole answers on this gateway hold {2 * WHOLE_ANSWER} of {WHOLE_ANSWERS} bytes "
             f"(--max-whole-answers-bytes) and this one needs {WHOLE_ANSWER} more; retry later, "
-            "or stream it")] * 5
+            "or stream it")] * 6
         # Streamed, an answer is not kept, so not counted.
         streams = list(pool.map(lambda _: sum(len(r.token_ids) for r in stack.stub.GenerateStream(
             whole(100), metadata=AUTH_A, timeout=60)), range(8)))

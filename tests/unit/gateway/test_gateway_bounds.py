@@ -3,6 +3,7 @@ prompt_token_ids counted before they are built, Tokenize off the loop, unary log
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -11,7 +12,7 @@ import grpc
 import pytest
 
 from gateway import json_nesting
-from gateway.answer_budget import AnswerBudget, answer_bytes
+from gateway.answer_budget import IN_MEMORY, AnswerBudget, answer_bytes
 from gateway.client_auth import tenant_of_key
 from gateway.gateway_flags import REQUEST_CEILINGS, REQUEST_LIMITS, parse_gateway_args
 from gateway.grpc_bounds import RequestSizeInterceptor, largest_request
@@ -250,6 +251,8 @@ def test_large_tokenize_calls_run_off_the_loop_at_most_slots_at_once(run):
         async with local_gateway(TOK) as h:
             servicer = h.gateway.servicer
             servicer.large_jobs = LargeJobs(slots=2, wait=30)
+            # 32 contexts of 2,048: room for the answer of 65,536 tokens below.
+            servicer.base_limits = dataclasses.replace(servicer.base_limits, max_tokenize_contexts=32)
             loop_thread, threads, running, most = threading.get_ident(), set(), [0], [0]
             tokenize = servicer._tokenize
 
@@ -305,11 +308,12 @@ def test_the_budget_reserves_grows_and_releases():
                                            r"needs 600 more"):
         budget.hold(600)
     b = budget.hold(100)
-    b.keep(80)
-    b.keep(80)  # past its reservation: it takes more while the gateway has it
-    assert (b.held, budget.free) == (320, 180)
+    b.keep(10)  # of wire size: IN_MEMORY times as many bytes of memory
+    assert b.kept == 10 * IN_MEMORY == 60
+    b.keep(10)  # past its reservation: it takes more while the gateway has it
+    assert (b.held, budget.free) == (240, 260)
     with pytest.raises(RuntimeError, match=r"^the answer passed 1000 bytes"):
-        a.keep(1001)
+        a.keep(1000 // IN_MEMORY + 1)
     a.release()
     b.release()
     assert budget.free == 1500
@@ -328,7 +332,7 @@ def test_a_whole_answer_reserves_at_least_what_it_keeps(run):
             one = await h.stub.Generate(request)
             assert list(one.token_ids) == LP_IDS
             assert len(holds) == 1 and 0 < holds[0].kept
-            assert holds[0].kept <= answer_bytes(servicer.answers.spelling, 4, 0, 2, None, False)
+            assert holds[0].kept <= IN_MEMORY * answer_bytes(servicer.answers.spelling, 4, 0, 2, None, False)
             assert holds[0].held == 0 and servicer.answers.free == servicer.answers.total
             # A gateway whose budget is spent refuses the next whole answer at once; streams
             # keep nothing and are not counted.

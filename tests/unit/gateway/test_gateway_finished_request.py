@@ -27,6 +27,9 @@ class _NoTokenizing:
     def encode(self, text, add_special_tokens=True):
         raise AssertionError(f"tokenized {len(text)} characters")
 
+    def encode_bounded(self, text, *args):
+        raise AssertionError(f"tokenized {len(text)} characters")
+
 
 def test_the_tenant_namespaces_the_public_id_and_salts_the_cache(tok):
     request = pb.GenerateRequest(prompt="Hi", request_id="client-7", cache_salt="s1")
