@@ -78,18 +78,7 @@ def check_flags(routed: dict[str, list[str]], parsers: dict[str, argparse.Argume
         except argparse.ArgumentError as e:
             raise FlagError(str(e)) from None
     if not stand_ins:
-        from modelfiles.resolve import resolve_model
-        from worker.model_config import ModelConfig
-        from worker.speculative_config import SpeculativeConfig
-        worker = args["worker"]
-        models = [(worker.model, "--model")]
-        if worker.speculative_config and (draft := SpeculativeConfig.parse(worker.speculative_config).model):
-            models.append((draft, "--speculative-config.model"))
-        try:
-            paths = [resolve_model(model, flag) for model, flag in models]
-        except FileNotFoundError as e:
-            raise FlagError(str(e)) from None
-        config = ModelConfig.read(paths[0])
-        if why := config.context_refusal(worker.max_model_len, worker.allow_long_max_model_len):
+        from worker.worker_flags import model_refusal
+        if why := model_refusal(args["worker"]):
             raise FlagError(why)
     return args

@@ -134,3 +134,20 @@ def speculative_config(text: str) -> str:
         # argparse says "argument --speculative-config: " first
         raise argparse.ArgumentTypeError(str(e).removeprefix("--speculative-config").lstrip(".: ")) from None
     return text
+
+
+def model_refusal(args: argparse.Namespace) -> str | None:
+    """Why a worker given these flags would refuse to start, for the launcher to say before it
+    starts anything: a model (--model, or the draft of --speculative-config) that is not there,
+    or --max-model-len past the positions the model was trained on. None when it would start."""
+    from modelfiles.resolve import resolve_model
+    from worker.model_config import ModelConfig
+    from worker.speculative_config import SpeculativeConfig
+    models = [(args.model, "--model")]
+    if args.speculative_config and (draft := SpeculativeConfig.parse(args.speculative_config).model):
+        models.append((draft, "--speculative-config.model"))
+    try:
+        paths = [resolve_model(model, flag) for model, flag in models]
+    except FileNotFoundError as e:
+        return str(e)
+    return ModelConfig.read(paths[0]).context_refusal(args.max_model_len, args.allow_long_max_model_len)

@@ -48,7 +48,7 @@ def test_a_flag_shared_by_processes_means_the_same_in_each():
 def test_speculative_config_reaches_the_worker_from_serve_and_from_llm_keywords():
     import json
 
-    from launch.offline import _flags
+    from pagoda.offline import _flags
     from worker.speculative_config import SpeculativeConfig
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
     parsers = process_parsers()
@@ -91,7 +91,7 @@ def test_the_launcher_refuses_bad_flags_before_it_starts_anything(argv, message)
     """Exit 2 (FlagError) with one line, rather than a worker that fails its start again at
     every restart; the offline LLM raises ValueError with the same line, having started nothing."""
     from launch.flag_routing import check_flags
-    from launch.offline import LLM
+    from pagoda.offline import LLM
     parsers = process_parsers()
     with pytest.raises(FlagError) as refused:
         check_flags(route_flags(argv, parsers), parsers)
