@@ -119,7 +119,7 @@ def test_an_installed_package_ships_every_kernel_source():
     import fnmatch
     import tomllib
     globs = tomllib.loads((cpu_gemm.SOURCE.parents[2] / "pyproject.toml").read_text())[
-        "tool"]["setuptools"]["package-data"]["kernels"]
+        "tool"]["setuptools"]["package-data"]["pagoda.kernels"]
     sources = [p.relative_to(cpu_gemm.SOURCE.parents[1]).as_posix()
                for p in cpu_gemm.SOURCE.parent.iterdir() if p.suffix in (".c", ".h")]
     assert len(sources) > 10
