@@ -144,7 +144,7 @@ def run(opts) -> dict:
         attack_s = max(10.0, (opts.minutes - opts.baseline_minutes - opts.after_minutes) * 60)
         with (opts.out / "attacks.log").open("w") as log:
             attacker = subprocess.Popen(
-                [sys.executable, str(ROOT / "bench" / "edge_attacks.py"), "--grpc", cluster.target,
+                [sys.executable, "-m", "bench.edge_attacks", "--grpc", cluster.target,
                  "--http", http_target, "--key", KEYS[0], "--probe-key", KEYS[1], "--seconds", str(attack_s),
                  "--hold", str(opts.hold), "--scale", str(opts.scale), "--out", str(opts.out / "attacks.jsonl")],
                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)

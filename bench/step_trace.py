@@ -21,7 +21,7 @@ from proto.columns import unpack  # noqa: E402
 from scheduler.router import Router, RouterConfig  # noqa: E402
 from worker.runner import ModelRunner  # noqa: E402
 from worker.worker_flags import add_worker_args  # noqa: E402
-from workloads import offline_workload  # noqa: E402
+from bench.workloads import offline_workload  # noqa: E402
 
 
 def main() -> None:

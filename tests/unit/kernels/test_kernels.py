@@ -376,7 +376,7 @@ def _int64_offsets_check():
 def test_kernels_compile_for_hopper_without_spills():
     """Cross-compiles the GPU variants for sm_90 (no GPU needed) and checks registers."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "bench_attention.py"),
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_attention",
                            "--compile-check", "quick"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     if proc.returncode == 3:
