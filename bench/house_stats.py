@@ -1,7 +1,7 @@
 """The shape of the tree, for issue 23's "Measure" section: lines per top-level package, the
 longest files and functions, and import cycles among the project's own modules.
 
-    .venv/bin/python bench/house_stats.py [DIR] [--top 5]
+    .venv/bin/python -m bench.house_stats [DIR] [--top 5]
 
 DIR (default: the current directory) is read as it is on disk; run it on a clean worktree of a
 commit to measure that commit (`git worktree add /tmp/wt-x REV`). Stdlib only.

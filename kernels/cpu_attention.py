@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_decode_attention, cpu_prefill_attention
-from kernels.cpu_kv_layout import key_blocks
+from pagoda.kernels import cpu_decode_attention, cpu_prefill_attention
+from pagoda.kernels.cpu_kv_layout import key_blocks
 
 # The path bounds, from `bench/bench_cpu_attention.py --paths` on the 2-core dev machine
 # (SmolLM2's 9/3 heads, one thread, contexts 128-2048, batch 1 and 16, medians of 3 runs).

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from kernels import cbuild
-from kernels.cpu_kv_layout import key_blocks
+from pagoda.kernels import cbuild
+from pagoda.kernels.cpu_kv_layout import key_blocks
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_decode_attention.c"
 FLAGS = cbuild.EXP_KERNEL_FLAGS
@@ -99,7 +99,7 @@ _WRITE_KV_ARGS = [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_int, 
 def agrees_with_reference() -> bool:
     """The best path against kernels/reference.py's float64 attention on a small random step
     (three sequences, GQA, a partial last block; the start-up check)."""
-    from kernels import reference
+    from pagoda.kernels import reference
     g = torch.Generator().manual_seed(0)
     lens, hq, hkv, d, bs = torch.tensor([5, 17, 33]), 4, 2, 16, 8
     num_blocks = 12

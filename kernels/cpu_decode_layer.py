@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from kernels import cbuild, cpu_decode_attention, cpu_gemm_gguf, cpu_gemm_int8
-from kernels.cpu_kv_layout import key_blocks
+from pagoda.kernels import cbuild, cpu_decode_attention, cpu_gemm_gguf, cpu_gemm_int8
+from pagoda.kernels.cpu_kv_layout import key_blocks
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_decode_layer.c"
 FLAGS = cbuild.EXP_KERNEL_FLAGS

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from kernels import cbuild
-from kernels.cpu_decode_attention import DTYPES, FLAGS
-from kernels.cpu_kv_layout import key_blocks
+from pagoda.kernels import cbuild
+from pagoda.kernels.cpu_decode_attention import DTYPES, FLAGS
+from pagoda.kernels.cpu_kv_layout import key_blocks
 
 # AMX-BF16 computes a bf16 cache with bf16 queries on the tiles; other dtypes take AVX-512F there.
 ISA_NAMES = {3: "AMX-BF16", 2: "AVX-512F", 1: "AVX2+FMA"}
@@ -78,7 +78,7 @@ def agrees_with_reference() -> bool:
     """The best path against kernels/reference.py's float64 attention on a small random step
     (two sequences, one with cached context, GQA, a partial last block; the start-up check), in
     fp32 and in bf16 (where the AMX tiles take it: head dims of 32)."""
-    from kernels import reference
+    from pagoda.kernels import reference
     g = torch.Generator().manual_seed(0)
     hq, hkv, d, bs = 4, 2, 32, 16
     lens, new = torch.tensor([21, 40]), torch.tensor([21, 19])

@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 from launch.children import ROOT
-from runtime.flag_types import COUNT, POSITIVE_SECONDS, float_at_least
+from process_life.flag_types import COUNT, POSITIVE_SECONDS, float_at_least
 
 BENCHES = {"serve": "bench.serve", "offline": "bench.offline"}  # run as modules from the root
 

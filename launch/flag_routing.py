@@ -7,9 +7,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from runtime import watchdog
+from process_life import watchdog
 from launch.children import ROOT
-from runtime.flag_errors import FlagError
+from process_life.flag_errors import FlagError
 
 DEFAULT_KEYS_DIR = ROOT / ".cache" / "zmq-keys"
 
@@ -19,7 +19,7 @@ def process_parsers() -> dict[str, argparse.ArgumentParser]:
     from gateway.gateway_flags import add_gateway_args
     from scheduler.scheduler_flags import add_scheduler_args
     from worker.worker_flags import add_worker_args
-    # --watchdog-timeout is added by each process's main() (runtime/watchdog.py), not its flags.
+    # --watchdog-timeout is added by each process's main() (process_life/watchdog.py), not its flags.
     return {
         "scheduler": watchdog.add_flag(add_scheduler_args(argparse.ArgumentParser(add_help=False)),
                                        watchdog.LOOP_TIMEOUT_S),

@@ -7,7 +7,7 @@ import os
 import re
 import socket
 
-from runtime.flag_types import COUNT, MICROSECONDS, float_at_least, fraction, int_at_least
+from process_life.flag_types import COUNT, MICROSECONDS, float_at_least, fraction, int_at_least
 from proto.auth import add_auth_args
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,

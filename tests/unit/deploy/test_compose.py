@@ -147,8 +147,8 @@ def test_the_image_builds_the_cpu_matmul_kernel_readable_by_its_user_and_never_a
     and made readable by all in the same step (built as root it is 0711, which uid 10001 cannot
     load); a library built on the developer's host (another libc, maybe another CPU) stays out."""
     final = dockerfile_stages()[-1]
-    (build,) = [ln for ln in final if "python -m kernels.cpu_gemm --build" in ln]
-    assert build.split("python -m kernels.cpu_gemm --build", 1)[1].strip() == "&& chmod -R a+rX /app"
+    (build,) = [ln for ln in final if "python -m pagoda.kernels.cpu_gemm --build" in ln]
+    assert build.split("python -m pagoda.kernels.cpu_gemm --build", 1)[1].strip() == "&& chmod -R a+rX /app"
     (apt,) = [ln for ln in final if "apt-get install" in ln]
     assert all(pkg in apt.split("apt-get install", 1)[1].split("&&", 1)[0] for pkg in ("gcc", "libc6-dev"))
     ignored = (ROOT / ".dockerignore").read_text().split()

@@ -23,10 +23,10 @@ import pytest  # noqa: E402
 
 try:
     import triton  # noqa: E402
-    from kernels import cpu_attention as cpu  # noqa: E402
-    from kernels import reference as ref  # noqa: E402
-    from kernels import triton_attention as ta  # noqa: E402
-    from kernels import triton_paged  # noqa: E402
+    from pagoda.kernels import cpu_attention as cpu  # noqa: E402
+    from pagoda.kernels import reference as ref  # noqa: E402
+    from pagoda.kernels import triton_attention as ta  # noqa: E402
+    from pagoda.kernels import triton_paged  # noqa: E402
 except Exception as exc:  # pragma: no cover - depends on the machine
     pytest.skip(f"Triton cannot run here: {exc}", allow_module_level=True)
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from runtime.flag_errors import FlagError
+from process_life.flag_errors import FlagError
 from launch.flag_routing import process_parsers, route_flags
 
 
@@ -68,7 +68,7 @@ BAD = [  # (flags, the one line that names what is wrong)
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}'],
      "argument --speculative-config: num_speculative_tokens must be an integer in [1, 16], got 99"),
     (["--max-num-seqs", "many"], "argument --max-num-seqs: invalid int value: 'many'"),
-    # numbers out of their range (runtime/flag_types.py): each was taken, and went wrong later
+    # numbers out of their range (process_life/flag_types.py): each was taken, and went wrong later
     (["--port", "70000"], "argument --port: must be in [0, 65535], got 70000"),  # served on 4464
     (["--max-num-seqs", "0"], "argument --max-num-seqs: must be >= 1, got 0"),  # served nothing
     (["--max-num-seqs", "-5"], "argument --max-num-seqs: must be >= 1, got -5"),  # worker crash loop

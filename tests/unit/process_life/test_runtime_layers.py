@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 PROCESSES = ("gateway", "scheduler", "worker")
-BELOW = ("runtime", "proto", "structured")
+BELOW = ("process_life", "proto", "structured")
 
 
 def imported(package: str) -> dict[str, set[str]]:
@@ -31,6 +31,6 @@ def test_no_process_or_shared_package_imports_the_launcher():
 
 
 def test_runtime_imports_no_process():
-    bad = {path: sorted(names & {*PROCESSES, "launch"}) for path, names in imported("runtime").items()
+    bad = {path: sorted(names & {*PROCESSES, "launch"}) for path, names in imported("process_life").items()
            if names & {*PROCESSES, "launch"}}
     assert not bad, bad
