@@ -121,8 +121,9 @@ def test_the_scheduler_never_imports_torch_nor_the_kernels_transformers():
 
 
 def test_nothing_is_imported_under_a_name_another_package_owns():
-    """Anywhere in the repository, tests and benchmarks included: `from kernels import x` would
-    work from the checkout's root (a folder on the path) and then fail beside Hugging Face's."""
+    """Anywhere in the repository, tests and benchmarks included: an import of kernels/ by the
+    top-level name works from the checkout's root (a folder on the path), then fails beside
+    Hugging Face's `kernels`."""
     bad = refusals(every_python_file(), lambda _, name: name.split(".")[0] in OWNED_ELSEWHERE)
     assert not bad, bad
 
