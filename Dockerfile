@@ -43,7 +43,7 @@ WORKDIR /app
 # key splitter.
 COPY pyproject.toml ./
 COPY proto ./proto
-COPY runtime ./runtime
+COPY process_life ./process_life
 COPY scheduler ./scheduler
 COPY worker ./worker
 COPY kernels ./kernels
@@ -58,7 +58,7 @@ COPY deploy/docker ./deploy/docker
 RUN pip install --no-cache-dir -q --no-deps --no-build-isolation -e . \
  && python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/pagoda.proto \
  && python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. proto/internal.proto \
- && python -m kernels.cpu_gemm --build \
+ && python -m pagoda.kernels.cpu_gemm --build \
  && chmod -R a+rX /app
 VOLUME /cache
 USER 10001:10001

@@ -14,7 +14,7 @@ install: $(VENV)/.installed proto kernels
 
 # The CPU kernels (kernels/cpu_gemm.py --build: matmuls, the grammar mask): each skipped with a line saying why where it cannot build.
 kernels: $(VENV)/.installed
-	$(PY) -m kernels.cpu_gemm --build
+	$(PY) -m pagoda.kernels.cpu_gemm --build
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,7 +44,7 @@ test: install
 # static and continuous batching in one run, about 10 minutes on 2 cores. A quick look at pagoda
 # alone (4 requests, under a minute): make bench BENCH_ARGS="--num-requests 4 --skip static,cb"
 bench: install
-	$(PY) bench/offline.py $(BENCH_ARGS)
+	$(PY) -m bench.offline $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .cache kernels/build proto/*_pb2*.py proto/*_pb2*.pyi

@@ -14,7 +14,7 @@ against transformers' beam search, in one run, on the same model, dtype and prom
 tokens/s = tokens of every returned beam (prompts x width x max_tokens: EOS is ignored, so
 every beam runs to max_tokens) / wall time of the search (model load and a warm-up excluded).
 
-    .venv/bin/python bench/beam.py [--prompts 4] [--prompt-len 128] [--max-tokens 32]
+    .venv/bin/python -m bench.beam [--prompts 4] [--prompt-len 128] [--max-tokens 32]
         [--widths 1,2,4,8] [--json out.json]
 """
 from __future__ import annotations
@@ -22,20 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from proto import internal_pb2, pagoda_pb2  # noqa: E402
-from proto.token_stream import updates  # noqa: E402
-from scheduler.router import Router, RouterConfig  # noqa: E402
-from tests.plan_driver import run_router  # noqa: E402
-from worker.runner import ModelRunner  # noqa: E402
-from worker.worker_flags import worker_args  # noqa: E402
+from proto import internal_pb2, pagoda_pb2
+from proto.token_stream import updates
+from scheduler.router import Router, RouterConfig
+from tests.plan_driver import run_router
+from worker.runner import ModelRunner
+from worker.worker_flags import worker_args
 
 
 def pagoda_run(runner: ModelRunner, prompts, width: int, max_tokens: int) -> tuple[int, float, list]:

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Benchmarks of the Triton attention kernels on one GPU, and a compile check that needs none.
 
-    python3 bench/bench_attention.py [--out DIR] [--budget SECONDS]
+    python3 -m bench.bench_attention [--out DIR] [--budget SECONDS]
         On CUDA: a bf16 correctness check, decode bandwidth against a device-to-device copy,
         prefill against torch SDPA (causal), and small tile-config sweeps for tuning. Prints
         markdown tables and writes them to DIR/bench_attention.md (DIR defaults to $OUT).
-    python3 bench/bench_attention.py --compile-check [quick]
+    python3 -m bench.bench_attention --compile-check [quick]
         No GPU needed: cross-compiles the kernel variants the engine uses for sm_90 with the
         Triton JIT's own argument specialisation, and reports registers, spills and shared
         memory. Exit 0: all fine; 1: a 16-bit variant spills or fails to compile; 3: cannot check
@@ -27,9 +27,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 DRY = os.environ.get("PAGODA_BENCH_DRY") == "1"
 if DRY:
@@ -89,7 +86,7 @@ def compile_check(quick: bool = False) -> int:
         from triton.backends.compiler import GPUTarget
         from triton.compiler.errors import CompilationError
         from triton.runtime.errors import TritonError
-        from kernels import triton_attention as ta
+        from pagoda.kernels import triton_attention as ta
     except Exception as exc:
         print(f"cannot check: {exc}")
         return 3
@@ -194,8 +191,8 @@ def _paged_inputs(batch: int, ctx: int, query_len: int, seed=0):
 
 def correctness(report: Report) -> bool:
     """bf16 against the float64 loop on a mixed batch, with and without split-KV."""
-    from kernels import reference as ref
-    from kernels import triton_attention as ta
+    from pagoda.kernels import reference as ref
+    from pagoda.kernels import triton_attention as ta
     report.add("", f"## {DTYPE} correctness (max abs error against float64)", "",
                "| case | split | max err | ok |", "|---|---|---|---|")
     ok_all = True
@@ -230,7 +227,7 @@ def copy_bandwidth() -> float:
 
 
 def decode_table(report: Report, copy_bw: float) -> None:
-    from kernels import triton_attention as ta
+    from pagoda.kernels import triton_attention as ta
     report.add("", f"## Decode: KV bytes read per second ({DTYPE}, {HQ} q heads, {HKV} kv heads, "
                f"D={D}, block {BLOCK_SIZE})", "",
                f"Device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write).", "",
@@ -271,7 +268,7 @@ def _sdpa(q4, k4, v4):
 
 
 def prefill_table(report: Report) -> None:
-    from kernels import triton_attention as ta
+    from pagoda.kernels import triton_attention as ta
     report.add("", f"## Prefill of whole contexts against SDPA (causal, {DTYPE}, {HQ}/{HKV} heads, "
                f"D={D}; B x context <= {PREFILL_MAX_TOKENS})", "",
                "| B | context | paged ms | paged TFLOP/s | SDPA ms | SDPA TFLOP/s | paged/SDPA speed "
@@ -302,7 +299,7 @@ def prefill_table(report: Report) -> None:
 
 def sweeps(report: Report, deadline: float) -> None:
     """Alternative tile configs on two shapes, to tune choose_config on this GPU."""
-    from kernels import triton_attention as ta
+    from pagoda.kernels import triton_attention as ta
     C = ta.AttentionConfig
     group = HQ // HKV
     decode = [C(16, 16 // group, n, s, w, st) for n in (32, 64, 128) for s in (1, 4, 8)

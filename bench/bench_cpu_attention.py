@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The CPU attention kernels at SmolLM2's heads (9 query, 3 kv, 64 dims, blocks of 16), fp32 and bf16.
 
-    .venv/bin/python bench/bench_cpu_attention.py [--shapes 8x256,1x2048,4x512+256] [--repeats 15]
-    .venv/bin/python bench/bench_cpu_attention.py --decode [--rows 64]
-    .venv/bin/python bench/bench_cpu_attention.py --paths [RUNS]
+    .venv/bin/python -m bench.bench_cpu_attention [--shapes 8x256,1x2048,4x512+256] [--repeats 15]
+    .venv/bin/python -m bench.bench_cpu_attention --decode [--rows 64]
+    .venv/bin/python -m bench.bench_cpu_attention --paths [RUNS]
 
 Prefill (default): kernels/csrc/cpu_prefill_attention.c against the path it replaces (kernels/
 cpu_attention.py's gather of each sequence's context and torch's flash SDPA), one layer over
@@ -29,13 +29,10 @@ import statistics
 import sys
 import time
 import timeit
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from kernels import cpu_attention, cpu_prefill_attention  # noqa: E402
+from pagoda.kernels import cpu_attention, cpu_prefill_attention
 
 HQ, HKV, D, BS = 9, 3, 64, 16
 
@@ -100,7 +97,7 @@ def _in_huge_pages(x: torch.Tensor) -> torch.Tensor:
 
 
 def decode(rows: int, repeats: int) -> None:
-    from kernels import cpu_decode_attention
+    from pagoda.kernels import cpu_decode_attention
     g = torch.Generator().manual_seed(0)
     lens = torch.randint(200, 600, (rows,), generator=g, dtype=torch.int32)
     blocks = [-(-int(n) // BS) for n in lens]

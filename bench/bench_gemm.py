@@ -2,9 +2,9 @@
 head: 538 MB of fp32 weights, far beyond any cache), by number of rows, through torch's
 F.linear (MKL) and through kernels/csrc/cpu_gemm.c, interleaved in one run; best of --repeats.
 
-    .venv/bin/python bench/bench_gemm.py [--rows 1,4,8,16,32,64,128,256,512,1024,2048] [--threads 2]
-    .venv/bin/python bench/bench_gemm.py --dtype bfloat16 --rows 1,2,4,8,16,32
-    .venv/bin/python bench/bench_gemm.py --quantization q4_1 --rows 1,16,64,128
+    .venv/bin/python -m bench.bench_gemm [--rows 1,4,8,16,32,64,128,256,512,1024,2048] [--threads 2]
+    .venv/bin/python -m bench.bench_gemm --dtype bfloat16 --rows 1,2,4,8,16,32
+    .venv/bin/python -m bench.bench_gemm --quantization q4_1 --rows 1,16,64,128
 
 --dtype bfloat16 runs the same set in bf16 (269 MB) through torch and kernels/csrc/cpu_gemm_bf16.c,
 on each instruction-set path this CPU has. --quantization int8 / q8_0 / q4_1 runs it quantized
@@ -20,13 +20,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kernels import cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8  # noqa: E402
+from pagoda.kernels import cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8
 
 # SmolLM2-135M: hidden 576, 9 query and 3 KV heads of 64, intermediate 1536, 30 layers, vocab 49152.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]

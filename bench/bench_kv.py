@@ -2,21 +2,18 @@
 8-192), against static preallocation. Pure scheduling: the worker is tests/fake_worker.py, whose
 "cache" holds token ids, so the figures are the block manager's, independent of the model.
 
-    .venv/bin/python bench/bench_kv.py [--blocks 1024] [--block-size 16] [--requests 400]
+    .venv/bin/python -m bench.bench_kv [--blocks 1024] [--block-size 16] [--requests 400]
 """
 from __future__ import annotations
 
 import argparse
 import random
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from proto import internal_pb2 as pb  # noqa: E402
-from scheduler.request import Status  # noqa: E402
-from scheduler.router import Router, RouterConfig  # noqa: E402
-from tests.fake_worker import FakeWorker  # noqa: E402
+from proto import internal_pb2 as pb
+from scheduler.request import Status
+from scheduler.router import Router, RouterConfig
+from tests.fake_worker import FakeWorker
 
 
 def main() -> None:

@@ -9,7 +9,7 @@
    in for a GPU. With the plan ahead, the scheduler's work hides behind the forward and the
    period approaches max(forward, the scheduler's own time).
 
-    .venv/bin/python bench/bench_scheduler.py [--seqs 256] [--steps 3000] [--repeats 5] [--profile]
+    .venv/bin/python -m bench.bench_scheduler [--seqs 256] [--steps 3000] [--repeats 5] [--profile]
         [--forward-ms 5,1]
 
 Each repeat starts a fresh null worker and router. In the same repeat it also times a bare
@@ -26,19 +26,16 @@ import gc
 import multiprocessing as mp
 import pstats
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from proto import internal_pb2 as pb  # noqa: E402
-from proto.auth import PROTOCOL_VERSION  # noqa: E402
-from proto.columns import pack, unpack  # noqa: E402
-from proto.polling import poll, receive  # noqa: E402
-from scheduler.router import Router, RouterConfig  # noqa: E402
+from proto import internal_pb2 as pb
+from proto.auth import PROTOCOL_VERSION
+from proto.columns import pack, unpack
+from proto.polling import poll, receive
+from scheduler.router import Router, RouterConfig
 
 
 def null_worker(address: str, busy_poll_us: float, forward_s: float = 0.0, stamps=None,

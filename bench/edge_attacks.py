@@ -4,7 +4,7 @@ for HTTP/2 and HTTP/1.1, httpx2 for HTTP). Every loop and size is bounded; every
 from a loopback address of its own (127.0.0.2 and up; gRPC channels through a local relay that
 binds one), so per-peer bounds see the attacker apart from the legitimate clients.
 
-    .venv/bin/python bench/edge_attacks.py --grpc 127.0.0.1:50051 --http 127.0.0.1:8000 \\
+    .venv/bin/python -m bench.edge_attacks --grpc 127.0.0.1:50051 --http 127.0.0.1:8000 \\
         --key KEY_A --probe-key KEY_B --seconds 600 --out /tmp/attacks.jsonl
 
 Each attack appends one JSON line: its name, the issue's item, when it ran, `codes` (what each
@@ -19,7 +19,6 @@ import argparse
 import json
 import select
 import socket
-import sys
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -29,9 +28,8 @@ import grpc
 import httpx2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.edge_raw import SERVICE, H2Conn, Relay, h2_frame  # noqa: E402
-from proto import pagoda_pb2 as pb, pagoda_pb2_grpc  # noqa: E402
+from bench.edge_raw import SERVICE, H2Conn, Relay, h2_frame
+from proto import pagoda_pb2 as pb, pagoda_pb2_grpc
 
 MB = 1 << 20
 

@@ -4,8 +4,8 @@ against a stack started as `make run` starts it, with --api-key A and B, while a
 (bench/edge_attacks.py, a process of its own holding tenant A's key) cycles through every attack
 of the issue. Three phases: a baseline (legitimate traffic only), the attacks, and an after.
 
-    .venv/bin/python bench/edge_soak.py --minutes 30 --out /tmp/soak            # the real model
-    .venv/bin/python bench/edge_soak.py --minutes 3 --fake-worker --out /tmp/soak  # a quick run
+    .venv/bin/python -m bench.edge_soak --minutes 30 --out /tmp/soak            # the real model
+    .venv/bin/python -m bench.edge_soak --minutes 3 --fake-worker --out /tmp/soak  # a quick run
 
 locust is a bench-only tool, not a dependency of pagoda or of its tests:
 `.venv/bin/python -m pip install locust==2.47.0` (it pulls in gevent).
@@ -40,10 +40,9 @@ import numpy as np
 import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench import edge_soak_users as users  # noqa: E402
-from proto import pagoda_pb2 as pb, pagoda_pb2_grpc  # noqa: E402
-from tests.cluster import ROOT, Cluster  # noqa: E402
+from bench import edge_soak_users as users
+from proto import pagoda_pb2 as pb, pagoda_pb2_grpc
+from tests.cluster import ROOT, Cluster
 
 KEYS = ("soak-tenant-a-key", "soak-tenant-b-key")
 FAKE = ("--worker-module", "tests.fake_worker_main", "--num-gpu-blocks-override", "20000")
@@ -144,7 +143,7 @@ def run(opts) -> dict:
         attack_s = max(10.0, (opts.minutes - opts.baseline_minutes - opts.after_minutes) * 60)
         with (opts.out / "attacks.log").open("w") as log:
             attacker = subprocess.Popen(
-                [sys.executable, str(ROOT / "bench" / "edge_attacks.py"), "--grpc", cluster.target,
+                [sys.executable, "-m", "bench.edge_attacks", "--grpc", cluster.target,
                  "--http", http_target, "--key", KEYS[0], "--probe-key", KEYS[1], "--seconds", str(attack_s),
                  "--hold", str(opts.hold), "--scale", str(opts.scale), "--out", str(opts.out / "attacks.jsonl")],
                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)

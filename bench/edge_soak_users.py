@@ -16,9 +16,7 @@ from __future__ import annotations
 import json
 import os
 import random
-import sys
 import time
-from pathlib import Path
 
 from locust import User, between, task  # locust first: it patches the standard library for gevent
 
@@ -26,8 +24,7 @@ import grpc
 import grpc.experimental.gevent as grpc_gevent
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from proto import pagoda_pb2 as pb, pagoda_pb2_grpc  # noqa: E402
+from proto import pagoda_pb2 as pb, pagoda_pb2_grpc
 
 grpc_gevent.init_gevent()  # gRPC's own threads would otherwise block every greenlet
 

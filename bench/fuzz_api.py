@@ -6,13 +6,13 @@ examples sent, the statuses, the fields refused most, and each failure: a 5xx, a
 document does not describe, a request it calls invalid that was taken, an INTERNAL or UNKNOWN
 status, a call past its deadline; then whether the gateway still serves.
 
-    .venv/bin/python bench/fuzz_api.py [--examples 2000] [--seed 53] [--only chat,Generate]
+    .venv/bin/python -m bench.fuzz_api [--examples 2000] [--seed 53] [--only chat,Generate]
         [--huge 4194304] [--deadline 300] [--json out.json]
 
 starts the real stack (launcher, SmolLM2, fp32, --max-model-len 256 so that an answer is
 short) with an API key; or point it at a running one (its key, if it has one):
 
-    .venv/bin/python bench/fuzz_api.py --http http://127.0.0.1:8000 --grpc 127.0.0.1:50051 \\
+    .venv/bin/python -m bench.fuzz_api --http http://127.0.0.1:8000 --grpc 127.0.0.1:50051 \\
         [--key KEY]
 
 The same seed sends the same requests. Exits 1 when anything failed."""
@@ -29,14 +29,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from gateway.openapi import OPERATIONS  # noqa: E402
-from proto import pagoda_pb2 as pb, pagoda_pb2_grpc  # noqa: E402
-from tests import grpc_fuzz, http_fuzz  # noqa: E402
-from tests.cluster import Cluster  # noqa: E402
-from tests.proto_strategies import Sizes  # noqa: E402
+from gateway.openapi import OPERATIONS
+from proto import pagoda_pb2 as pb, pagoda_pb2_grpc
+from tests import grpc_fuzz, http_fuzz
+from tests.cluster import Cluster
+from tests.proto_strategies import Sizes
 
 KEY = "fuzz-bench-key"
 

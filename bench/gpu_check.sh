@@ -115,7 +115,7 @@ MULTI_TOKEN="verify_k4 or short_gqa8 or tile_edges"       # test_kernels.py's ca
 step 1 verify_kernels 120 "${PYTEST[@]}" "$K/test_kernels_verify.py" "$K/test_kernels.py" \
     -k "test_kernels_verify or (($MULTI_TOKEN) and triton)"
 
-step 2 spec_e2e 150 "$PY" bench/spec_gpu_check.py --device cuda
+step 2 spec_e2e 150 "$PY" -m bench.spec_gpu_check --device cuda
 
 GRAMMAR=()
 if ! grep -q "cannot import:.*xgrammar" "$OUT/gpu_check.log"; then
@@ -125,9 +125,9 @@ fi
 step 3 kernel_tests 150 "${PYTEST[@]}" "$K/test_kernels.py" "$K/test_kernels_cuda.py" ${GRAMMAR[@]+"${GRAMMAR[@]}"} \
     -k "not cpu and not ($MULTI_TOKEN)"
 
-step 4 bench_attention 110 "$PY" bench/bench_attention.py --out "$OUT" --budget 50
+step 4 bench_attention 110 "$PY" -m bench.bench_attention --out "$OUT" --budget 50
 
-step 5 e2e_throughput 120 "$PY" bench/e2e_gpu.py --device cuda
+step 5 e2e_throughput 120 "$PY" -m bench.e2e_gpu --device cuda
 
 log "done: $failed failed step(s) in $((SECONDS - T0))s; results in $OUT"
 exit "$failed"

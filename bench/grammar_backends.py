@@ -7,7 +7,7 @@ then again for the cache), then walks an answer token by token: the mask of allo
 then the token. The walk picks, among the allowed tokens, the one a fixed random ranking of
 the vocabulary likes best, so both backends walk answers of the same kind and every walk ends.
 
-    .venv/bin/python bench/grammar_backends.py --schemas 64
+    .venv/bin/python -m bench.grammar_backends --schemas 64
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The house, for issue 54's "Measure" section: the figures that say whether the paths that
 cross modules have one owner each. For the tree it runs in (or DIR):
 
-    .venv/bin/python -m bench.house [DIR] [--top 10]      (or: .venv/bin/python bench/house.py)
+    .venv/bin/python -m bench.house [DIR] [--top 10]
 
 Stdlib only, plus the `duplicates` command where it is on PATH. Reads DIR as it is on disk: run
 it in a clean worktree of a commit to measure that commit (`git worktree add /tmp/wt-x REV`).

@@ -1,7 +1,7 @@
 """The shape of the tree, for issue 23's "Measure" section: lines per top-level package, the
 longest files and functions, and import cycles among the project's own modules.
 
-    .venv/bin/python bench/house_stats.py [DIR] [--top 5]
+    .venv/bin/python -m bench.house_stats [DIR] [--top 5]
 
 DIR (default: the current directory) is read as it is on disk; run it on a clean worktree of a
 commit to measure that commit (`git worktree add /tmp/wt-x REV`). Stdlib only.
@@ -47,9 +47,15 @@ def python_files(root: Path) -> list[Path]:
     return sorted(found)
 
 
-def module_name(rel: Path) -> str:
+def module_name(rel: Path, root: Path) -> str:
+    """The name a file is imported under: its path, except that kernels/ is pagoda.kernels where it
+    is no package of its own (pagoda/__init__.py maps the name; a tree before that imports it as
+    kernels)."""
     parts = rel.with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    if parts[:1] == ("kernels",) and not (root / "kernels" / "__init__.py").exists():
+        parts = ("pagoda", *parts)
+    return ".".join(parts)
 
 
 def functions(tree: ast.AST, prefix: str = ""):
@@ -167,7 +173,7 @@ def report(root: Path, top: int) -> str:
     for length, where, name in sorted(funcs, key=lambda f: (-f[0], f[1]))[:top]:
         out.append(f"| `{name}` | {where} | {length} |")
 
-    modules = {module_name(rel): rel for rel in trees}
+    modules = {module_name(rel, root): rel for rel in trees}
     graphs = {"Every import": {m: set() for m in modules},
               "Without the TYPE_CHECKING imports": {m: set() for m in modules}}
     for mod, rel in modules.items():

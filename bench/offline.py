@@ -34,7 +34,7 @@ decode, as if they never overlapped, errs the other way. `brief` leaves out deco
 reads, which on a CPU with many sequences running cost more than the weight reads, so
 `roofline` is the tighter of the two.
 
-    .venv/bin/python bench/offline.py [--num-requests 64] [--seed 0] [--dtype float32]
+    .venv/bin/python -m bench.offline [--num-requests 64] [--seed 0] [--dtype float32]
         [--skip cb,static] [--pagoda-flags "--num-gpu-blocks-override 512"] [--json out.json]
 
 On a loaded machine prefix OMP_NUM_THREADS=1: every peer (the pagoda worker inherits the
@@ -51,17 +51,15 @@ import os
 import platform
 import random
 import shlex
-import sys
 import time
 from pathlib import Path
 
 import grpc
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.workloads import Request, load_hf_model, offline_workload, random_ids  # noqa: E402
-from proto import pagoda_pb2 as pb, pagoda_pb2_grpc  # noqa: E402
-from tests.cluster import Cluster  # noqa: E402
+from bench.workloads import Request, load_hf_model, offline_workload, random_ids
+from proto import pagoda_pb2 as pb, pagoda_pb2_grpc
+from tests.cluster import Cluster
 
 PEERS = ("pagoda", "static", "cb")
 LABELS = {"pagoda": "pagoda (gRPC, all at once)", "static": "transformers generate, static batches of 16",
@@ -81,7 +79,7 @@ def machine_rates(dtype: str) -> tuple[float, float]:
     a, b = torch.randn(512, 576, dtype=dt), torch.randn(576, 1536, dtype=dt)
     products = [lambda: a @ b]
     if dt == torch.float32:
-        from kernels import cpu_gemm
+        from pagoda.kernels import cpu_gemm
         if cpu_gemm.available():
             bt = b.t().contiguous()
             products.append(lambda: cpu_gemm.xwt(a, bt))

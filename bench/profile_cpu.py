@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Times and profiles the CPU worker's step on the real SmolLM2-135M, through ModelRunner.execute.
 
-    .venv/bin/python bench/profile_cpu.py [--tree DIR] [--profile] [-- worker flags]
-    .venv/bin/python bench/profile_cpu.py --attention-ab 4 --steps 15 [-- worker flags]
-    .venv/bin/python bench/profile_cpu.py --fused-ab 2 --steps 8 -- --quantization q4_1
+    .venv/bin/python -m bench.profile_cpu [--tree DIR] [--profile] [-- worker flags]
+    .venv/bin/python -m bench.profile_cpu --attention-ab 4 --steps 15 [-- worker flags]
+    .venv/bin/python -m bench.profile_cpu --fused-ab 2 --steps 8 -- --quantization q4_1
 
 Scenarios: steady decode of 1, 32 and 64 sequences with contexts drawn from 200-600 tokens, and
 32 decodes plus a 256-token prefill in the same step. --profile-seqs picks the decode profiled
@@ -78,7 +78,7 @@ def main() -> None:
 
 
 def attention_ab(runner, rounds: int, steps: int, blocks_per_seq: int) -> None:
-    from kernels import cpu_decode_attention
+    from pagoda.kernels import cpu_decode_attention
     runs_on = cpu_decode_attention.runs_on
     times: dict[str, list[float]] = {"C kernel": [], "torch ops": []}
     try:

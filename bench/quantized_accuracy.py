@@ -5,7 +5,7 @@ up to 64 tokens (the issue's bar: at least 7 of 8), the largest logit error; the
 stream's decode step, fp32 weights and each format, alternating in the same run, and the median
 over the rounds of each one's speed-up on fp32 in the same round.
 
-    .venv/bin/python bench/quantized_accuracy.py [--threads 2] [--tokens 64] [--formats int8,q8_0,q4_1] [--rounds 2] [--int8-activations]
+    .venv/bin/python -m bench.quantized_accuracy [--threads 2] [--tokens 64] [--formats int8,q8_0,q4_1] [--rounds 2] [--int8-activations]
 """
 from __future__ import annotations
 
@@ -13,23 +13,20 @@ import argparse
 import gc
 import statistics
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kernels import cpu_gemm_gguf, cpu_gemm_int8  # noqa: E402
-from modelfiles.resolve import resolve_model  # noqa: E402
-from tests.conftest import _load_smollm2_hf  # noqa: E402
-from tests.plan_driver import PlanDriver  # noqa: E402
-from tests.unit.worker.test_worker_gguf_quant import dequantized_float64 as dequantized_gguf  # noqa: E402
-from tests.unit.worker.test_worker_int8 import dequantized_float64 as dequantized_int8  # noqa: E402
-from tests.worker_tiny_models import runner_args  # noqa: E402
-from worker.layers import Linear  # noqa: E402
-from worker.loader import gguf_blocks  # noqa: E402
-from worker.runner import ModelRunner  # noqa: E402
+from pagoda.kernels import cpu_gemm_gguf, cpu_gemm_int8
+from modelfiles.resolve import resolve_model
+from tests.conftest import _load_smollm2_hf
+from tests.plan_driver import PlanDriver
+from tests.unit.worker.test_worker_gguf_quant import dequantized_float64 as dequantized_gguf
+from tests.unit.worker.test_worker_int8 import dequantized_float64 as dequantized_int8
+from tests.worker_tiny_models import runner_args
+from worker.layers import Linear
+from worker.loader import gguf_blocks
+from worker.runner import ModelRunner
 
 PROMPTS = [[504, 3575, 282, 4649, 314, 47, 33, 1000 + i * 37, 260, 3000 + i] for i in range(8)]
 

@@ -2,9 +2,9 @@
 (Poisson, or gamma with --burstiness), stream over gRPC from a pagoda gateway, and each one's
 TTFT, TPOT, ITL and end-to-end latency are measured on the client.
 
-    .venv/bin/python bench/serve.py --start --num-prompts 200 --request-rate 4 --ignore-eos
-    .venv/bin/python bench/serve.py --target 127.0.0.1:50051 --dataset prefix --prefix-len 512
-    .venv/bin/python bench/serve.py --start --sweep-rates 1,2,4,inf --plot /tmp/sweep.png \\
+    .venv/bin/python -m bench.serve --start --num-prompts 200 --request-rate 4 --ignore-eos
+    .venv/bin/python -m bench.serve --target 127.0.0.1:50051 --dataset prefix --prefix-len 512
+    .venv/bin/python -m bench.serve --start --sweep-rates 1,2,4,inf --plot /tmp/sweep.png \\
         --goodput ttft:500 tpot:100 --result-file /tmp/sweep.json
 
 Definitions (vLLM's): TTFT = send to first token; TPOT = (E2E - TTFT) / (output tokens - 1),
@@ -20,7 +20,6 @@ import json
 import math
 import random
 import shlex
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,9 +28,8 @@ import grpc
 import numpy as np
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.workloads import Request, prefix_dataset, random_dataset, random_ids  # noqa: E402
-from proto import pagoda_pb2 as pb, pagoda_pb2_grpc  # noqa: E402
+from bench.workloads import Request, prefix_dataset, random_dataset, random_ids
+from proto import pagoda_pb2 as pb, pagoda_pb2_grpc
 
 GRPC_OPTS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 SLO_KEYS = {"ttft": "ttft", "tpot": "tpot", "e2e": "e2el", "e2el": "e2el"}

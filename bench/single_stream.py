@@ -16,7 +16,7 @@ also its own `timings` (prompt and decode tokens/s).
 llama.cpp is never part of this repository: build llama-server yourself (docs/benchmarks.md,
 "A single stream against llama.cpp", says how it was built) and pass its path:
 
-    .venv/bin/python bench/single_stream.py --llama-server /tmp/llamacpp/build/bin/llama-server
+    .venv/bin/python -m bench.single_stream --llama-server /tmp/llamacpp/build/bin/llama-server
         [--peers fp32,bf16,int8,q8_0,q4_1,llama] [--rounds 3] [--per-round 2] [--threads 2]
         [--llama-args=--no-repack]
         [--prompt-tokens 300] [--max-tokens 160] [--json out.json]
@@ -38,7 +38,6 @@ from pathlib import Path
 import grpc
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 from gateway.tokenizer import load_tokenizer  # noqa: E402
 from modelfiles.resolve import resolve_model  # noqa: E402
 from proto import pagoda_pb2 as pb, pagoda_pb2_grpc  # noqa: E402

@@ -1,8 +1,8 @@
 """Speculative decoding and fp32 logits on CUDA, in process: the real scheduler (scheduler.Router)
 feeding the real worker (worker.runner.ModelRunner), no sockets. bench/gpu_check.sh runs it.
 
-    python bench/spec_gpu_check.py [--device cuda] [--layers 4] [--requests 12] [--max-tokens 48]
-    python bench/spec_gpu_check.py --device cpu --layers 1 --vocab 2048 --requests 4   # a dry run
+    python -m bench.spec_gpu_check [--device cuda] [--layers 4] [--requests 12] [--max-tokens 48]
+    python -m bench.spec_gpu_check --device cpu --layers 1 --vocab 2048 --requests 4   # a dry run
 
 The model is random (bench/random_model.py) with SmolLM2-135M's attention (9 query heads, 3 KV
 heads, head_dim 64, blocks of 16) and fewer layers. GQA 3 matters: verification queries of up to
@@ -34,17 +34,15 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from bench.random_model import write_random_model  # noqa: E402
-from proto import internal_pb2 as pb  # noqa: E402
-from proto.columns import unpack  # noqa: E402
-from proto.token_stream import updates  # noqa: E402
-from scheduler.router import Router, RouterConfig  # noqa: E402
-from tests.plan_driver import PlanDriver  # noqa: E402
-from worker.runner import ModelRunner  # noqa: E402
-from worker.speculative import build_speculator  # noqa: E402
-from worker.worker_flags import worker_args  # noqa: E402
+from bench.random_model import write_random_model
+from proto import internal_pb2 as pb
+from proto.columns import unpack
+from proto.token_stream import updates
+from scheduler.router import Router, RouterConfig
+from tests.plan_driver import PlanDriver
+from worker.runner import ModelRunner
+from worker.speculative import build_speculator
+from worker.worker_flags import worker_args
 
 NEAR_TIE = 1e-3       # logits; fp32 rounding between row counts is ~1e-5 at this model's scale
 LOGITS_TOL = 1e-4     # CUDA fp32 against the CPU worker (the test suite's bound against HF)

@@ -23,7 +23,7 @@ Every configuration's cluster is started first and stays up; passes alternate be
 table gives each one's median of --repeats passes, with the acceptance counters the scheduler
 reports (GetLoads), and the median of the paired ratios (each pass against the off pass before it).
 
-    .venv/bin/python bench/speculative.py [--dtype float32] [--quantization q4_1] [--repeats 3]
+    .venv/bin/python -m bench.speculative [--dtype float32] [--quantization q4_1] [--repeats 3]
         [--max-tokens 128]
         [--spec '{"method": "ngram", "num_speculative_tokens": 4}' [--spec ...]]
         [--only repetitive/1,non-repetitive/16] [--json out.json]
@@ -46,7 +46,6 @@ from pathlib import Path
 import grpc
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 from proto import pagoda_pb2 as pb, pagoda_pb2_grpc  # noqa: E402
 from tests.cluster import Cluster  # noqa: E402
 

@@ -2,26 +2,22 @@
 process (no sockets), the default offline workload, every step timed and bucketed by its number of
 sequences (a step with more tokens than sequences holds a prefill chunk).
 
-    .venv/bin/python bench/step_trace.py [--requests 16] [--threads 2] [--dtype float32] [-- worker flags]
+    .venv/bin/python -m bench.step_trace [--requests 16] [--threads 2] [--dtype float32] [-- worker flags]
 """
 from __future__ import annotations
 
 import argparse
 import collections
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from proto import internal_pb2 as pb  # noqa: E402
-from proto.columns import unpack  # noqa: E402
-from scheduler.router import Router, RouterConfig  # noqa: E402
-from worker.runner import ModelRunner  # noqa: E402
-from worker.worker_flags import add_worker_args  # noqa: E402
-from workloads import offline_workload  # noqa: E402
+from proto import internal_pb2 as pb
+from proto.columns import unpack
+from scheduler.router import Router, RouterConfig
+from worker.runner import ModelRunner
+from worker.worker_flags import add_worker_args
+from bench.workloads import offline_workload
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ cached; the per-step grammar cost (masks filled, applied, tokens accepted) per c
 and the decode step time, constrained vs unconstrained, at each batch size both runs had. Every
 constrained answer that ended by itself is checked against its schema (jsonschema).
 
-    .venv/bin/python bench/structured_steps.py [--requests 64] [--threads 2] [--max-tokens 96]
+    .venv/bin/python -m bench.structured_steps [--requests 64] [--threads 2] [--max-tokens 96]
 """
 from __future__ import annotations
 
@@ -16,22 +16,19 @@ import argparse
 import collections
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import jsonschema
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gateway.tokenizer import load_tokenizer  # noqa: E402
-from proto import internal_pb2 as pb, pagoda_pb2  # noqa: E402
-from proto.columns import unpack  # noqa: E402
-from proto.token_stream import updates  # noqa: E402
-from scheduler.router import Router, RouterConfig  # noqa: E402
-from worker import grammar as worker_grammar  # noqa: E402
-from worker.runner import ModelRunner  # noqa: E402
-from worker.worker_flags import add_worker_args  # noqa: E402
+from gateway.tokenizer import load_tokenizer
+from proto import internal_pb2 as pb, pagoda_pb2
+from proto.columns import unpack
+from proto.token_stream import updates
+from scheduler.router import Router, RouterConfig
+from worker import grammar as worker_grammar
+from worker.runner import ModelRunner
+from worker.worker_flags import add_worker_args
 
 COLOURS = ["red", "green", "blue", "black", "white", "amber", "teal", "plum"]
 FIELDS = ["name", "city", "title", "brand", "owner", "topic", "label", "place"]

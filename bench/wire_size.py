@@ -3,7 +3,7 @@ StepResult (worker -> scheduler) and each SchedulerMessage (scheduler -> gateway
 decode sequences, serialized by the real encoders (proto/columns.py, the real Router and its
 plan diffs), with the fake worker of the scheduler tests standing in for the model.
 
-    .venv/bin/python bench/wire_size.py [--seqs 256] [--prompt-len 128] [--steps 200]
+    .venv/bin/python -m bench.wire_size [--seqs 256] [--prompt-len 128] [--steps 200]
 
 Prints the admission (the plans that carry the prompts once), the steady decode per step (mean
 and max: a step where sequences cross a block boundary carries their new block ids), and what
@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import uuid
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from proto import internal_pb2 as pb  # noqa: E402
-from scheduler.router import Router, RouterConfig  # noqa: E402
-from tests.fake_worker import FakeWorker  # noqa: E402
+from proto import internal_pb2 as pb
+from scheduler.router import Router, RouterConfig
+from tests.fake_worker import FakeWorker
 
 CURVE_OVERHEAD = 16 + 8 + 9  # MAC, short nonce, MESSAGE command framing (ZMTP 3 CURVE)
 

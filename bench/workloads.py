@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import math
 import random
-import sys
 from dataclasses import dataclass
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # SmolLM2's ids 0..16 are its special tokens (<|endoftext|>, <|im_start|>, <|im_end|>, ...): a
 # random prompt avoids them so that no peer sees an end-of-turn in the middle of its input.

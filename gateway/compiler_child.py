@@ -17,7 +17,7 @@ import os
 import subprocess
 from typing import Callable
 
-from runtime.lifetime import PARENT_ENV
+from process_life.lifetime import PARENT_ENV
 from structured.spec import Spec
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from gateway.client_auth import api_keys_from, parse_range, priority_ranges, ten
 from gateway.http_pools import cidr
 from gateway.structured_check import MAX_CHOICES
 from gateway.tool_parsers import PARSERS
-from runtime.flag_types import COUNT, PORT, POSITIVE_SECONDS, SECONDS, int_at_least
+from process_life.flag_types import COUNT, PORT, POSITIVE_SECONDS, SECONDS, int_at_least
 from proto.auth import add_auth_args
 from proto.sizes import MAX_ID_BYTES, MAX_LIST, MAX_LOGPROBS, MAX_STRUCTURED_OUTPUT
 

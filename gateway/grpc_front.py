@@ -43,7 +43,7 @@ from urllib.parse import unquote
 
 from gateway import metrics
 from gateway.call_bounds import peer_host
-from runtime.ratelog import RateLimitedLog
+from process_life.ratelog import RateLimitedLog
 
 log = logging.getLogger("pagoda.gateway")
 

@@ -24,8 +24,8 @@ from gateway.metrics import start_metrics_server
 from gateway.scheduler_client import SchedulerClient
 from gateway.tokenizer import load_tokenizer
 from gateway.limits import limits_from_args
-from runtime import lifetime, watchdog
-from runtime.flag_errors import FlagError, main_refusing
+from process_life import lifetime, watchdog
+from process_life.flag_errors import FlagError, main_refusing
 from proto.auth import check_auth_args
 from proto.sizes import largest_scheduler_message
 

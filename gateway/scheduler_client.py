@@ -30,7 +30,7 @@ from gateway import scheduler_checks as checks
 from gateway.grpc_bounds import CONTEXT_BOUND
 from gateway.inbox import Inbox
 from gateway.limits import Limits
-from runtime.ratelog import RateLimitedLog
+from process_life.ratelog import RateLimitedLog
 from proto import internal_pb2
 from proto.auth import PROTOCOL_VERSION, secure_client
 from proto.sizes import MAX_LEN, largest_scheduler_message

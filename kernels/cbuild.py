@@ -95,7 +95,7 @@ class IsaKernel:
     def available(self) -> bool:
         if not self._tried:
             self._tried = True
-            log = logging.getLogger(f"kernels.{self.source.stem}")
+            log = logging.getLogger(f"pagoda.kernels.{self.source.stem}")
             try:
                 lib = ctypes.CDLL(str(build(self.source, self.flags)))
             except (OSError, RuntimeError) as e:

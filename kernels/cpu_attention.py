@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_decode_attention, cpu_prefill_attention
+from pagoda.kernels import cpu_decode_attention, cpu_prefill_attention
+from pagoda.kernels.cpu_kv_layout import key_blocks
 
 # The path bounds, from `bench/bench_cpu_attention.py --paths` on the 2-core dev machine
 # (SmolLM2's 9/3 heads, one thread, contexts 128-2048, batch 1 and 16, medians of 3 runs).
@@ -63,14 +64,6 @@ MAX_KERNEL_DECODE_ROWS = 5
 # Elements of K and V one group of short sequences gathers (16 MiB in fp32): bounds the copy of
 # a big batch; a group still holds five sequences of 2048 tokens (SmolLM2).
 SHORT_GROUP_ELEMENTS = 1 << 22
-
-
-def key_blocks(k_cache: torch.Tensor) -> torch.Tensor:
-    """The K cache [num_blocks, block_size, num_kv_heads, head_dim] as this backend lays it out:
-    [num_blocks, num_kv_heads, head_dim, block_size]. Block copies and swaps move whole blocks,
-    so they need not know."""
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    return k_cache.view(num_blocks, num_kv_heads, head_dim, block_size)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from kernels import cbuild
+from pagoda.kernels import cbuild
+from pagoda.kernels.cpu_kv_layout import key_blocks
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_decode_attention.c"
 FLAGS = cbuild.EXP_KERNEL_FLAGS
@@ -98,13 +99,13 @@ _WRITE_KV_ARGS = [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_int, 
 def agrees_with_reference() -> bool:
     """The best path against kernels/reference.py's float64 attention on a small random step
     (three sequences, GQA, a partial last block; the start-up check)."""
-    from kernels import cpu_attention, reference
+    from pagoda.kernels import reference
     g = torch.Generator().manual_seed(0)
     lens, hq, hkv, d, bs = torch.tensor([5, 17, 33]), 4, 2, 16, 8
     num_blocks = 12
     keys, v_cache = (torch.randn(num_blocks, bs, hkv, d, generator=g) for _ in range(2))
     k_cache = torch.empty_like(keys)
-    cpu_attention.key_blocks(k_cache).copy_(keys.permute(0, 2, 3, 1))
+    key_blocks(k_cache).copy_(keys.permute(0, 2, 3, 1))
     tables = torch.tensor([[0, 0, 0, 0, 0], [1, 2, 3, 0, 0], [4, 5, 6, 7, 8]], dtype=torch.int32)
     q = torch.randn(3, hq, d, generator=g)
     out = torch.empty_like(q)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from kernels import cbuild, cpu_decode_attention, cpu_gemm_gguf, cpu_gemm_int8
+from pagoda.kernels import cbuild, cpu_decode_attention, cpu_gemm_gguf, cpu_gemm_int8
+from pagoda.kernels.cpu_kv_layout import key_blocks
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_decode_layer.c"
 FLAGS = cbuild.EXP_KERNEL_FLAGS
@@ -184,7 +185,6 @@ def reference(weights: list[LayerWeights], shape: Shape, final_norm: torch.Tenso
     on the dequantized (or widened) weights, each projection's input rounded to bf16 first with
     bf16_dot; writes the step's K/V into the caches, rounded to their dtype, as the kernel does.
     Returns float64 [T, H]."""
-    from kernels.cpu_attention import key_blocks
     T, D = h.shape[0], shape.head_dim
     Hq, Hkv = shape.num_heads, shape.num_kv_heads
     x = h.double()

@@ -9,12 +9,12 @@ reads each weight once per 96 rows of x and keeps 12 dot products in registers, 
 near the memory bandwidth with one row and near the FMA peak from a few dozen rows on.
 
 The shared library is built from the source on first use into kernels/build/ (`make install`
-does it ahead, for every kernel: `python -m kernels.cpu_gemm --build`), named by a hash of the
+does it ahead, for every kernel: `python -m pagoda.kernels.cpu_gemm --build`), named by a hash of the
 source and flags, so an edited source is rebuilt and a stale library is never loaded. Without a
 compiler, or on a CPU without AVX2 and FMA, available() is False (one log line says why) and the
 caller uses torch.
 
-    python -m kernels.cpu_gemm --build
+    python -m pagoda.kernels.cpu_gemm --build
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import cbuild
+from pagoda.kernels import cbuild
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_gemm.c"
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
@@ -62,7 +62,7 @@ def xwt(x: torch.Tensor, w: torch.Tensor, isa: int | None = None) -> torch.Tenso
 
 def agrees_with_reference() -> bool:
     """The best path against float64 on a small random product (the start-up check)."""
-    from kernels.reference import xwt_agrees
+    from pagoda.kernels.reference import xwt_agrees
     return xwt_agrees(xwt, torch.float32, 1e-5)
 
 
@@ -88,7 +88,7 @@ if __name__ == "__main__":
     # Every kernel builds on any x86-64, whatever it runs (each picks its path at run time).
     import importlib
     for name, without in EVERY_KERNEL:
-        kernel = importlib.import_module(f"kernels.{name}")
+        kernel = importlib.import_module(f"pagoda.kernels.{name}")
         try:
             print(f"kernels/{name}: {cbuild.build(kernel.SOURCE, kernel.FLAGS)}")
         except RuntimeError as e:  # a missing compiler costs speed, not the install

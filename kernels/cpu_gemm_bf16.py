@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import cbuild
+from pagoda.kernels import cbuild
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_gemm_bf16.c"
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
@@ -72,7 +72,7 @@ def agrees_with_reference() -> bool:
     one of 3 rows, and one of 20 rows, K a multiple of 32 and 70 weight rows, which takes the AMX
     tiles (their 32-row groups and a tail of 6) where the CPU has them; and greedy's indices
     against the max of those products' logits, both ways for few rows."""
-    from kernels.reference import matmul_within, xwt_agrees
+    from pagoda.kernels.reference import matmul_within, xwt_agrees
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(20, 96, generator=g).bfloat16(), torch.randn(70, 96, generator=g).bfloat16()
     return (xwt_agrees(xwt, torch.bfloat16, 2.0 ** -7) and matmul_within(xwt(x, w), x, w, 2.0 ** -7)

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels import cbuild
+from pagoda.kernels import cbuild
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_gemm_gguf.c"
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
@@ -159,7 +159,7 @@ def as_seen(x: torch.Tensor, isa: int | None) -> torch.Tensor:
 def agrees_with_reference() -> bool:
     """The path xwt takes, and the C dequantizer, against float64 on a small random product of
     each format (the start-up check)."""
-    from kernels.reference import matmul_within
+    from pagoda.kernels.reference import matmul_within
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 4 * BLOCK, generator=g)
     for kind in FORMATS:

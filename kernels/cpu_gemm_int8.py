@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import cbuild
+from pagoda.kernels import cbuild
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_gemm_int8.c"
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
@@ -59,7 +59,7 @@ def reference(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.T
 
 def agrees_with_reference() -> bool:
     """The best path against float64 on a small random product (the start-up check)."""
-    from kernels.reference import matmul_within
+    from pagoda.kernels.reference import matmul_within
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 200, generator=g)
     w8, scale = quantize(torch.randn(37, 200, generator=g))

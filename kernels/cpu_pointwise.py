@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import cbuild
+from pagoda.kernels import cbuild
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_pointwise.c"
 FLAGS = cbuild.EXP_KERNEL_FLAGS
@@ -77,7 +77,7 @@ def silu_mul(gate_up: torch.Tensor, isa: int | None = None) -> torch.Tensor:
 def agrees_with_reference() -> bool:
     """The best path's norm, rotary and SiLU against float64 on small random rows, within bf16's
     rounding (the start-up check)."""
-    from kernels import reference
+    from pagoda.kernels import reference
     g = torch.Generator().manual_seed(0)
     x, res = torch.randn(3, 40, generator=g).bfloat16(), torch.randn(3, 40, generator=g).bfloat16()
     w = (torch.rand(40, generator=g) + 0.5).bfloat16()

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from kernels import cbuild
-from kernels.cpu_decode_attention import DTYPES, FLAGS
+from pagoda.kernels import cbuild
+from pagoda.kernels.cpu_decode_attention import DTYPES, FLAGS
+from pagoda.kernels.cpu_kv_layout import key_blocks
 
 # AMX-BF16 computes a bf16 cache with bf16 queries on the tiles; other dtypes take AVX-512F there.
 ISA_NAMES = {3: "AMX-BF16", 2: "AVX-512F", 1: "AVX2+FMA"}
@@ -77,7 +78,7 @@ def agrees_with_reference() -> bool:
     """The best path against kernels/reference.py's float64 attention on a small random step
     (two sequences, one with cached context, GQA, a partial last block; the start-up check), in
     fp32 and in bf16 (where the AMX tiles take it: head dims of 32)."""
-    from kernels import cpu_attention, reference
+    from pagoda.kernels import reference
     g = torch.Generator().manual_seed(0)
     hq, hkv, d, bs = 4, 2, 32, 16
     lens, new = torch.tensor([21, 40]), torch.tensor([21, 19])
@@ -88,7 +89,7 @@ def agrees_with_reference() -> bool:
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
         q, k, v_cache = (t.to(dtype) for t in (queries, keys, values))
         k_cache = torch.empty_like(k)
-        cpu_attention.key_blocks(k_cache).copy_(k.permute(0, 2, 3, 1))
+        key_blocks(k_cache).copy_(k.permute(0, 2, 3, 1))
         out = torch.empty_like(q)
         prefill(q, k_cache, v_cache, starts, new, lens, tables, d ** -0.5, out)
         want = reference.paged_attention_float64(q.float(), k.float(), v_cache.float(), tables, lens,

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from kernels import cbuild
+from pagoda.kernels import cbuild
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "grammar_mask.c"
 FLAGS = ["-O3", "-shared", "-fPIC"]

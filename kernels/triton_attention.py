@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_paged import paged_attention_kernel, reduce_segments_kernel
+from pagoda.kernels.triton_paged import paged_attention_kernel, reduce_segments_kernel
 
 LOG2E = 1.4426950408889634
 MAX_SEGMENTS = 64            # split-KV segments per query tile, at most

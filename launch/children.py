@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.flag_errors import BAD_FLAGS
-from runtime.lifetime import PARENT_ENV
+from process_life.flag_errors import BAD_FLAGS
+from process_life.lifetime import PARENT_ENV
 from launch.restarts import RestartPolicy, after_death
 
 ROOT = Path(__file__).resolve().parent.parent  # the children's working directory
@@ -22,7 +22,7 @@ def module_command(module: str, args: list[str]) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-# The children's own bounds (runtime/lifetime.py) come first: 3 s for the scheduler, 8 s for a
+# The children's own bounds (process_life/lifetime.py) come first: 3 s for the scheduler, 8 s for a
 # worker, the grace period plus 3 s for the gateway.
 STOP_WAIT_S = 10.0  # for the scheduler and each worker; the gateway gets its grace period more
 ESSENTIAL = ("scheduler", "gateway")  # giving up on one of these stops everything
@@ -66,7 +66,7 @@ def spawn(cmd: list[str], env: dict, **popen) -> subprocess.Popen:
     """A child as the launcher starts one: in a process group of its own (Ctrl-C reaches the
     launcher only, which stops the others in order), and told the launcher's pid (PARENT_ENV):
     the child then asks for SIGTERM when the launcher dies, and notices it is orphaned even when
-    that SIGTERM never came (runtime/lifetime.py). No preexec_fn: subprocess would fork() this
+    that SIGTERM never came (process_life/lifetime.py). No preexec_fn: subprocess would fork() this
     process instead of vfork(), and gRPC's fork handlers can abort the child (LLM's process
     has gRPC running)."""
     return subprocess.Popen(cmd, cwd=ROOT, env={**env, PARENT_ENV: str(os.getpid())},

@@ -15,9 +15,9 @@ import subprocess
 import sys
 
 from launch.children import ROOT
-from runtime.flag_types import COUNT, POSITIVE_SECONDS, float_at_least
+from process_life.flag_types import COUNT, POSITIVE_SECONDS, float_at_least
 
-BENCHES = {"serve": "bench/serve.py", "offline": "bench/offline.py"}
+BENCHES = {"serve": "bench.serve", "offline": "bench.offline"}  # run as modules from the root
 
 
 def generate(argv: list[str]) -> int:
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     if command == "generate":
         return generate(rest)
     if command == "bench" and rest and rest[0] in BENCHES:
-        return subprocess.call([sys.executable, str(ROOT / BENCHES[rest[0]]), *rest[1:]], cwd=ROOT)
+        return subprocess.call([sys.executable, "-m", BENCHES[rest[0]], *rest[1:]], cwd=ROOT)
     print(__doc__, file=sys.stdout if command in ("-h", "--help") else sys.stderr)
     return 0 if command in ("-h", "--help") else 2
 

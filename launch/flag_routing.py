@@ -7,9 +7,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from runtime import watchdog
+from process_life import watchdog
 from launch.children import ROOT
-from runtime.flag_errors import FlagError
+from process_life.flag_errors import FlagError
 
 DEFAULT_KEYS_DIR = ROOT / ".cache" / "zmq-keys"
 
@@ -19,7 +19,7 @@ def process_parsers() -> dict[str, argparse.ArgumentParser]:
     from gateway.gateway_flags import add_gateway_args
     from scheduler.scheduler_flags import add_scheduler_args
     from worker.worker_flags import add_worker_args
-    # --watchdog-timeout is added by each process's main() (runtime/watchdog.py), not its flags.
+    # --watchdog-timeout is added by each process's main() (process_life/watchdog.py), not its flags.
     return {
         "scheduler": watchdog.add_flag(add_scheduler_args(argparse.ArgumentParser(add_help=False)),
                                        watchdog.LOOP_TIMEOUT_S),
@@ -78,18 +78,7 @@ def check_flags(routed: dict[str, list[str]], parsers: dict[str, argparse.Argume
         except argparse.ArgumentError as e:
             raise FlagError(str(e)) from None
     if not stand_ins:
-        from modelfiles.resolve import resolve_model
-        from worker.model_config import ModelConfig
-        from worker.speculative_config import SpeculativeConfig
-        worker = args["worker"]
-        models = [(worker.model, "--model")]
-        if worker.speculative_config and (draft := SpeculativeConfig.parse(worker.speculative_config).model):
-            models.append((draft, "--speculative-config.model"))
-        try:
-            paths = [resolve_model(model, flag) for model, flag in models]
-        except FileNotFoundError as e:
-            raise FlagError(str(e)) from None
-        config = ModelConfig.read(paths[0])
-        if why := config.context_refusal(worker.max_model_len, worker.allow_long_max_model_len):
+        from worker.worker_flags import model_refusal
+        if why := model_refusal(args["worker"]):
             raise FlagError(why)
     return args

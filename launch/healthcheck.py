@@ -4,7 +4,7 @@ compose's HEALTHCHECK, with nothing but the image's Python.
     grpc://HOST:PORT   the gateway's grpc.health.v1 answers SERVING (it has workers and is not
                        draining)
     http://HOST:PORT/metrics   the scheduler's metrics endpoint answers 200: it answers 503 once
-                               the scheduler's loop has not turned for 5 s (runtime/loop_metrics.py)
+                               the scheduler's loop has not turned for 5 s (process_life/loop_metrics.py)
 """
 from __future__ import annotations
 

@@ -9,11 +9,11 @@ count afresh. At its --crash-loop-deaths-th death in a row (10) the launcher giv
 process alone: a worker given up on is logged and the rest keep serving; giving up on the
 scheduler or the gateway, without which nothing is served, stops everything with exit code 1.
 Flags are checked before anything starts (launch/flag_routing.py check_flags), and a child that
-exits 2 refused its flags (runtime/flag_errors.py): that stops everything at once, with exit 2.
+exits 2 refused its flags (process_life/flag_errors.py): that stops everything at once, with exit 2.
 
-Each child has a bounded life of its own (runtime/lifetime.py): it exits within its drain plus a
+Each child has a bounded life of its own (process_life/lifetime.py): it exits within its drain plus a
 few seconds of SIGTERM, and within a few seconds of this launcher's death, even with its loop
-wedged; and a watchdog (runtime/watchdog.py, --watchdog-timeout) makes one whose loop has stopped
+wedged; and a watchdog (process_life/watchdog.py, --watchdog-timeout) makes one whose loop has stopped
 turning exit with code 70, which the backoff above then restarts.
 
 Each flag goes to every process whose parser knows it, so `--max-num-seqs 8` reaches the
@@ -32,11 +32,11 @@ import time
 
 from launch.children import (Child, kill_if_stopped_too_long, module_command, reap, start,
                              stop_in_order)
-from runtime import lifetime
-from runtime.flag_errors import BAD_FLAGS
-from runtime.flag_types import COUNT, POSITIVE_SECONDS, SECONDS, int_at_least
+from process_life import lifetime
+from process_life.flag_errors import BAD_FLAGS
+from process_life.flag_types import COUNT, POSITIVE_SECONDS, SECONDS, int_at_least
 from launch.flag_routing import check_flags, process_parsers, route_flags, with_keys
-from runtime.lifetime import PARENT_ENV
+from process_life.lifetime import PARENT_ENV
 from launch.restarts import RestartPolicy
 
 

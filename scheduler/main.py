@@ -6,8 +6,8 @@ import logging
 
 from prometheus_client import REGISTRY
 
-from runtime import lifetime, watchdog
-from runtime.loop_metrics import start_metrics_server
+from process_life import lifetime, watchdog
+from process_life.loop_metrics import start_metrics_server
 from proto.auth import check_auth_args
 from scheduler.scheduler_flags import add_scheduler_args
 from scheduler.metrics import RouterCollector

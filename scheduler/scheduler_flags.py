@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from runtime.flag_types import COUNT, MICROSECONDS, PORT, POSITIVE_SECONDS, SECONDS, int_at_least
+from process_life.flag_types import COUNT, MICROSECONDS, PORT, POSITIVE_SECONDS, SECONDS, int_at_least
 from proto.auth import add_auth_args
 
 

@@ -24,8 +24,8 @@ import time
 
 import zmq
 
-from runtime import watchdog
-from runtime.ratelog import RateLimitedLog
+from process_life import watchdog
+from process_life.ratelog import RateLimitedLog
 from proto import internal_pb2 as pb
 from proto.auth import CurveServer
 from proto.polling import poll, resolve_busy_poll_us
@@ -108,7 +108,7 @@ class SchedulerServer:
         log.info("scheduler up: gateways %s, workers %s", self.args.scheduler_gateway_address,
                  self.args.scheduler_worker_address)
         while self.running:
-            watchdog.tick()  # a loop that stops turning is a hang (runtime/watchdog.py)
+            watchdog.tick()  # a loop that stops turning is a hang (process_life/watchdog.py)
             self.turn()
         self._shutdown()
 

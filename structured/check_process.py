@@ -34,7 +34,7 @@ FAILED = "the grammar compiler failed on it"  # a fork that died without an answ
 
 
 def die_with_parent() -> None:
-    from runtime.lifetime import PARENT_ENV, die_with_parent as prctl_pdeathsig
+    from process_life.lifetime import PARENT_ENV, die_with_parent as prctl_pdeathsig
     parent = os.environ.pop(PARENT_ENV, "")
     prctl_pdeathsig(signal.SIGKILL)
     if parent.isdigit() and os.getppid() != int(parent):
@@ -43,7 +43,7 @@ def die_with_parent() -> None:
 
 def compile_in_fork(compiler, spec, timeout_s: float) -> tuple[str | None, bool]:
     """(the compiler's reason or None, whether it ran past timeout_s), compiled in a fork."""
-    from runtime.lifetime import die_with_parent as prctl_pdeathsig
+    from process_life.lifetime import die_with_parent as prctl_pdeathsig
     from structured.spec import SpecError
     read, write = os.pipe()
     pid = os.fork()

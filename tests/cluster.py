@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from runtime.lifetime import PARENT_ENV
+from process_life.lifetime import PARENT_ENV
 from proto.auth import create_keys
 
 ROOT = Path(__file__).resolve().parent.parent

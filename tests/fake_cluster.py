@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import pagoda_pb2_grpc
-from runtime.lifetime import PARENT_ENV
+from process_life.lifetime import PARENT_ENV
 from tests.cluster import FAST_RECONNECT, ROOT, LoopbackStack, free_port, sum_metric, temporary_keys, wait_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -1,12 +1,12 @@
 """Processes for tests/unit/launch/test_lifetime.py, each `python -m tests.lifetime_child MODE [ARG]`.
 
-    child DRAIN      runtime/lifetime.py with that drain; on SIGTERM its "drain" wedges the main
+    child DRAIN      process_life/lifetime.py with that drain; on SIGTERM its "drain" wedges the main
                      thread in Python code for good (prints "ready", then "draining")
     parent           spawns `child 60` as the launcher spawns its processes (launch.children.spawn),
                      prints the child's pid, then sleeps
     witness          a subreaper: starts `parent`, SIGKILLs it once the child is ready, and prints
                      "EXIT_CODE SECONDS": how the orphaned child ended, and how long after
-    wedge TIMEOUT    runtime/watchdog.py with that timeout: a few ticks, then wedged_turn() spins
+    wedge TIMEOUT    process_life/watchdog.py with that timeout: a few ticks, then wedged_turn() spins
                      (prints "wedging" first)
     healthy TIMEOUT  the same watchdog: 2 s before the first tick, then 2 s of ticks; exits 0
 """
@@ -29,7 +29,7 @@ def say(text: str) -> None:
 
 
 def child(drain_s: float) -> None:
-    from runtime import lifetime
+    from process_life import lifetime
     lifetime.start(drain_s)
     until_sigterm(lambda: say("ready"), poll_s=0.02)
     say("draining")
@@ -69,7 +69,7 @@ def wedged_turn() -> None:
 
 
 def wedge(timeout_s: float) -> None:
-    from runtime import watchdog
+    from process_life import watchdog
     watchdog.start(timeout_s, default_s=0)
     for _ in range(5):
         watchdog.tick()
@@ -79,7 +79,7 @@ def wedge(timeout_s: float) -> None:
 
 
 def healthy(timeout_s: float) -> None:
-    from runtime import watchdog
+    from process_life import watchdog
     watchdog.start(timeout_s, default_s=0)
     time.sleep(2 * timeout_s)  # loading: the watchdog is armed by the first tick only
     ends = time.monotonic() + 2 * timeout_s

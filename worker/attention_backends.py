@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from kernels import cpu_attention
+from pagoda.kernels import cpu_attention
 from worker.attention_metadata import AttentionMetadata
 
 
@@ -28,7 +28,7 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self) -> None:
-        from kernels import triton_attention  # imported late: Triton is heavy and GPU-bound
+        from pagoda.kernels import triton_attention  # imported late: Triton is heavy and GPU-bound
         self.kernels = triton_attention
 
     def forward(self, q, k, v, kv_cache, meta, scale):

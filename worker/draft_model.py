@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from runtime.flag_errors import FlagError
+from process_life.flag_errors import FlagError
 from modelfiles.resolve import resolve_model
 from worker.attention_backends import AttentionBackend
 from worker.cache import CacheEngine, bytes_per_block

@@ -24,8 +24,8 @@ import logging
 
 import torch
 
-from kernels import cpu_decode_attention, cpu_decode_layer, cpu_gemm_gguf
-from kernels.cpu_decode_layer import LayerWeights, Shape
+from pagoda.kernels import cpu_decode_attention, cpu_decode_layer, cpu_gemm_gguf
+from pagoda.kernels.cpu_decode_layer import LayerWeights, Shape
 from worker.layers import Linear
 
 # Tokens up to which a step goes through the C step. GGUF: MAX_TOKENS, whatever the GGUF

@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from kernels import grammar_mask
+from pagoda.kernels import grammar_mask
 from proto import internal_pb2
 from structured.spec import Spec, SpecError
 

@@ -130,7 +130,7 @@ def gguf_blocks(path: Path, kind: str) -> dict[str, torch.Tensor]:
 
 def _read_gguf_blocks(path: Path, kind: str) -> dict[str, torch.Tensor]:
     import gguf
-    from kernels.cpu_gemm_gguf import ggml_type
+    from pagoda.kernels.cpu_gemm_gguf import ggml_type
 
     reader = gguf.GGUFReader(str(path))
     config = ModelConfig.from_gguf(reader)

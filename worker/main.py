@@ -23,8 +23,8 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from runtime import lifetime, watchdog
-from runtime.flag_errors import main_refusing
+from process_life import lifetime, watchdog
+from process_life.flag_errors import main_refusing
 from proto import internal_pb2
 from proto.auth import check_auth_args, secure_client
 from proto.polling import receive, resolve_busy_poll_us
@@ -36,7 +36,7 @@ from worker.worker_flags import add_worker_args
 logger = logging.getLogger("pagoda.worker")
 
 HEARTBEAT_S = 1.0
-DRAIN_S = 5.0  # after SIGTERM, for the step in hand and the goodbye (runtime/lifetime.py)
+DRAIN_S = 5.0  # after SIGTERM, for the step in hand and the goodbye (process_life/lifetime.py)
 STOP_CHECK_S = 0.2  # the longest an idle worker takes to notice SIGTERM
 COMPILE_CHECK_MS = 2  # while grammars compile: how soon an idle worker says one is done
 # libzmq retries a dropped connection every 100 ms by itself, except after a protocol error (an

@@ -14,7 +14,7 @@ from worker.attention import PagedAttention
 from worker.attention_metadata import AttentionMetadata
 from worker.fused_decode import FusedDecode
 from worker.model_config import ModelConfig
-from kernels import cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8
+from pagoda.kernels import cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8
 from worker import layers
 from worker.layers import (Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary, bf16_kernel_fits,
                            bf16_widens, gguf_linear, int8_linear, kernel_fits, linear)

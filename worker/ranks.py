@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from runtime import lifetime
+from process_life import lifetime
 from proto import internal_pb2
 from worker.parallel import (COLLECTIVE_TIMEOUT_S, FLAG, FORGET, KEEPALIVE, PLAN, STOP, GroupLost,
                              TensorParallel, init_group, refusal)
@@ -116,7 +116,7 @@ def join_group(args: argparse.Namespace, device: torch.device) -> TensorParallel
     """Ranks 1..N-1: join the group rank 0 started this process for."""
     # SIGKILL: a rank holds nothing worth a clean exit, and must not outlive rank 0 in a
     # collective that would wait COLLECTIVE_TIMEOUT_S for it. Set here, not in a preexec_fn,
-    # so that rank 0 is vfork()ed (runtime/lifetime.py says why).
+    # so that rank 0 is vfork()ed (process_life/lifetime.py says why).
     lifetime.die_with_parent(signal.SIGKILL)
     if os.getppid() != int(os.environ[PARENT_ENV]):  # rank 0 died before PR_SET_PDEATHSIG held
         raise SystemExit("rank 0 of this worker is gone")

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from runtime.flag_errors import FlagError
+from process_life.flag_errors import FlagError
 from modelfiles.resolve import model_display_name, resolve_model
 from proto import internal_pb2
 from proto.auth import PROTOCOL_VERSION

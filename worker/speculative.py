@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from runtime.flag_errors import FlagError
+from process_life.flag_errors import FlagError
 from proto.columns import pack, unpack
 from proto.speculation import may_speculate
 from worker.grammar import GrammarRows, apply_grammar_mask

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import torch
 
-from kernels import cbuild, cpu_decode_attention, cpu_decode_layer
+from pagoda.kernels import cbuild, cpu_decode_attention, cpu_decode_layer
 from proto import internal_pb2
 from worker import fused_decode, layers
 from worker.cpu_matmul import bound

@@ -7,7 +7,7 @@ import os
 import re
 import socket
 
-from runtime.flag_types import COUNT, MICROSECONDS, float_at_least, fraction, int_at_least
+from process_life.flag_types import COUNT, MICROSECONDS, float_at_least, fraction, int_at_least
 from proto.auth import add_auth_args
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -134,3 +134,20 @@ def speculative_config(text: str) -> str:
         # argparse says "argument --speculative-config: " first
         raise argparse.ArgumentTypeError(str(e).removeprefix("--speculative-config").lstrip(".: ")) from None
     return text
+
+
+def model_refusal(args: argparse.Namespace) -> str | None:
+    """Why a worker given these flags would refuse to start, for the launcher to say before it
+    starts anything: a model (--model, or the draft of --speculative-config) that is not there,
+    or --max-model-len past the positions the model was trained on. None when it would start."""
+    from modelfiles.resolve import resolve_model
+    from worker.model_config import ModelConfig
+    from worker.speculative_config import SpeculativeConfig
+    models = [(args.model, "--model")]
+    if args.speculative_config and (draft := SpeculativeConfig.parse(args.speculative_config).model):
+        models.append((draft, "--speculative-config.model"))
+    try:
+        paths = [resolve_model(model, flag) for model, flag in models]
+    except FileNotFoundError as e:
+        return str(e)
+    return ModelConfig.read(paths[0]).context_refusal(args.max_model_len, args.allow_long_max_model_len)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8
-from kernels.reference import bf16_matmul_error, matmul_error
+from pagoda.kernels import cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8
+from pagoda.kernels.reference import bf16_matmul_error, matmul_error
 from tests.emulated import bochs
 from tests.emulated.recording import THREADS, Case, add_inputs, into_nan, path_name, paths, record, use_library, within
 from tests.emulated.step_cases import BF16_DOT_VALUE, decode_step_cases
@@ -93,7 +93,7 @@ def attention_cases(calls: bochs.Calls, buffers: dict[int, str], keep: list[torc
                     here: bool = False) -> list[Case]:
     """The decode attention kernel on the unit test's cases (a poisoned cache: NaN wherever no
     sequence reads), fp32 and bf16 caches, heads one by one and by kv head, within its TOL."""
-    from kernels import cpu_decode_attention as attention
+    from pagoda.kernels import cpu_decode_attention as attention
     from tests.unit.kernels.test_kernels import Batch
     from tests.unit.kernels.test_kernels_cpu_decode_attention import CASES, TOL, _key_layout
 
@@ -134,7 +134,7 @@ def prefill_cases(calls: bochs.Calls, buffers: dict[int, str], keep: list[torch.
                   here: bool = False) -> list[Case]:
     """The prefill attention kernel on its unit test's cases (fresh and cached prompts, causal),
     fp32 and bf16, within its TOL."""
-    from kernels import cpu_prefill_attention as prefill
+    from pagoda.kernels import cpu_prefill_attention as prefill
     from tests.unit.kernels.test_kernels import Batch
     from tests.unit.kernels.test_kernels_cpu_decode_attention import _key_layout
     from tests.unit.kernels.test_kernels_cpu_prefill_attention import CASES, TOL
@@ -184,7 +184,7 @@ def main() -> int:
         result = bochs.run(calls, args.bochs, args.kernel, args.model, keep=args.keep)
         print(f"{args.model}: guest ran {result.seconds:.0f} s")
     failures = 0
-    from kernels import cpu_decode_attention, cpu_decode_layer, cpu_prefill_attention
+    from pagoda.kernels import cpu_decode_attention, cpu_decode_layer, cpu_prefill_attention
     modules = (cpu_gemm_bf16, cpu_gemm, cpu_gemm_int8, cpu_gemm_gguf, cpu_decode_attention, cpu_prefill_attention,
                cpu_decode_layer)
     dots = result.values.get(BF16_DOT_VALUE, 0)

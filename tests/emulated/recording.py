@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from kernels import cbuild
+from pagoda.kernels import cbuild
 from tests.emulated import bochs
 
 THREADS = (1, 2, 3)

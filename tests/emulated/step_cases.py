@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_decode_layer
-from kernels.cpu_decode_layer import Shape
+from pagoda.kernels import cpu_decode_layer
+from pagoda.kernels.cpu_decode_layer import Shape
 from tests.emulated import bochs
 from tests.emulated.recording import THREADS, Case, add_inputs, path_name, paths, record, use_library
 from tests.unit.kernels.test_kernels_cpu_decode_layer import SHAPE, STEPS, TOL, _model, _step
 from worker.layers import RotaryEmbedding
 
-BF16_DOT_VALUE = "bf16_dot:kernels.cpu_decode_layer"
+BF16_DOT_VALUE = "bf16_dot:pagoda.kernels.cpu_decode_layer"
 
 
 def relative(want: torch.Tensor, tol: float):

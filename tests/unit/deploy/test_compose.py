@@ -133,12 +133,14 @@ def test_commands_run_this_repository_with_flags_it_accepts_and_publish_its_port
 
 def test_every_package_in_pyproject_is_copied_into_the_image():
     """`pip install -e .` fails on a package directory that is not there (pagoda/ once was not)."""
-    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    # Each package's folder: its own name, or where package-dir puts it (pagoda.kernels: kernels/).
+    folders = {setuptools.get("package-dir", {}).get(p, p.replace(".", "/")) for p in setuptools["packages"]}
     final = dockerfile_stages()[-1]
     copied = {ln.split()[1] for ln in final if ln.startswith("COPY ") and "--from" not in ln}
-    top = {p.split(".")[0] for p in packages}  # a subpackage comes with its top package's folder
+    top = {f.split("/")[0] for f in folders}  # a subpackage comes with its top package's folder
     assert top <= copied, sorted(top - copied)
-    assert all((ROOT / p.replace(".", "/")).is_dir() for p in packages)
+    assert all((ROOT / f).is_dir() for f in folders)
 
 
 def test_every_subpackage_is_installed():
@@ -155,8 +157,8 @@ def test_the_image_builds_the_cpu_matmul_kernel_readable_by_its_user_and_never_a
     and made readable by all in the same step (built as root it is 0711, which uid 10001 cannot
     load); a library built on the developer's host (another libc, maybe another CPU) stays out."""
     final = dockerfile_stages()[-1]
-    (build,) = [ln for ln in final if "python -m kernels.cpu_gemm --build" in ln]
-    assert build.split("python -m kernels.cpu_gemm --build", 1)[1].strip() == "&& chmod -R a+rX /app"
+    (build,) = [ln for ln in final if "python -m pagoda.kernels.cpu_gemm --build" in ln]
+    assert build.split("python -m pagoda.kernels.cpu_gemm --build", 1)[1].strip() == "&& chmod -R a+rX /app"
     (apt,) = [ln for ln in final if "apt-get install" in ln]
     assert all(pkg in apt.split("apt-get install", 1)[1].split("&&", 1)[0] for pkg in ("gcc", "libc6-dev"))
     ignored = (ROOT / ".dockerignore").read_text().split()

@@ -23,10 +23,10 @@ import pytest  # noqa: E402
 
 try:
     import triton  # noqa: E402
-    from kernels import cpu_attention as cpu  # noqa: E402
-    from kernels import reference as ref  # noqa: E402
-    from kernels import triton_attention as ta  # noqa: E402
-    from kernels import triton_paged  # noqa: E402
+    from pagoda.kernels import cpu_attention as cpu  # noqa: E402
+    from pagoda.kernels import reference as ref  # noqa: E402
+    from pagoda.kernels import triton_attention as ta  # noqa: E402
+    from pagoda.kernels import triton_paged  # noqa: E402
 except Exception as exc:  # pragma: no cover - depends on the machine
     pytest.skip(f"Triton cannot run here: {exc}", allow_module_level=True)
 
@@ -376,7 +376,7 @@ def _int64_offsets_check():
 def test_kernels_compile_for_hopper_without_spills():
     """Cross-compiles the GPU variants for sm_90 (no GPU needed) and checks registers."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "bench_attention.py"),
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_attention",
                            "--compile-check", "quick"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     if proc.returncode == 3:

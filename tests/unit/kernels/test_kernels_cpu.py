@@ -35,7 +35,7 @@ def _slots(kind: str, num_slots: int, n: int, gen: torch.Generator) -> torch.Ten
 @pytest.mark.parametrize("path", ["c", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_cpu_write_kv_keeps_keys_transposed_within_blocks(dtype, path, slots_kind):
-    from kernels import cpu_decode_attention
+    from pagoda.kernels import cpu_decode_attention
     if path == "c" and not cpu_decode_attention.available():
         pytest.skip("no C kernel on this CPU")
     gen = torch.Generator().manual_seed(3)

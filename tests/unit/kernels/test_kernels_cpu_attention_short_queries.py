@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_attention as cpu
-from kernels import cpu_prefill_attention
-from kernels import reference as ref
+from pagoda.kernels import cpu_attention as cpu
+from pagoda.kernels import cpu_prefill_attention
+from pagoda.kernels import reference as ref
 
 # As TOL_F64 in tests/unit/kernels/test_kernels.py (not imported: that module needs Triton).
 TOL_F64 = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -103,7 +103,7 @@ def check(out, want):
 def test_mixed_batch_takes_each_path_by_length_and_matches_float64(dtype, prefill_kernel):
     batch = Batch(SEQS, dtype, seed=1)
     plan = batch.plan(prefill_kernel=prefill_kernel)
-    from kernels import cpu_decode_attention
+    from pagoda.kernels import cpu_decode_attention
     # With the C decode kernel (fp32 and bf16 caches, where it runs) decode rows reach further.
     assert plan.kernel == (dtype != torch.float16 and cpu_decode_attention.available())
     rows = cpu.MAX_KERNEL_DECODE_ROWS if plan.kernel else cpu.MAX_DECODE_ROWS

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_gemm_bf16 as bf16
+from pagoda.kernels import cpu_gemm_bf16 as bf16
 
 PATHS = [i for i in (bf16.supported_isas() if bf16.available() else []) if i >= 2]
 pytestmark = pytest.mark.skipif(not PATHS, reason="no AVX512-BF16 here: the projection's greedy max has no path")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_attention, cpu_decode_attention
+from pagoda.kernels import cpu_attention, cpu_decode_attention
 from tests.unit.kernels.test_kernels import Batch
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # tests/conftest.py

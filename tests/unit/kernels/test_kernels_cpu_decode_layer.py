@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_attention, cpu_decode_attention, cpu_decode_layer
-from kernels.cpu_decode_layer import Shape
+from pagoda.kernels import cpu_attention, cpu_decode_attention, cpu_decode_layer
+from pagoda.kernels.cpu_decode_layer import Shape
 from worker.layers import RotaryEmbedding
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # tests/conftest.py

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kernels import cbuild, cpu_gemm
+from pagoda.kernels import cbuild, cpu_gemm
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no AVX2 or no C compiler")
 
@@ -109,7 +109,7 @@ def test_every_kernel_builds_here(name):
     import shutil
     if shutil.which(os.environ.get("CC", "cc")) is None:
         pytest.skip("no C compiler here")
-    kernel = importlib.import_module(f"kernels.{name}")
+    kernel = importlib.import_module(f"pagoda.kernels.{name}")
     assert cbuild.build(kernel.SOURCE, kernel.FLAGS).exists()
 
 
@@ -119,7 +119,7 @@ def test_an_installed_package_ships_every_kernel_source():
     import fnmatch
     import tomllib
     globs = tomllib.loads((cpu_gemm.SOURCE.parents[2] / "pyproject.toml").read_text())[
-        "tool"]["setuptools"]["package-data"]["kernels"]
+        "tool"]["setuptools"]["package-data"]["pagoda.kernels"]
     sources = [p.relative_to(cpu_gemm.SOURCE.parents[1]).as_posix()
                for p in cpu_gemm.SOURCE.parent.iterdir() if p.suffix in (".c", ".h")]
     assert len(sources) > 10

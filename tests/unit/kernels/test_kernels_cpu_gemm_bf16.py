@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_gemm_bf16 as bf16
-from kernels.reference import bf16_matmul_error
+from pagoda.kernels import cpu_gemm_bf16 as bf16
+from pagoda.kernels.reference import bf16_matmul_error
 
 pytestmark = pytest.mark.skipif(not bf16.available(), reason="no AVX2, or no C compiler")
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpu_gemm_gguf
+from pagoda.kernels import cpu_gemm_gguf
 
 GEN = torch.Generator().manual_seed(0)
 KINDS = ["q8_0", "q4_1"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_gemm_int8
+from pagoda.kernels import cpu_gemm_int8
 
 GEN = torch.Generator().manual_seed(0)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_pointwise, reference
+from pagoda.kernels import cpu_pointwise, reference
 
 pytestmark = pytest.mark.skipif(not cpu_pointwise.available(), reason="no pointwise kernels on this CPU")
 GEN = torch.Generator().manual_seed(0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_attention, cpu_prefill_attention
+from pagoda.kernels import cpu_attention, cpu_prefill_attention
 from tests.unit.kernels.test_kernels import Batch
 
 # (cached context lengths, new tokens, q heads, kv heads, head dim, block size): tiles of 16

@@ -8,7 +8,7 @@ import torch
 if torch.cuda.is_available():
     import triton
 
-    from kernels import triton_attention as ta
+    from pagoda.kernels import triton_attention as ta
     from tests.unit.kernels.test_kernels import Batch
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -7,7 +7,7 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from kernels import grammar_mask
+from pagoda.kernels import grammar_mask
 
 
 def _xgrammar(logits, rows, bitmask):

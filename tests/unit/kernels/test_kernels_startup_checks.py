@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from kernels import (cbuild, cpu_decode_attention, cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8,
+from pagoda.kernels import (cbuild, cpu_decode_attention, cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8,
                      cpu_pointwise, cpu_prefill_attention, grammar_mask)
 
 MODULES = {"fp32": cpu_gemm, "bf16": cpu_gemm_bf16, "int8": cpu_gemm_int8, "gguf": cpu_gemm_gguf, "decode_attention": cpu_decode_attention,

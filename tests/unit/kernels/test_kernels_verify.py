@@ -27,7 +27,7 @@ RUN_KERNELS = CUDA or os.environ.get("PAGODA_KERNEL_INTERPRET") == "1"
 if RUN_KERNELS:  # (skips this module with it where Triton cannot run)
     from tests.unit.kernels.test_kernels import DEVICE, TOL_F64, Batch
 
-from kernels import triton_attention as ta  # noqa: E402
+from pagoda.kernels import triton_attention as ta  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # tests/conftest.py
 needs_kernels = pytest.mark.skipif(not RUN_KERNELS, reason="needs a CUDA GPU (or PAGODA_KERNEL_INTERPRET=1)")
@@ -126,7 +126,7 @@ def test_rejected_proposals_are_rewritten_or_left_unread(accepted, next_rows):
     qsl = torch.tensor([0, next_rows], dtype=torch.int32, device=DEVICE)
     out = ta.paged_attention(q, caches[0], caches[1], tables, seq_lens, qsl, d ** -0.5,
                              max_seq_len=kept + next_rows, max_query_len=next_rows)
-    from kernels import reference as ref
+    from pagoda.kernels import reference as ref
     want = ref.paged_attention_float64(q.cpu(), caches[2].cpu(), caches[3].cpu(), tables.cpu(),
                                        seq_lens.cpu(), qsl.cpu(), d ** -0.5)
     assert (out.double().cpu() - want).abs().max().item() <= TOL_F64[dtype]

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from runtime.flag_errors import FlagError
+from process_life.flag_errors import FlagError
 from launch.flag_routing import process_parsers, route_flags
 
 
@@ -48,7 +48,7 @@ def test_a_flag_shared_by_processes_means_the_same_in_each():
 def test_speculative_config_reaches_the_worker_from_serve_and_from_llm_keywords():
     import json
 
-    from launch.offline import _flags
+    from pagoda.offline import _flags
     from worker.speculative_config import SpeculativeConfig
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
     parsers = process_parsers()
@@ -68,7 +68,7 @@ BAD = [  # (flags, the one line that names what is wrong)
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}'],
      "argument --speculative-config: num_speculative_tokens must be an integer in [1, 16], got 99"),
     (["--max-num-seqs", "many"], "argument --max-num-seqs: invalid int value: 'many'"),
-    # numbers out of their range (runtime/flag_types.py): each was taken, and went wrong later
+    # numbers out of their range (process_life/flag_types.py): each was taken, and went wrong later
     (["--port", "70000"], "argument --port: must be in [0, 65535], got 70000"),  # served on 4464
     (["--max-num-seqs", "0"], "argument --max-num-seqs: must be >= 1, got 0"),  # served nothing
     (["--max-num-seqs", "-5"], "argument --max-num-seqs: must be >= 1, got -5"),  # worker crash loop
@@ -91,7 +91,7 @@ def test_the_launcher_refuses_bad_flags_before_it_starts_anything(argv, message)
     """Exit 2 (FlagError) with one line, rather than a worker that fails its start again at
     every restart; the offline LLM raises ValueError with the same line, having started nothing."""
     from launch.flag_routing import check_flags
-    from launch.offline import LLM
+    from pagoda.offline import LLM
     parsers = process_parsers()
     with pytest.raises(FlagError) as refused:
         check_flags(route_flags(argv, parsers), parsers)

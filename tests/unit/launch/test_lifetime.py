@@ -1,6 +1,6 @@
 """Bounded lives and supervision: the restart policy (launch/restarts.py), the exit bound of an
-orphan or a stopped process (runtime/lifetime.py), the loop watchdog (runtime/watchdog.py) and its
-health page (runtime/loop_metrics.py), and the launcher backing off one crash-looping process
+orphan or a stopped process (process_life/lifetime.py), the loop watchdog (process_life/watchdog.py) and its
+health page (process_life/loop_metrics.py), and the launcher backing off one crash-looping process
 while the others serve. The processes are stand-ins: tests/lifetime_child.py,
 tests/stand_in_serving.py, tests/stand_in_crashing.py."""
 from __future__ import annotations
@@ -18,9 +18,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from runtime import lifetime, watchdog
+from process_life import lifetime, watchdog
 from launch.children import Child, reap, spawn
-from runtime.loop_metrics import start_metrics_server
+from process_life.loop_metrics import start_metrics_server
 from launch.restarts import RestartPolicy, after_death
 from tests.cluster import free_port
 
@@ -82,7 +82,7 @@ def test_a_death_before_giving_up_schedules_the_restart(capsys):
 
 @pytest.mark.parametrize("name", ["worker0", "scheduler"])
 def test_a_child_that_refuses_its_flags_stops_everything_at_its_first_death(name, capsys):
-    """Exit 2 (runtime/flag_errors.py): its next start would refuse them again."""
+    """Exit 2 (process_life/flag_errors.py): its next start would refuse them again."""
     child = Child(name, [], proc=SimpleNamespace(returncode=2), started=40.0)
     why = reap(child, now=100.0, policy=RestartPolicy())
     assert why == f"pagoda: {name} refused its flags (exit 2; why is above); stopping everything"

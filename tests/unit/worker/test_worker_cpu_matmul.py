@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import worker.layers as layers
-from kernels import cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8
+from pagoda.kernels import cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8
 from worker import cpu_matmul
 from worker.cpu_matmul import BF16_ROWS, FP32_ROWS, WIDEN_ROWS, CpuMatmul
 

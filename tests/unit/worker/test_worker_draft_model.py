@@ -15,7 +15,7 @@ import torch
 from proto import internal_pb2 as pb
 from tests.unit.scheduler.test_scheduler import GW, make_router, run, with_workers
 from tests.worker_tiny_models import make_hf_model, runner_args, save_model
-from runtime.flag_errors import FlagError
+from process_life.flag_errors import FlagError
 from worker import draft_model
 from worker.runner import ModelRunner
 

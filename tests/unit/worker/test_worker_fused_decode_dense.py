@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from kernels import cpu_decode_layer
-from kernels.cpu_decode_layer import decode_step
+from pagoda.kernels import cpu_decode_layer
+from pagoda.kernels.cpu_decode_layer import decode_step
 from tests.plan_driver import PlanDriver
 from tests.worker_tiny_models import (assert_greedy_equals_reference, make_hf_model, reference_logits,
                                       runner_args, save_model)

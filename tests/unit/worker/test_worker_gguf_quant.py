@@ -10,9 +10,9 @@ import copy
 import pytest
 import torch
 
-from runtime.flag_errors import FlagError
-from kernels import cpu_decode_layer, cpu_gemm_gguf
-from kernels.cpu_decode_layer import decode_step
+from process_life.flag_errors import FlagError
+from pagoda.kernels import cpu_decode_layer, cpu_gemm_gguf
+from pagoda.kernels.cpu_decode_layer import decode_step
 from tests.unit.worker.test_worker_loader import write_gguf
 from tests.worker_tiny_models import assert_greedy_equals_reference, make_hf_model, runner_args, save_model
 from worker.loader import gguf_blocks

@@ -155,7 +155,7 @@ def test_the_mask_forbids_exactly_what_the_bitmask_forbids_and_raw_logits_stay(c
 
 def test_the_offline_api_takes_vllms_structured_outputs_params():
     from pagoda import SamplingParams, StructuredOutputsParams
-    from launch.params import generate_request
+    from pagoda.params import generate_request
     req = generate_request({"prompt": "x"}, SamplingParams(
         structured_outputs=StructuredOutputsParams(json={"type": "object"})))
     assert Spec.from_proto(req.sampling.structured_output) == Spec("json_schema", '{"type": "object"}')

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels import cpu_gemm_bf16
+from pagoda.kernels import cpu_gemm_bf16
 from proto import internal_pb2
 from tests.plan_driver import PlanDriver
 from tests.worker_tiny_models import make_hf_model, runner_args, save_model

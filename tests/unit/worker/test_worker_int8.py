@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import worker.layers as layers
-from runtime.flag_errors import FlagError
-from kernels import cpu_decode_layer, cpu_gemm_int8
+from process_life.flag_errors import FlagError
+from pagoda.kernels import cpu_decode_layer, cpu_gemm_int8
 from worker import cpu_matmul
 from tests.worker_tiny_models import (VARIANTS, assert_greedy_equals_reference, make_hf_model,
                                       runner_args, save_model)

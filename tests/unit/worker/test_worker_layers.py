@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 import worker.runner
-from kernels import cpu_gemm, cpu_pointwise
+from pagoda.kernels import cpu_gemm, cpu_pointwise
 from worker.attention_backends import TorchBackend
 from worker.cpu_matmul import CpuMatmul
 from tests.plan_driver import PlanDriver
@@ -150,7 +150,7 @@ def test_bf16_logits_go_through_the_bf16_kernel_or_fp32_and_equal_float64(rows, 
     """A bf16 step's vocabulary projection, the largest matmul of a single stream's step: through
     kernels/csrc/cpu_gemm_bf16.c up to its bound's rows; past it, widened to fp32 where the CPU has
     no bf16 instructions, else torch's slices; within bf16's rounding of the float64 product."""
-    from kernels import cpu_gemm_bf16
+    from pagoda.kernels import cpu_gemm_bf16
     from worker.model import LlamaForCausalLM
     if not cpu_gemm_bf16.available():
         pytest.skip(f"no bf16 kernel on this CPU ({torch.backends.cpu.get_cpu_capability()})")
@@ -182,7 +182,7 @@ def test_bf16_linear_past_the_kernels_rows_is_widened_to_fp32_where_the_cpu_lack
     """worker.layers.linear on bf16 operands without bf16 instructions: the bf16 kernel up to its
     rows, then fp32 (the fp32 kernel or MKL) on widened operands, the bias added; a bf16 result
     within bf16's rounding of the float64 product either way."""
-    from kernels import cpu_gemm_bf16
+    from pagoda.kernels import cpu_gemm_bf16
     from worker.layers import linear
     if not cpu_gemm_bf16.available():
         pytest.skip("no bf16 kernel on this CPU")

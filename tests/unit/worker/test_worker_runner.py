@@ -185,7 +185,7 @@ def test_hello_describes_the_worker(checkpoint, runner):
 def test_a_max_model_len_past_the_trained_positions_is_refused_unless_allowed(checkpoint):
     """A worker started on its own (compose, Kubernetes) refuses as the launcher does: exit 2 and
     one line, not answers that degrade silently. Allowed, it serves the longer context."""
-    from runtime.flag_errors import FlagError
+    from process_life.flag_errors import FlagError
     folder = checkpoint[2]
     assert ModelConfig.read(folder).max_position_embeddings == 256
     with pytest.raises(FlagError) as refused:

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels import cpu_decode_attention
+from pagoda.kernels import cpu_decode_attention
 from worker import startup_measurements
 
 

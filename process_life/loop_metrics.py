@@ -3,7 +3,7 @@
 The scheduler's health check (launch/healthcheck.py, compose's healthcheck, the Kubernetes
 probes) is its /metrics page. prometheus_client serves that from a thread of its own, which goes
 on answering 200 while the loop is wedged; this one asks the loop's heartbeat
-(runtime/watchdog.py) first. Until the loop first turns it answers as prometheus_client does.
+(process_life/watchdog.py) first. Until the loop first turns it answers as prometheus_client does.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 from prometheus_client import REGISTRY, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from runtime import watchdog
+from process_life import watchdog
 
 # The scheduler's loop turns at least every 0.2 s: this is a wedge, not a slow turn.
 STALE_AFTER_S = 5.0

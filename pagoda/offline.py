@@ -26,10 +26,10 @@ from typing import Sequence
 from tqdm import tqdm
 
 from launch.children import Child, module_command, spawn, stop_in_order
-from runtime.flag_errors import FlagError
+from process_life.flag_errors import FlagError
 from launch.flag_routing import check_flags, process_parsers, route_flags
-from launch.outputs import RequestOutput, collect
-from launch.params import BeamSearchParams, SamplingParams, generate_request, one_prompt, prompt_fields
+from pagoda.outputs import RequestOutput, collect
+from pagoda.params import BeamSearchParams, SamplingParams, generate_request, one_prompt, prompt_fields
 from proto.auth import create_keys
 
 # The scheduler's waiting queue is bounded; this many requests are in flight at most.

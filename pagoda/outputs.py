@@ -1,5 +1,5 @@
 """The offline API's outputs, named and shaped as vLLM's: RequestOutput and what it holds, gathered
-from the gateway's responses (launch/offline.py runs the requests; launch/params.py builds them)."""
+from the gateway's responses (pagoda/offline.py runs the requests; pagoda/params.py builds them)."""
 from __future__ import annotations
 
 import time

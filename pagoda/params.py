@@ -1,5 +1,5 @@
 """The offline API's inputs, named and shaped as vLLM's (SamplingParams, BeamSearchParams), and
-the GenerateRequest each becomes (launch/offline.py sends it, launch/outputs.py reads its
+the GenerateRequest each becomes (pagoda/offline.py sends it, pagoda/outputs.py reads its
 answer)."""
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ import threading
 import time
 import traceback
 
-from runtime.flag_types import SECONDS
-from runtime.lifetime import write_stderr as _write
+from process_life.flag_types import SECONDS
+from process_life.lifetime import write_stderr as _write
 
 EXIT_CODE = 70  # EX_SOFTWARE: tells a hang from a crash in the launcher's log
 WORKER_TIMEOUT_S = 30.0  # one forward runs inside one turn of the worker's loop

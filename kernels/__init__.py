@@ -1,1 +1,0 @@
-"""Attention kernels. Kept free of imports: transformers probes a package named `kernels`."""
