@@ -25,5 +25,5 @@ def test_the_path_check_sees_paths():
     assert repo_paths.exists("kernels/csrc/cpu_*.c") and not repo_paths.exists("kernels/cpu_*.c")
     named = {(m.file, m.path) for m in repo_paths.all_mentions()}
     assert ("README.md", "proto/pagoda.proto") in named            # markdown, inline code
-    assert ("bench/offline.py", "bench/offline.py") in named       # a .py docstring
+    assert ("bench/bench_cpu_attention.py", "kernels/cpu_attention.py") in named  # a .py docstring
     assert ("kernels/csrc/cpu_gemm.c", "bench/bench_gemm.py") in named  # a C comment
