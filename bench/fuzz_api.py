@@ -29,7 +29,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.openapi import OPERATIONS
+from gateway.rest.openapi import OPERATIONS
 from proto import pagoda_pb2 as pb, pagoda_pb2_grpc
 from tests import grpc_fuzz, http_fuzz
 from tests.cluster import Cluster

@@ -1,5 +1,5 @@
 """Assembles one gateway: the gRPC server (Generation, Health, reflection), the OpenAI-compatible
-HTTP server (gateway/http_server.py) and their shared scheduler link.
+HTTP server (gateway/rest/http_server.py) and their shared scheduler link.
 
 Kept apart from main.py so tests can run a whole gateway inside their own event loop on an
 ephemeral port.
@@ -14,17 +14,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway import metrics
-from gateway.call_bounds import CallBounds, CallSlots
-from gateway.client_auth import ApiKeyInterceptor, server_credentials
-from gateway.edge import EdgeConfig
-from gateway.grpc_bounds import RequestSizeInterceptor
-from gateway.grpc_front import GrpcFront
-from gateway.http_listener import HttpServer
-from gateway.http_server import HttpApi
-from gateway.scheduler_client import SchedulerClient
-from gateway.server import GenerationServicer
+from gateway.bounds.call_bounds import CallBounds, CallSlots
+from gateway.bounds.client_auth import ApiKeyInterceptor, server_credentials
+from gateway.bounds.edge import EdgeConfig
+from gateway.bounds.grpc_bounds import RequestSizeInterceptor
+from gateway.bounds.grpc_front import GrpcFront
+from gateway.rest.http_listener import HttpServer
+from gateway.rest.http_server import HttpApi
+from gateway.scheduler_link.scheduler_client import SchedulerClient
+from gateway.generation.server import GenerationServicer
 from gateway.tokenizer import TextTokenizer
-from gateway.limits import Limits
+from gateway.validation.limits import Limits
 from proto import internal_pb2, pagoda_pb2, pagoda_pb2_grpc
 
 log = logging.getLogger("pagoda.gateway")
@@ -62,7 +62,7 @@ class Gateway:
         self.health = health.aio.HealthServicer()
         self.ssl = ssl  # (certfile, keyfile): TLS on the gRPC port
         # The public gRPC port is the front's: it bounds connections per address and in total
-        # and splices them to the grpc server's private port (gateway/grpc_front.py).
+        # and splices them to the grpc server's private port (gateway/bounds/grpc_front.py).
         self.front = GrpcFront(host, port, edge.max_grpc_connections,
                                edge.max_grpc_connections_per_peer, edge.grpc_handshake_timeout)
         # Outermost first: a call without a key is refused before it takes a slot. The bound
@@ -76,7 +76,7 @@ class Gateway:
                                    lambda: self.client.info.max_model_len if self.client.info else 0)]
         self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", max_request_bytes or max_message_bytes),
-            # The largest valid response (gateway/grpc_bounds.py largest_response), from main.py.
+            # The largest valid response (gateway/bounds/grpc_bounds.py largest_response), from main.py.
             ("grpc.max_send_message_length", max_response_bytes or max_message_bytes),
             # Without this a second gateway on the same port would silently share it.
             ("grpc.so_reuseport", 0),

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import argparse
 
-from gateway.chat_templates import TemplateFlagError, read_chat_template
-from gateway.client_auth import api_keys_from, parse_range, priority_ranges, tenant_of_key
-from gateway.http_pools import cidr
-from gateway.structured_check import MAX_CHOICES
-from gateway.tool_parsers import PARSERS
+from gateway.chat.chat_templates import TemplateFlagError, read_chat_template
+from gateway.bounds.client_auth import api_keys_from, parse_range, priority_ranges, tenant_of_key
+from gateway.bounds.http_pools import cidr
+from gateway.validation.structured_check import MAX_CHOICES
+from gateway.chat.tool_parsers import PARSERS
 from process_life.flag_types import COUNT, PORT, POSITIVE_SECONDS, SECONDS, int_at_least
 from proto.auth import add_auth_args
 from proto.sizes import MAX_ID_BYTES, MAX_LIST, MAX_LOGPROBS, MAX_STRUCTURED_OUTPUT
 
-# Bounds on one GenerateRequest (gateway.validate.Limits has a field per entry, same name and
+# Bounds on one GenerateRequest (gateway.validation.validate.Limits has a field per entry, same name and
 # default). Each keeps a single request from costing the gateway or a batch shared with other
 # users more than it can justify; past one, the request gets INVALID_ARGUMENT naming the field.
 # (dest, default, smallest value, help)
@@ -179,7 +179,7 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--chat-template", default=None, metavar="FILE", type=_chat_template,
                    help="a Jinja chat template that replaces the model's: a file, or the template "
                         "itself inline (vLLM's flag); requests with tools use the shipped "
-                        "gateway/templates/chatml_tools.jinja when this one (or the model's) "
+                        "gateway/chat/templates/chatml_tools.jinja when this one (or the model's) "
                         "never reads `tools` (default: the model's)")
     g.add_argument("--tool-call-parser", default="hermes", choices=sorted(PARSERS),
                    help="reads tool calls out of the answers of chat requests with tools and "
@@ -232,11 +232,11 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="Prometheus /metrics port, 0 = off (default: %(default)s)")
     g.add_argument("--max-message-bytes", type=COUNT, default=None,
                    help="largest gRPC response sent and ZeroMQ message received (default: the "
-                        "largest valid response, computed in gateway/grpc_bounds.py, and the largest "
+                        "largest valid response, computed in gateway/bounds/grpc_bounds.py, and the largest "
                         "valid message from the scheduler, computed in proto/sizes.py)")
     g.add_argument("--max-request-bytes", type=COUNT, default=None,
                    help="largest gRPC request received (default: the largest valid "
-                        "GenerateRequest, computed from the request limits in gateway/grpc_bounds.py)")
+                        "GenerateRequest, computed from the request limits in gateway/bounds/grpc_bounds.py)")
     g.add_argument("--scheduler-timeout", type=POSITIVE_SECONDS, default=3.0,
                    help="seconds without any message from the scheduler (it answers a hello "
                         "sent every second) before requests in flight end UNAVAILABLE and "

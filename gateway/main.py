@@ -16,14 +16,15 @@ import time
 import uvloop
 
 from gateway.app import Gateway
-from gateway.client_auth import api_keys_from
-from gateway.edge import EdgeConfig
+from gateway.bounds.client_auth import api_keys_from
+from gateway.bounds.edge import EdgeConfig
 from gateway.gateway_flags import parse_gateway_args
-from gateway.grpc_bounds import CONTEXT_BOUND, largest_generate_request, largest_response, token_sizes
+from gateway.bounds.grpc_bounds import (CONTEXT_BOUND, largest_generate_request, largest_response,
+                                        token_sizes)
 from gateway.metrics import start_metrics_server
-from gateway.scheduler_client import SchedulerClient
+from gateway.scheduler_link.scheduler_client import SchedulerClient
 from gateway.tokenizer import load_tokenizer
-from gateway.limits import limits_from_args
+from gateway.validation.limits import limits_from_args
 from process_life import lifetime, watchdog
 from process_life.flag_errors import FlagError, main_refusing
 from proto.auth import check_auth_args

@@ -33,7 +33,7 @@ PROMPT_TOKENS = Counter("pagoda_gateway_prompt_tokens_total", "Prompt tokens of 
 GRPC_CONNECTIONS = Gauge("pagoda_gateway_grpc_connections", "Open connections on the gRPC port")
 GRPC_CONNECTIONS_REFUSED = Counter(
     "pagoda_gateway_grpc_connections_refused_total",
-    "gRPC connections closed by the front (gateway/grpc_front.py): per_peer (the address had "
+    "gRPC connections closed by the front (gateway/bounds/grpc_front.py): per_peer (the address had "
     "--max-grpc-connections-per-peer open), total (--max-grpc-connections full and the address "
     "held as many as any other), silent (no bytes within --grpc-handshake-timeout)", ["reason"])
 GRPC_CONNECTIONS_EVICTED = Counter(
@@ -58,7 +58,7 @@ class ClusterGauges:
     the scheduler serves every scrape within max_age seconds, so scraping cannot load it."""
 
     def __init__(self, client, max_age: float = 1.0) -> None:
-        self.client = client  # gateway/scheduler_client.py SchedulerClient
+        self.client = client  # gateway/scheduler_link/scheduler_client.py SchedulerClient
         self.max_age = max_age
         self._page = b""
         self._at = float("-inf")

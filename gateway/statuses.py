@@ -5,7 +5,7 @@ gone or full, a gateway with no room for large work) or an RpcFailed that names 
 itself. Each kind has one gRPC status; each gRPC status one HTTP status and OpenAI error type
 (HTTP_STATUS). Anything else is a bug: INTERNAL (HTTP 500), logged, with no detail for the
 client. The gRPC handlers end through `ending`; the HTTP routes turn an RpcFailed into their
-error with gateway/http_errors.py `from_rpc`, which reads HTTP_STATUS.
+error with gateway/rest/http_errors.py `from_rpc`, which reads HTTP_STATUS.
 """
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from typing import Callable
 
 import grpc
 
-from gateway.grammar_check import CompilerBusy
-from gateway.large_inputs import Busy
-from gateway.scheduler_client import SchedulerBusy, SchedulerUnavailable
-from gateway.validation_error import FIELD_METADATA, ValidationError
+from gateway.grammar.grammar_check import CompilerBusy
+from gateway.generation.large_inputs import Busy
+from gateway.scheduler_link.scheduler_client import SchedulerBusy, SchedulerUnavailable
+from gateway.validation.validation_error import FIELD_METADATA, ValidationError
 
 log = logging.getLogger("pagoda.gateway")
 

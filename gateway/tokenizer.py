@@ -20,9 +20,9 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from gateway.chat_literals import encode_with_literals, literal_segments
+from gateway.chat.chat_literals import encode_with_literals, literal_segments
 from gateway.piece_encoding import PieceEncoder
-from gateway.chat_templates import TOOLS_TEMPLATE, reads_tools, wants_tools
+from gateway.chat.chat_templates import TOOLS_TEMPLATE, reads_tools, wants_tools
 from modelfiles.resolve import model_display_name, tokenizer_folder
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -135,11 +135,11 @@ class TextTokenizer:
     _text_cache: dict[int, str] = field(default_factory=dict, repr=False, compare=False)
     _decoders: set[str] | None = field(default=None, repr=False, compare=False)
     _added: dict[int, str] | None = field(default=None, repr=False, compare=False)
-    # The same vocabulary, reading special-token text as plain text (gateway/chat_literals.py);
+    # The same vocabulary, reading special-token text as plain text (gateway/chat/chat_literals.py);
     # a copy, because the switch is the tokenizer's own state and encoding runs on threads too.
     _literal: Tokenizer | None = field(default=None, repr=False, compare=False)
     _specials: frozenset[str] | None = field(default=None, repr=False, compare=False)
-    # gateway/chat_templates.py: the shipped tool template, for tool requests when the active
+    # gateway/chat/chat_templates.py: the shipped tool template, for tool requests when the active
     # template never reads `tools`.
     _reads_tools: bool = field(default=False, repr=False, compare=False)
     _tools_template: jinja2.Template | None = field(default=None, repr=False, compare=False)

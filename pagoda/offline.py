@@ -56,7 +56,7 @@ class LLM:
     def __init__(self, model: str = "", *, num_workers: int = 1, log_file: str | None = None,
                  start_timeout: float = 600.0, **engine) -> None:
         from gateway.gateway_flags import add_gateway_args
-        from gateway.limits import limits_from_args
+        from gateway.validation.limits import limits_from_args
 
         self._procs: list[subprocess.Popen] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -156,8 +156,8 @@ class LLM:
     # ------------------------------------------------------------------ plumbing
 
     def _start_loop(self, gateway_args, limits) -> None:
-        from gateway.scheduler_client import SchedulerClient
-        from gateway.server import GenerationServicer
+        from gateway.scheduler_link.scheduler_client import SchedulerClient
+        from gateway.generation.server import GenerationServicer
         from gateway.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(gateway_args.model, gateway_args.chat_template)

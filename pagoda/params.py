@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from gateway.openai_schema import seed_bits
+from gateway.rest.openai_schema import seed_bits
 from proto import pagoda_pb2 as pb
 
 

@@ -5,7 +5,7 @@ much larger in (a larger frame makes ZeroMQ drop the connection; the peer reconn
 Protobuf sizes: a length-delimited field costs 1-2 tag bytes + a varint length + its bytes; a
 varint at most 5 bytes (10 for 64-bit); a column entry 4; a float 4. Each function counts every
 field at the most the checks of the receiver (scheduler/message_checks.py,
-worker/plan_checks.py, gateway/scheduler_checks.py) let through, and `with_margin` adds MARGIN
+worker/plan_checks.py, gateway/scheduler_link/scheduler_checks.py) let through, and `with_margin` adds MARGIN
 for what is counted loosely.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 MAX_ID_BYTES = 1024           # request ids, worker ids, salts, model names
 MAX_LIST = 4096               # stop ids, eos ids, abort lists, logit_bias entries, logprobs
 # Sequences of one request on the internal links (AddRequest.n, an abort's indices): far above
-# what a client may ask for (gateway/limits.py MAX_N, MAX_BEAM_WIDTH below).
+# what a client may ask for (gateway/validation/limits.py MAX_N, MAX_BEAM_WIDTH below).
 MAX_REQUEST_SEQUENCES = 256
 MAX_BEAM_WIDTH = 16           # beams of one search: the public bound, checked by both ends
 MAX_LEN = 1 << 20             # max_model_len, max_tokens, positions, token counts, vocab size

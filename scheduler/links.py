@@ -2,7 +2,7 @@
 
 A gateway takes a message only if its seq is above the last one it took under the same epoch,
 and fails every request in flight when the epoch changes or a seq is skipped
-(gateway/scheduler_client.py). So while this process lives, a link's numbering never starts
+(gateway/scheduler_link/scheduler_client.py). So while this process lives, a link's numbering never starts
 again. When a gateway is declared silent and is later heard again, its counter simply goes on.
 
 Why not a new epoch for that link instead: an epoch means "this scheduler restarted and forgot

@@ -19,7 +19,7 @@ from proto.sizes import (MAX_BEAM_WIDTH, MAX_ID_BYTES, MAX_LEN, MAX_LIST, MAX_LO
 MAX_BLOCKS = 1 << 21          # per pool, device or CPU
 MAX_BLOCK_SIZE = 2048
 # A sanity bound on any penalty, far above the public one for presence and frequency
-# (gateway/validate.py MAX_PENALTY).
+# (gateway/validation/validate.py MAX_PENALTY).
 MAX_PENALTY_INTERNAL = 1000.0
 
 

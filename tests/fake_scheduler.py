@@ -22,7 +22,7 @@ import zmq.asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.app import Gateway
-from gateway.scheduler_client import SchedulerClient
+from gateway.scheduler_link.scheduler_client import SchedulerClient
 from gateway.tokenizer import TextTokenizer, load_tokenizer
 from proto import internal_pb2 as ipb, pagoda_pb2 as pb, pagoda_pb2_grpc
 from proto.auth import PROTOCOL_VERSION

@@ -1,4 +1,4 @@
-"""The HTTP API fuzzed from its own OpenAPI document (gateway/openapi.py) with schemathesis, for
+"""The HTTP API fuzzed from its own OpenAPI document (gateway/rest/openapi.py) with schemathesis, for
 tests/faults/test_fuzz_api.py (the fake worker, few examples) and bench/fuzz_api.py (the real
 model, many): an operation's requests drawn by hypothesis from the document, half of them
 valid by it and half not, each sent to a running gateway with the key, and its answer checked:

@@ -1,13 +1,13 @@
 """The gateway's gRPC receive limit is the largest valid GenerateRequest, computed from the
-request limits (gateway/grpc_bounds.py): every valid request fits, and the bound is tight."""
+request limits (gateway/bounds/grpc_bounds.py): every valid request fits, and the bound is tight."""
 from __future__ import annotations
 
 import pytest
 
-from gateway.chat_render import FRAME_CHARS, check_sizes
-from gateway.grpc_bounds import CONTEXT_BOUND, largest_generate_request
-from gateway.structured_check import MAX_CHOICES
-from gateway.limits import Limits
+from gateway.chat.chat_render import FRAME_CHARS, check_sizes
+from gateway.bounds.grpc_bounds import CONTEXT_BOUND, largest_generate_request
+from gateway.validation.structured_check import MAX_CHOICES
+from gateway.validation.limits import Limits
 from proto import pagoda_pb2 as pb
 
 WIDE = "\U0010ffff"  # 4 bytes in UTF-8
@@ -56,7 +56,7 @@ def _messages(limits: Limits, common: dict) -> pb.GenerateRequest:
 
 def _with_tools(limits: Limits, common: dict) -> pb.GenerateRequest:
     """As many tools and calls as the characters allow (a tool or a call counts its strings
-    twice and FRAME_CHARS more: gateway/chat_render.py), the rest as content."""
+    twice and FRAME_CHARS more: gateway/chat/chat_render.py), the rest as content."""
     each = 2 * 3 + FRAME_CHARS
     n = min(limits.max_tools, limits.max_tool_calls, limits.max_prompt_chars // (2 * each))
     call = pb.ToolCall(id=WIDE, name=WIDE, arguments=WIDE)

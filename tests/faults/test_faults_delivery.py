@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from gateway.app import Gateway
-from gateway.inbox import Inbox
+from gateway.scheduler_link.inbox import Inbox
 from gateway.tokenizer import load_tokenizer
 from proto import internal_pb2 as ipb, pagoda_pb2 as pb, pagoda_pb2_grpc
 from proto.token_stream import Update

@@ -1,4 +1,4 @@
-"""The gateway range-checks what the scheduler sends (gateway/scheduler_checks.py): the gateway
+"""The gateway range-checks what the scheduler sends (gateway/scheduler_link/scheduler_checks.py): the gateway
 against the fake scheduler on a real ZeroMQ socket and real gRPC. Garbage and bad envelopes are
 dropped without touching any stream; a malformed token entry, delta or logprobs entry ends its
 own stream with INTERNAL (and aborts it), never another's; a valid request completes afterwards."""

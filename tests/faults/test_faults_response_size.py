@@ -1,5 +1,5 @@
 """The gateway's gRPC send limit is the largest valid response, computed from its flags, the
-tokenizer's vocabulary and max_model_len (gateway/grpc_bounds.py): the largest responses built for
+tokenizer's vocabulary and max_model_len (gateway/bounds/grpc_bounds.py): the largest responses built for
 real with the real tokenizer fit it, and a real gateway with that limit delivers the largest unary
 Generate (max_model_len tokens of the longest token, logprobs and prompt logprobs at
 --max-logprobs) to a real client."""
@@ -11,11 +11,11 @@ import grpc
 import pytest
 
 from gateway.app import Gateway
-from gateway.scheduler_client import SchedulerClient
-from gateway.grpc_bounds import (CONTEXT_BOUND, largest_generate_response, largest_response,
-                           largest_tokenize_response, token_sizes)
+from gateway.scheduler_link.scheduler_client import SchedulerClient
+from gateway.bounds.grpc_bounds import (CONTEXT_BOUND, largest_generate_response, largest_response,
+                                        largest_tokenize_response, token_sizes)
 from gateway.tokenizer import load_tokenizer
-from gateway.limits import Limits
+from gateway.validation.limits import Limits
 from proto import internal_pb2 as ipb, pagoda_pb2 as pb, pagoda_pb2_grpc
 from proto.sizes import LOGPROBS_POSITIONS
 from tests.fake_scheduler import FakeScheduler, logprobs_msg, until, workers_of

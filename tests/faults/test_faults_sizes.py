@@ -14,7 +14,7 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from gateway.grpc_bounds import CONTEXT_BOUND
+from gateway.bounds.grpc_bounds import CONTEXT_BOUND
 from proto import internal_pb2 as ipb, pagoda_pb2
 from proto.auth import secure_client
 from proto.columns import pack, pack_f32, unpack

@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from gateway.openapi import OPERATIONS
+from gateway.rest.openapi import OPERATIONS
 from tests.cluster import wait_for
 from tests.fake_cluster import SERVING, FakeCluster
 from tests import grpc_fuzz, http_fuzz

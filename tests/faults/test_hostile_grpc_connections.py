@@ -1,6 +1,6 @@
 """Idle connections on the gRPC port against the real stack (scheduler, gateway, fake worker
 processes): a client holds 1,100 connections that sent HTTP/2's preface and then nothing, from 20
-addresses (127.0.0.2..21) or from one. The gateway's front (gateway/grpc_front.py) holds at most
+addresses (127.0.0.2..21) or from one. The gateway's front (gateway/bounds/grpc_front.py) holds at most
 --max-grpc-connections-per-peer of one address, and when its total is full a newcomer holding
 fewer takes the place of the biggest holder's least recently active connection. Meanwhile tenant
 B's stream from 127.0.0.1 runs token-exact, a keyed Generate from a fresh channel is served

@@ -103,7 +103,7 @@ def test_insecure_is_explicit_and_loopback_only(tmp_path):
 
 
 def test_a_refused_gateway_says_why_and_stays_without_a_cluster(caplog):
-    from gateway.scheduler_client import SchedulerClient
+    from gateway.scheduler_link.scheduler_client import SchedulerClient
     from proto.auth import PROTOCOL_VERSION
     OTHER = PROTOCOL_VERSION + 1
 

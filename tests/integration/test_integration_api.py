@@ -184,7 +184,7 @@ def test_last_message_carries_metrics(stub, hf_tokenizer):
 
 
 def test_a_unary_answer_times_its_first_token_when_it_came_not_when_it_was_read(stub, hf_tokenizer):
-    """Unary Generate reads its tokens only at the end (gateway/inbox.py): the time to first
+    """Unary Generate reads its tokens only at the end (gateway/scheduler_link/inbox.py): the time to first
     token is still the first token's arrival, one prefill and no decode steps after the request,
     so here well under the time of the 31 decode steps that follow it."""
     reply = stub.Generate(greedy(chat_ids(hf_tokenizer, "Hi"), 32, ignore_eos=True), timeout=120)

@@ -318,7 +318,7 @@ def gateway_environment(env: dict, key_file: Path) -> subprocess.CompletedProces
 
 
 def test_the_gateway_serves_with_the_made_api_key_unless_the_host_gives_one(tmp_path):
-    from gateway.client_auth import ENV_API_KEY
+    from gateway.bounds.client_auth import ENV_API_KEY
 
     assert ENV_API_KEY == "PAGODA_API_KEY"
     make_api_key(tmp_path)

@@ -189,7 +189,7 @@ def test_gateway_probes_ask_the_health_services_on_the_grpc_port(rendered):
 def test_gateways_serve_with_the_api_key_of_a_secret(rendered):
     """Secure by default where it ships: the gateway's key comes from the pagoda-api-key Secret
     (not optional: no Secret, no pod, rather than a gateway without authentication)."""
-    from gateway.client_auth import ENV_API_KEY
+    from gateway.bounds.client_auth import ENV_API_KEY
 
     c = by_kind(rendered, "Deployment")["pagoda-gateway"]["spec"]["template"]["spec"]["containers"][0]
     (env,) = [e for e in c["env"] if e["name"] == ENV_API_KEY]

@@ -12,7 +12,7 @@ import pytest
 from tokenizers import Tokenizer, processors
 
 from gateway.app import Gateway
-from gateway.response_builder import token_logprobs
+from gateway.generation.response_builder import token_logprobs
 from gateway.tokenizer import TextTokenizer, load_tokenizer
 from proto import internal_pb2 as ipb, pagoda_pb2 as pb, pagoda_pb2_grpc
 from tests.fake_scheduler import DEFAULT_REPLY as REPLY, local_gateway, logprobs_msg, reply_plan, until

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.beam_request import add_completion
-from gateway.openai_schema import CompletionRequest, completion_requests, openai_param
+from gateway.validation.beam_request import add_completion
+from gateway.rest.openai_schema import CompletionRequest, completion_requests, openai_param
 from gateway.tokenizer import load_tokenizer
-from gateway.validate import ValidationError, validate
+from gateway.validation.validate import ValidationError, validate
 from proto import internal_pb2 as ipb, pagoda_pb2 as pb
 from tests.fake_scheduler import local_gateway
 from tests.unit.gateway.test_gateway_validate import LIMITS, req, tok  # noqa: F401 - tok: a fixture

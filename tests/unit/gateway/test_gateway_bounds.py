@@ -12,16 +12,17 @@ import grpc
 import pytest
 
 from gateway import json_nesting
-from gateway.answer_budget import IN_MEMORY, AnswerBudget, answer_bytes
-from gateway.client_auth import tenant_of_key
+from gateway.generation.answer_budget import IN_MEMORY, AnswerBudget, answer_bytes
+from gateway.bounds.client_auth import tenant_of_key
 from gateway.gateway_flags import REQUEST_CEILINGS, REQUEST_LIMITS, parse_gateway_args
-from gateway.grpc_bounds import RequestSizeInterceptor, largest_request
-from gateway.large_inputs import LargeJobs
-from gateway.limits import Limits
+from gateway.bounds.grpc_bounds import RequestSizeInterceptor, largest_request
+from gateway.generation.large_inputs import LargeJobs
+from gateway.validation.limits import Limits
 from gateway.statuses import RpcFailed
-from gateway.structured_check import MAX_CHOICES, StructuredError, structured_spec
-from gateway.tool_parsers import parser
-from gateway.validate import MAX_ABORT_IDS, MAX_CACHE_SALT_BYTES, ValidationError, prompt_ids
+from gateway.validation.structured_check import MAX_CHOICES, StructuredError, structured_spec
+from gateway.chat.tool_parsers import parser
+from gateway.validation.validate import (MAX_ABORT_IDS, MAX_CACHE_SALT_BYTES, ValidationError,
+                                         prompt_ids)
 from proto import internal_pb2 as ipb, pagoda_pb2 as pb, pagoda_pb2_grpc
 from proto.sizes import largest_gateway_message
 from scheduler.message_checks import check_add, check_call

@@ -1,4 +1,4 @@
-"""gateway/call_bounds.py and the refusal of calls without a key (gateway/client_auth.py), against
+"""gateway/bounds/call_bounds.py and the refusal of calls without a key (gateway/bounds/client_auth.py), against
 an in-process gateway and a fake scheduler: calls are bounded per peer and in total from their
 headers on, health is never counted, a call's request must arrive within the deadline, and a
 call without a key is refused before its message."""
@@ -15,10 +15,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from gateway.app import Gateway
-from gateway.call_bounds import GENERATION_PREFIX, CallSlots, peer_host
-from gateway.client_auth import ApiKeyInterceptor
-from gateway.edge import EdgeConfig
-from gateway.validation_error import FIELD_METADATA
+from gateway.bounds.call_bounds import GENERATION_PREFIX, CallSlots, peer_host
+from gateway.bounds.client_auth import ApiKeyInterceptor
+from gateway.bounds.edge import EdgeConfig
+from gateway.validation.validation_error import FIELD_METADATA
 from gateway.tokenizer import load_tokenizer
 from proto import pagoda_pb2 as pb, pagoda_pb2_grpc
 from tests.fake_scheduler import FakeScheduler, until, workers_of

@@ -1,4 +1,4 @@
-"""The grammar compilers' fair queue (gateway/compile_queue.py), with plain items for children:
+"""The grammar compilers' fair queue (gateway/grammar/compile_queue.py), with plain items for children:
 a lone client takes every item, a freed item goes to the waiting client that holds the fewest,
 a client whose spec timed out holds one at a time for a while, and nobody waits past the bound
 or queues without end."""
@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from gateway.compile_queue import CompilerBusy, FairQueue
+from gateway.grammar.compile_queue import CompilerBusy, FairQueue
 
 
 def run(coro):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from gateway.detokenize import Detokenizer, StopMatcher
+from gateway.generation.detokenize import Detokenizer, StopMatcher
 from gateway.tokenizer import load_tokenizer
 
 TOK = load_tokenizer("")

@@ -12,8 +12,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from gateway.app import Gateway
-from gateway.edge import EdgeConfig
-from gateway.scheduler_client import SchedulerClient
+from gateway.bounds.edge import EdgeConfig
+from gateway.scheduler_link.scheduler_client import SchedulerClient
 from gateway.tokenizer import load_tokenizer
 from proto import internal_pb2 as ipb
 from tests.cluster import free_port

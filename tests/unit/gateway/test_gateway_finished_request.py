@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.client_auth import tenant_of_key
-from gateway.limits import Limits
+from gateway.bounds.client_auth import tenant_of_key
+from gateway.validation.limits import Limits
 from gateway.tokenizer import load_tokenizer
-from gateway.validate import Caller, ValidationError, validate
+from gateway.validation.validate import Caller, ValidationError, validate
 from proto import pagoda_pb2 as pb
 
 LIMITS = Limits(max_model_len=64, vocab_size=49152)

@@ -13,7 +13,7 @@ import time
 
 import uvloop
 
-from gateway.grammar_check import TOO_SLOW, CompilerBusy, GrammarChecker
+from gateway.grammar.grammar_check import TOO_SLOW, CompilerBusy, GrammarChecker
 from structured.spec import Spec
 
 # Ready once told its vocabulary (the first line); answers every spec; "slow" as the real child

@@ -1,4 +1,4 @@
-"""The gRPC port's front (gateway/grpc_front.py): who gets a connection when the total is full,
+"""The gRPC port's front (gateway/bounds/grpc_front.py): who gets a connection when the total is full,
 and the splice itself (bytes both ways, half-close, reset, back-pressure, the client's address
 as grpc sees it) against a plain TCP echo-like server standing in for grpc."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from gateway.grpc_front import ConnectionTable, GrpcFront
+from gateway.bounds.grpc_front import ConnectionTable, GrpcFront
 
 
 # ---------------------------------------------------------------------------- the policy

@@ -161,8 +161,8 @@ def test_a_negative_seed_is_vllms_int64_and_travels_as_its_64_bits(run):
 
 
 def test_a_bug_gets_a_500_without_detail_and_the_connection_serves_the_next_request(run, monkeypatch):
-    import gateway.http_server
-    real = gateway.http_server.chat_request
+    import gateway.rest.http_server
+    real = gateway.rest.http_server.chat_request
     calls = []
 
     def first_fails(body):
@@ -170,7 +170,7 @@ def test_a_bug_gets_a_500_without_detail_and_the_connection_serves_the_next_requ
         if len(calls) == 1:
             raise RuntimeError("secret detail")
         return real(body)
-    monkeypatch.setattr(gateway.http_server, "chat_request", first_fails)
+    monkeypatch.setattr(gateway.rest.http_server, "chat_request", first_fails)
     request = json.dumps({"model": MODEL, "messages": CHAT}).encode()
 
     async def body():

@@ -14,7 +14,7 @@ from tests.unit.gateway.test_gateway_http import MODEL, harness
 
 def test_a_spec_that_waits_past_the_bound_for_a_compiler_gets_429(run):
     import sys
-    from gateway.grammar_check import GrammarChecker
+    from gateway.grammar.grammar_check import GrammarChecker
     from tests.unit.gateway.test_gateway_grammar_check import STAND_IN
 
     async def body():
@@ -41,10 +41,10 @@ def test_the_grammar_check_shares_its_compilers_by_tenant_and_without_keys_by_pe
     """The HTTP API hands each request's client to the grammar check: with keys the tenant, so
     tenant A's two specs that never compile hold both compilers (nobody else asked) and tenant
     B's spec then waits for one of them, not for A's queue; without keys the client's address
-    (a stand-in compiler; gateway/grammar_check.py's own tests hold the real one's pool)."""
+    (a stand-in compiler; gateway/grammar/grammar_check.py's own tests hold the real one's pool)."""
     import sys
-    from gateway.client_auth import tenant_of_key
-    from gateway.grammar_check import GrammarChecker
+    from gateway.bounds.client_auth import tenant_of_key
+    from gateway.grammar.grammar_check import GrammarChecker
     from tests.unit.gateway.test_gateway_grammar_check import STAND_IN
 
     async def body(keys, source):

@@ -1,5 +1,5 @@
 """The HTTP port's bounds on a request's head, in process: bytes fed into the gateway's httptools
-protocol (gateway/http_listener.py) through a stand-in transport, and what its parser got."""
+protocol (gateway/rest/http_listener.py) through a stand-in transport, and what its parser got."""
 from __future__ import annotations
 
 import asyncio
@@ -10,10 +10,10 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
-from gateway.client_auth import tenant_of_key
-from gateway.edge import EdgeConfig
-from gateway.http_listener import _TimedProtocol
-from gateway.http_pools import ConnectionPools, PoolLimits
+from gateway.bounds.client_auth import tenant_of_key
+from gateway.bounds.edge import EdgeConfig
+from gateway.rest.http_listener import _TimedProtocol
+from gateway.bounds.http_pools import ConnectionPools, PoolLimits
 
 LIMIT = 1024
 EDGE = EdgeConfig(max_http_header_bytes=LIMIT, max_http_headers=8)

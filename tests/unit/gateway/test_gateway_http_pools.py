@@ -1,10 +1,10 @@
-"""The HTTP port's connection pools (gateway/http_pools.py): what a connection that has shown no
+"""The HTTP port's connection pools (gateway/bounds/http_pools.py): what a connection that has shown no
 key may take, and what a keyed one may."""
 from __future__ import annotations
 
 import pytest
 
-from gateway.http_pools import ConnectionPools, PoolLimits, cidr
+from gateway.bounds.http_pools import ConnectionPools, PoolLimits, cidr
 
 
 class Conn:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from gateway.http_tokens import tokenize_json
+from gateway.rest.http_tokens import tokenize_json
 from proto import pagoda_pb2
 
 

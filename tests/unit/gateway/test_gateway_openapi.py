@@ -1,4 +1,4 @@
-"""The HTTP API's OpenAPI document (gateway/openapi.py) against the gateway that serves it, on
+"""The HTTP API's OpenAPI document (gateway/rest/openapi.py) against the gateway that serves it, on
 the fake scheduler of tests/fake_scheduler.py: served without a key, valid OpenAPI 3.1 by
 schemathesis's own loader, listing exactly the routes the app serves with their methods, and
 describing the answers the gateway really sends: whole and streamed, with logprobs, echo,
@@ -14,9 +14,9 @@ import pytest
 import schemathesis
 from fastapi import FastAPI
 
-from gateway.grammar_check import GrammarChecker
-from gateway.openapi import (ChatCompletionChunk, CompletionChunk, ErrorResponse, OPERATIONS,
-                             document)
+from gateway.grammar.grammar_check import GrammarChecker
+from gateway.rest.openapi import (ChatCompletionChunk, CompletionChunk, ErrorResponse, OPERATIONS,
+                                  document)
 from proto import internal_pb2 as ipb
 from tests.fake_scheduler import local_gateway, reply_plan
 from tests.unit.gateway.test_gateway_api import TOK, logprobs_plan

@@ -4,8 +4,8 @@ scheduler) both fit what the internal link carries (MAX_REQUEST_SEQUENCES), so n
 gateway lets through is refused inside."""
 from __future__ import annotations
 
-from gateway.beam_request import beam_params
-from gateway.limits import MAX_N
+from gateway.validation.beam_request import beam_params
+from gateway.validation.limits import MAX_N
 from proto import internal_pb2, pagoda_pb2
 from proto.sizes import MAX_BEAM_WIDTH, MAX_REQUEST_SEQUENCES
 from scheduler.message_checks import check_abort, check_add

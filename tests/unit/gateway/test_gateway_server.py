@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import REGISTRY
 
 from gateway.app import Gateway
-from gateway.scheduler_client import SchedulerClient
+from gateway.scheduler_link.scheduler_client import SchedulerClient
 from gateway.tokenizer import load_tokenizer
 from proto import internal_pb2 as ipb, pagoda_pb2 as pb
 from tests.fake_scheduler import (DEFAULT_REPLY as REPLY, FakeScheduler, local_gateway, reply_plan,
@@ -163,7 +163,7 @@ def test_bad_input_is_invalid_argument(run, request_kw, field):
     ("RESOURCE_EXHAUSTED", grpc.StatusCode.RESOURCE_EXHAUSTED),
     ("INVALID_ARGUMENT", grpc.StatusCode.INVALID_ARGUMENT),
     ("UNAVAILABLE", grpc.StatusCode.UNAVAILABLE),
-    ("NOT_A_CODE", grpc.StatusCode.INTERNAL),  # malformed (gateway/scheduler_checks.py)
+    ("NOT_A_CODE", grpc.StatusCode.INTERNAL),  # malformed (gateway/scheduler_link/scheduler_checks.py)
 ])
 def test_error_delta_maps_to_status(run, code, expected):
     async def body():
@@ -356,7 +356,7 @@ def test_a_full_gateway_still_takes_a_tenant_holding_fewer_up_to_twice_its_bound
     """Past the scheduler's bound (ClusterInfo.max_sequences) a tenant holding fewer than another
     may still send: the scheduler pushes out that one's newest waiting request for it. The tenant
     holding most, or one without a name, is refused; nothing passes twice the bound."""
-    from gateway.scheduler_client import SchedulerBusy
+    from gateway.scheduler_link.scheduler_client import SchedulerBusy
 
     async def body():
         client = SchedulerClient("")

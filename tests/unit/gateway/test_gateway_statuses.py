@@ -7,12 +7,12 @@ import asyncio
 import grpc
 import pytest
 
-from gateway.grammar_check import CompilerBusy
-from gateway.http_errors import from_rpc
-from gateway.large_inputs import Busy
-from gateway.scheduler_client import SchedulerBusy, SchedulerUnavailable
+from gateway.grammar.grammar_check import CompilerBusy
+from gateway.rest.http_errors import from_rpc
+from gateway.generation.large_inputs import Busy
+from gateway.scheduler_link.scheduler_client import SchedulerBusy, SchedulerUnavailable
 from gateway.statuses import REFUSALS, RpcFailed, ending, refused, status_code
-from gateway.validation_error import FIELD_METADATA, ValidationError
+from gateway.validation.validation_error import FIELD_METADATA, ValidationError
 
 S = grpc.StatusCode
 # (the refusal, its gRPC status, its HTTP status and OpenAI error type), as docs/api.md says.

@@ -12,14 +12,14 @@ import json
 
 import pytest
 
-from gateway.chat_templates import TOOLS_TEMPLATE, TemplateFlagError, read_chat_template
-from gateway.openai_schema import BadField, ChatCompletionRequest, chat_request, openai_param
-from gateway.openai_structured import ResponseFormat, structured_output
-from gateway.grammar_check import TOO_SLOW
-from gateway.openai_tools import ToolBadField, ToolConfig, ToolMode, check_tools, tool_request
+from gateway.chat.chat_templates import TOOLS_TEMPLATE, TemplateFlagError, read_chat_template
+from gateway.rest.openai_schema import BadField, ChatCompletionRequest, chat_request, openai_param
+from gateway.rest.openai_structured import ResponseFormat, structured_output
+from gateway.grammar.grammar_check import TOO_SLOW
+from gateway.rest.openai_tools import ToolBadField, ToolConfig, ToolMode, check_tools, tool_request
 from gateway.tokenizer import load_tokenizer
-from gateway.limits import Limits
-from gateway.validate import ValidationError, prompt_ids, prompt_offsets
+from gateway.validation.limits import Limits
+from gateway.validation.validate import ValidationError, prompt_ids, prompt_offsets
 from proto import pagoda_pb2 as pb
 
 TOK = load_tokenizer("")

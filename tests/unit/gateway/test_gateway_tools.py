@@ -1,5 +1,5 @@
 """Tool calls: the hermes parser, whole and streamed in any cut; the answer in OpenAI's shape
-(gateway/tool_render.py), whole and as stream chunks the `openai` SDK's own accumulator
+(gateway/rest/tool_render.py), whole and as stream chunks the `openai` SDK's own accumulator
 reassembles; and the grammar that tool_choice "required" / a named function compile to
 (xgrammar, the real vocabulary): every answer walked under it parses, names a given function,
 and its arguments validate. Two walks per choice keep this module at a few seconds."""
@@ -12,12 +12,12 @@ import openai
 from openai.lib.streaming.chat import ChatCompletionStreamState
 import pytest
 
-from gateway.http_stream import _tool_choices
-from gateway.openai_render import chunk
-from gateway.openai_tools import ToolMode
-from gateway.tool_grammar import tool_call_tag
-from gateway.tool_parsers import HermesParser, parser
-from gateway.tool_render import ToolStream, tool_message
+from gateway.rest.http_stream import _tool_choices
+from gateway.rest.openai_render import chunk
+from gateway.rest.openai_tools import ToolMode
+from gateway.chat.tool_grammar import tool_call_tag
+from gateway.chat.tool_parsers import HermesParser, parser
+from gateway.rest.tool_render import ToolStream, tool_message
 from tests.unit.worker.test_worker_grammar import cache, config, tok, walk  # noqa: F401 - fixtures
 from proto import pagoda_pb2 as pb
 from structured.spec import Spec
@@ -120,7 +120,7 @@ def test_whitespace_next_to_a_call_is_not_content(text, content, names):
 
 
 def chunks_of(text: str, mode: ToolMode, cut: int, finish: str = "stop") -> list[dict]:
-    """The stream of one choice, as gateway/http_stream.py sends it, in pieces of `cut`."""
+    """The stream of one choice, as gateway/rest/http_stream.py sends it, in pieces of `cut`."""
     stream, out = ToolStream(mode), [{"index": 0, "delta": {"role": "assistant", "content": ""}}]
     pieces = [text[i:i + cut] for i in range(0, len(text), cut)]
     for k, piece in enumerate(pieces):

@@ -9,8 +9,8 @@ import pytest
 
 from gateway.gateway_flags import REQUEST_LIMITS, parse_gateway_args
 from gateway.tokenizer import load_tokenizer
-from gateway.limits import Limits, limits_from_args
-from gateway.validate import ValidationError, prompt_ids, prompt_offsets, validate
+from gateway.validation.limits import Limits, limits_from_args
+from gateway.validation.validate import ValidationError, prompt_ids, prompt_offsets, validate
 from proto import internal_pb2, pagoda_pb2 as pb
 from tests.bad_requests import BAD_REQUESTS, MAX_MODEL_LEN, build, case_id, spec
 from tests.unit.gateway.test_gateway_tokenizer import tiny_bos_tokenizer

@@ -2,7 +2,7 @@
 most MOST_FIELDS fields, and survives truncated and invalid bytes."""
 from __future__ import annotations
 
-from gateway.wire_fields import MOST_FIELDS, largest_field
+from gateway.bounds.wire_fields import MOST_FIELDS, largest_field
 from proto import pagoda_pb2 as pb
 
 GENERATE = pb.GenerateRequest.DESCRIPTOR

@@ -124,7 +124,7 @@ def test_an_unreachable_gateway_is_logged_once_a_second_with_a_count(make_server
 
 
 def accepted_by_a_gateway(messages: list[pb.SchedulerMessage]) -> list[pb.SchedulerMessage]:
-    """What gateway/scheduler_client.py keeps: not a repeat within one epoch."""
+    """What gateway/scheduler_link/scheduler_client.py keeps: not a repeat within one epoch."""
     epoch, seq, kept = 0, 0, []
     for msg in messages:
         if msg.epoch == epoch and msg.seq <= seq:
