@@ -30,7 +30,7 @@ import numpy as np
 from proto import internal_pb2 as pb, pagoda_pb2
 from proto.columns import unpack_f32, unpack_list
 from scheduler.request import FinishReason, Request, Status
-from scheduler.sequence_group import Batch, SequenceGroup
+from scheduler.sequence_group import Batch, SequenceGroup, admit_whole
 
 if TYPE_CHECKING:
     from scheduler.step import Step
@@ -113,7 +113,7 @@ class BeamSearch(SequenceGroup):
         self.cum_logprob, self.unsent = {}, set()
         self.improvable, self.results, self.next_beam = True, None, 1
         self.suspect, handle.suspect = handle.suspect, False  # lost_steps.py: it runs alone
-        handle.group, handle.status = self, Status.WAITING
+        handle.group = self
 
     # -- scheduling -----------------------------------------------------------------------------
     def schedule(self, sched: Batch, step: Step) -> None:
@@ -150,29 +150,7 @@ class BeamSearch(SequenceGroup):
     def admit(self, sched: Batch, step: Step) -> bool:
         """Whole, each beam with its prefix-cache hits, or not at all (strict order: nothing
         behind it goes first)."""
-        beams, kv = self.beams, sched.kv
-        if any(b.num_pending for b in beams):
-            return False  # a result of before its preemption is still on the way
-        budget, taken = step.budget, []
-        for b in beams:
-            hits = kv.get_computed_blocks(b)
-            n = min(b.num_tokens - len(hits) * kv.block_size, budget)
-            blocks = kv.allocate_slots(b, n, hits)
-            if blocks is None:
-                for t, _, _ in taken:
-                    kv.free(t)
-                    t.num_computed_tokens = 0
-                return False
-            taken.append((b, n, blocks))
-            budget -= n
-        for b, n, blocks in taken:
-            kv.count_admission(b)
-        sched.queues.admit(self, beams)
-        for b, n, blocks in taken:
-            if n:
-                step.take(b, n, blocks)
-        self.handle.status = Status.RUNNING
-        return True
+        return admit_whole(sched, self, self.beams, step) is not None
 
     def preempt(self, sched: Batch, step: Step) -> None:
         """Recompute, for the whole group: the candidates of a step still running are dropped
@@ -182,16 +160,13 @@ class BeamSearch(SequenceGroup):
         self._recompute(sched)
 
     def _recompute(self, sched: Batch) -> None:
+        """Its beams wait off the queue; admit() takes them all."""
         for b in self.beams:
-            if b.status is Status.RUNNING:
-                sched.recompute(b)
-            b.num_computed_tokens = 0
             b.num_preemptions += 1
         self.unsent.clear()
         self.candidates.clear()
-        self.handle.status = Status.WAITING
         self.handle.num_preemptions += 1
-        sched.queues.enqueue(self)  # its beams wait off the queue; admit() takes them all
+        sched.recompute(self, self.beams)
 
     def requeue(self, sched: Batch, suspect: bool) -> None:
         for b in self.beams:
@@ -219,8 +194,8 @@ class BeamSearch(SequenceGroup):
         for b in self.beams:
             sched.finish(b, reason)
         self.beams = []
-        handle.status, handle.finish_reason = Status.FINISHED, reason
-        sched.queues.forget(self)
+        handle.finish_reason = reason
+        sched.queues.end(self)
 
     def final_deltas(self, error: pb.Error | None) -> list[pb.TokenDelta]:
         """One delta per index with its whole output, best first (an abort or error: every
@@ -244,7 +219,7 @@ class BeamSearch(SequenceGroup):
 
     def drained(self) -> list[Request]:
         """It starts again from its prompt."""
-        self.beams, self.results, self.handle.status = [], None, Status.WAITING
+        self.beams, self.results = [], None
         return [self.handle]
 
     # -- results --------------------------------------------------------------------------------

@@ -10,17 +10,33 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from scheduler.request import Request, Status
-from scheduler.sequence_group import Batch, Single
+from scheduler import single
+from scheduler.request import FinishReason, Request, Status
+from scheduler.sequence_group import Batch, SequenceGroup
+from scheduler.single import Single
 
 if TYPE_CHECKING:
     from scheduler.step import Step
 
 
 @dataclass(eq=False, slots=True)
-class Forks(Single):
-    """handle: sequence 0, the parent."""
+class Forks(SequenceGroup):
+    """handle: sequence 0, the parent, scheduled as a plain sequence (scheduler/single.py) that
+    holds back its last prompt token until the fork, then as a plain one."""
+    handle: Request
     children: list[Request] = field(default_factory=list)  # until the fork
+    key: tuple[int, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = self.handle.sort_key()
+
+    @property
+    def suspect(self) -> bool:
+        return self.handle.suspect
+
+    @suspect.setter
+    def suspect(self, value: bool) -> None:
+        self.handle.suspect = value
 
     @property
     def seats(self) -> int:
@@ -34,12 +50,44 @@ class Forks(Single):
         return [s for s in (self.handle, *self.children) if s.status is not Status.FINISHED]
 
     def start(self, sched: Batch) -> None:
-        Single.start(self, sched)
+        self.handle.group = self
+        sched.add_sequence(self.handle)
         for child in self.children:  # on the parent's worker, to share its blocks
             child.group, child.worker = self, self.handle.worker
             sched.add_sequence(child)
 
-    def _reach_held_back(self, sched: Batch, step: Step, may_preempt: bool = True) -> None:
+    def admit(self, sched: Batch, step: Step) -> bool:
+        n = single.admit(sched, self, step, self.held_back)
+        if n is not None and n <= 0 and self.children:  # a sequence admitted in this step must not leave again
+            self._fork(sched, step, may_preempt=False)
+        return n is not None
+
+    def resume(self, sched: Batch, step: Step) -> bool:
+        n = single.resume(sched, self, step, self.held_back)
+        if n is not None and n <= 0 and self.children:
+            self._fork(sched, step, may_preempt=False)
+        return n is not None
+
+    def schedule(self, sched: Batch, step: Step) -> None:
+        if single.schedule(sched, self, step, self.held_back):
+            self._fork(sched, step)
+
+    def preempt(self, sched: Batch, step: Step) -> None:
+        single.preempt(sched, self, step)
+
+    def requeue(self, sched: Batch, suspect: bool) -> None:
+        single.requeue(sched, self, suspect)
+
+    def fail(self, sched: Batch, failed: list[Request], alone: bool) -> Request | None:
+        if alone and failed and self.handle.suspect:
+            return self.handle  # it failed alone: the cause
+        self.requeue(sched, suspect=bool(failed))
+        return None
+
+    def end(self, sched: Batch, reason: FinishReason) -> None:
+        sched.finish(self.handle, reason)
+
+    def _fork(self, sched: Batch, step: Step, may_preempt: bool = True) -> None:
         """The fork: the parent computes its prompt's last token and its children start from
         there, sharing its blocks; one token each, if the step has room for all of them."""
         parent, kv = self.handle, sched.kv

@@ -21,7 +21,8 @@ from scheduler.outbox import Outboxes
 from scheduler.reports import loads_of
 from scheduler.request import FinishReason, Request, Status
 from scheduler.scheduler import Scheduler
-from scheduler.sequence_group import SequenceGroup, Single
+from scheduler.sequence_group import SequenceGroup
+from scheduler.single import Single
 from scheduler.tenants import TenantLoad
 
 log = logging.getLogger("pagoda.router")
@@ -239,8 +240,7 @@ class Router:
     def _forget(self, request_id: str) -> None:
         seqs = self.seqs.pop(request_id, None)
         if seqs:
-            group = seqs[0].group
-            self.tenants.release(seqs[0].tenant, group.seats if group.picks_tokens else len(seqs))
+            self.tenants.end(seqs[0])
             self.public.pop(seqs[0].public_id, None)
 
     def loads(self) -> pagoda_pb2.GetLoadsResponse:

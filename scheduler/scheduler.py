@@ -340,14 +340,32 @@ class Scheduler:
         self.queues.remove(seq)
         seq.finish_reason = reason
 
-    def recompute(self, seq: Request) -> None:
-        """seq leaves the batch to be computed again from its first token: its blocks and slot
-        go, and it waits (its group puts it in line). Freed blocks keep their hashes, so the
-        recompute often finds most of its prefix still cached."""
-        self.kv.free(seq)
+    def recompute(self, group: SequenceGroup, seqs: list[Request]) -> None:
+        """`seqs`, the group's, leave the batch to be computed again from their first token:
+        their blocks and slots go, and the group waits in line (Queues.recompute). Freed blocks
+        keep their hashes, so the recompute often finds most of its prefix still cached."""
+        for seq in seqs:
+            if seq.status is Status.RUNNING or seq.status is Status.SWAPPED:
+                self.kv.free(seq)
+                self.drop_slot(seq)
+            seq.num_computed_tokens = 0
+        self.queues.recompute(group, seqs)
+
+    def swap_out(self, group: SequenceGroup, seq: Request, step: Step) -> None:
+        """seq's blocks go to CPU in `step` and its group waits in the swapped list."""
+        step.swap_out += self.kv.swap_out(seq)
         self.drop_slot(seq)
-        seq.num_computed_tokens = 0
-        self.queues.mark_waiting(seq)
+        self.queues.swap_out(group, seq)
+
+    def swap_in(self, group: SequenceGroup, seq: Request, n: int, step: Step) -> bool:
+        """seq's blocks come back from CPU in `step`, with room for n more tokens, and its group
+        runs again; False: no room now."""
+        moves = self.kv.swap_in(seq, n)
+        if moves is None:
+            return False
+        step.swap_in += moves
+        self.queues.admit(group, (seq,))
+        return True
 
     def drop_slot(self, seq: Request) -> None:
         self.slots.release(seq, self.step_id)
