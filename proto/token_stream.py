@@ -73,10 +73,10 @@ class Writer:
 
     def appends(self) -> tuple:
         """The columns' append methods, in add()'s order (request id, index, count, offset,
-        token): a step streams one token per decode, and binding these once per step spares
-        a method call per token."""
+        tokens: an extend): a step streams one token per decode, and binding these once per
+        step spares a method call per token."""
         return (self.request_ids.append, self.indices.append, self.num_tokens.append,
-                self.offsets.append, self.token_ids.append)
+                self.offsets.append, self.token_ids.extend)
 
     def put(self, update: Update) -> None:
         """An update as it was decoded: its tokens an entry, its news a delta after them."""

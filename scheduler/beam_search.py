@@ -29,8 +29,10 @@ import numpy as np
 
 from proto import internal_pb2 as pb, pagoda_pb2
 from proto.columns import unpack_f32, unpack_list
+from scheduler.batch import Batch
 from scheduler.request import FinishReason, Request, Status
-from scheduler.sequence_group import Batch, SequenceGroup, admit_whole
+from scheduler.sequence_group import SequenceGroup, admit_whole
+from scheduler.stream import Stream, Streams
 
 if TYPE_CHECKING:
     from scheduler.step import Step
@@ -69,8 +71,9 @@ class BeamSearch(SequenceGroup):
     next_beam: int = 1
     suspect: bool = False     # it runs alone, whole (Scheduler.fail_oldest)
 
+    outputs: list[Stream] = field(default_factory=list)  # its streams, one per index, from its end
+
     grows = True
-    picks_tokens = True
 
     @classmethod
     def of(cls, handle: Request, params: pagoda_pb2.BeamSearchParams) -> BeamSearch:
@@ -197,25 +200,21 @@ class BeamSearch(SequenceGroup):
         handle.finish_reason = reason
         sched.queues.end(self)
 
-    def final_deltas(self, error: pb.Error | None) -> list[pb.TokenDelta]:
-        """One delta per index with its whole output, best first (an abort or error: every
-        index ends with it)."""
+    def report_end(self, streams: Streams, seq: Request, error: pb.Error | None) -> None:
+        """Each index gets its whole output, best first, and its finish, once (an abort or an
+        error: every index ends with it, without tokens)."""
         handle, results = self.handle, self.results or []
-        out = []
-        for i in range(self.width):
-            delta = pb.TokenDelta(
-                request_id=handle.request_id, index=i, prompt_tokens=handle.num_prompt_tokens,
-                cached_prompt_tokens=max(0, handle.num_cached_tokens),
-                queue_time_s=max(0.0, handle.queue_time), num_preemptions=handle.num_preemptions,
-                finish=int(handle.finish_reason or FinishReason.ABORT))
+        if not self.outputs:
+            self.outputs = [Stream(handle.gateway, handle.request_id, i) for i in range(self.width)]
+        for i, stream in enumerate(self.outputs):
+            if stream.ended:
+                continue
+            finish, cum = int(handle.finish_reason or FinishReason.ABORT), None
             if i < len(results):
-                delta.token_ids.extend(results[i].token_ids)
-                delta.finish = int(results[i].finish)
-                delta.cumulative_logprob = results[i].cum_logprob
-            if error is not None:
-                delta.error.CopyFrom(error)
-            out.append(delta)
-        return out
+                if error is None:
+                    streams.tokens(stream, results[i].token_ids, handle)
+                finish, cum = int(results[i].finish), results[i].cum_logprob
+            streams.end(stream, handle, finish, error, cum)
 
     def drained(self) -> list[Request]:
         """It starts again from its prompt."""
@@ -223,18 +222,26 @@ class BeamSearch(SequenceGroup):
         return [self.handle]
 
     # -- results --------------------------------------------------------------------------------
-    def add_candidates(self, seq: Request, logprobs: pb.Logprobs | None) -> bool:
-        if seq.status is not Status.RUNNING or logprobs is None:
-            return False  # preempted while the step ran: recomputed with its group
+    def on_logprobs(self, sched: Batch, seq: Request, logprobs: pb.Logprobs) -> None:
+        """A beam's sampled logprobs are its candidates; it asks for no prompt logprobs."""
+        if logprobs.prompt or seq.status is not Status.RUNNING:
+            return  # preempted while the step ran: recomputed with its group
         ids, values = unpack_list(logprobs.top_token_ids), unpack_f32(logprobs.top_logprobs)
         self.candidates[id(seq)] = list(zip(ids[:logprobs.k], values[:logprobs.k]))
-        return True
 
-    def on_result(self, sched: Batch) -> bool:
+    def on_sampled(self, sched: Batch, seq: Request, tokens: list[int]) -> bool:
+        """The worker's own token is not the beam's next one: the search picks those."""
+        return id(seq) in self.candidates
+
+    def settle(self, sched: Batch) -> bool:
+        """Once every live beam has its candidates: one step of the search."""
         if self.handle.status is Status.FINISHED or \
                 not all(id(b) in self.candidates for b in self.beams):
             return False
-        return self._advance(sched)
+        if self._advance(sched):
+            self.report_end(sched.streams, self.handle, None)
+            return True
+        return False
 
     def _advance(self, sched: Batch) -> bool:
         """One step of transformers' beam search (batch size 1). Returns True when it is over."""

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from scheduler import single
+from scheduler.batch import Batch
 from scheduler.request import FinishReason, Request, Status
-from scheduler.sequence_group import Batch, SequenceGroup
+from scheduler.sequence_group import SequenceGroup
 from scheduler.single import Single
 
 if TYPE_CHECKING:
@@ -57,26 +58,26 @@ class Forks(SequenceGroup):
             sched.add_sequence(child)
 
     def admit(self, sched: Batch, step: Step) -> bool:
-        n = single.admit(sched, self, step, self.held_back)
+        n = single.admit(self, sched, step, self.held_back)
         if n is not None and n <= 0 and self.children:  # a sequence admitted in this step must not leave again
             self._fork(sched, step, may_preempt=False)
         return n is not None
 
     def resume(self, sched: Batch, step: Step) -> bool:
-        n = single.resume(sched, self, step, self.held_back)
+        n = single.resume(self, sched, step, self.held_back)
         if n is not None and n <= 0 and self.children:
             self._fork(sched, step, may_preempt=False)
         return n is not None
 
     def schedule(self, sched: Batch, step: Step) -> None:
-        if single.schedule(sched, self, step, self.held_back):
+        if single.schedule(self, sched, step, self.held_back):
             self._fork(sched, step)
 
     def preempt(self, sched: Batch, step: Step) -> None:
-        single.preempt(sched, self, step)
+        single.preempt(self, sched, step)
 
     def requeue(self, sched: Batch, suspect: bool) -> None:
-        single.requeue(sched, self, suspect)
+        single.requeue(self, sched, suspect)
 
     def fail(self, sched: Batch, failed: list[Request], alone: bool) -> Request | None:
         if alone and failed and self.handle.suspect:

@@ -7,6 +7,7 @@ from typing import Any
 
 from proto import internal_pb2 as pb
 from scheduler.draft_length import DraftLength
+from scheduler.stream import Stream
 
 
 class Status(enum.Enum):
@@ -54,7 +55,6 @@ class Request:
     arrival_time: float = 0.0       # time.monotonic() at the scheduler
     queue_time: float = -1.0        # arrival to first scheduled, once known
     final_only: bool = False        # its tokens go out with its finish (AddRequest.final_only)
-    first_token_time: float = 0.0   # time.monotonic() of its first output token (final_only: 0 before)
 
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0    # including those of plans still on the worker
@@ -88,11 +88,8 @@ class Request:
     # it last got further than before (scheduler/lost_steps.py), and how far it had got then.
     lost_steps: int = 0
     lost_at_length: int = -1
-    # Streaming to the gateway: whether the first delta (with usage) went out, and how many
-    # tokens at the end are not sent yet. A plain decode leaves both alone, so a quiet step
-    # writes nothing here.
-    stream_started: bool = False
-    num_unstreamed: int = 0
+    # What its gateway was sent (scheduler/stream.py), made with it: never derived.
+    stream: Stream | None = None
     # Speculative decoding: how many tokens it may propose next (scheduler/draft_length.py),
     # made at its first speculating step.
     draft: DraftLength | None = None
@@ -100,6 +97,8 @@ class Request:
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+        if self.stream is None:
+            self.stream = Stream(self.gateway, self.request_id, self.index, self.final_only)
 
     def derive(self, **changes) -> Request:
         """Another sequence of the same request (a beam, say): its parameters and stop rule,

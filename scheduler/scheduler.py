@@ -30,7 +30,6 @@ from proto.speculation import may_speculate
 from scheduler.scheduler_config import SchedulerConfig
 from scheduler.grammar_waits import GrammarWaits
 from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.outbox import Outboxes
 from scheduler.preemption import PreemptionPolicy
 from scheduler.queues import Queues
 from scheduler.request import FinishReason, Request, Status
@@ -39,13 +38,16 @@ from scheduler.sequence_group import SequenceGroup
 from scheduler.speculation_stats import SpeculationStats
 from scheduler.slots import Slots
 from scheduler.step import Step
+from scheduler.stream import Streams
 
 _KEY = attrgetter("key")
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, num_blocks: int, first_step_id: int = 0) -> None:
+    def __init__(self, config: SchedulerConfig, num_blocks: int, first_step_id: int = 0,
+                 streams: Streams | None = None) -> None:
         self.config = config
+        self.streams = Streams() if streams is None else streams  # the router's, to its gateways
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.num_cpu_blocks)
         self.preemption = PreemptionPolicy(config, self.kv)
@@ -270,9 +272,9 @@ class Scheduler:
         return victim is not group
 
     # -- results ------------------------------------------------------------------------------
-    def update(self, result: pb.StepResult, outboxes: Outboxes) -> list[Request]:
-        """The result of the oldest plan in flight (results.py). Returns the sequences with news
-        other than a plain token (first tokens, finishes)."""
+    def update(self, result: pb.StepResult) -> list[Request]:
+        """The result of the oldest plan in flight (results.py). Returns the sequences, or the
+        handles of groups, that ended in it."""
         if not self.in_flight or result.step_id != self.in_flight[0].step_id:
             raise ValueError(f"result for step {result.step_id}, but the oldest plan in flight "
                              f"is {self.in_flight[0].step_id if self.in_flight else 'none'}")
@@ -284,7 +286,7 @@ class Scheduler:
         if step.alone:
             for req, _, _ in step.entries:
                 req.group.suspect = False  # it ran alone and the worker survived it
-        return apply_result(self, step, result, outboxes)
+        return apply_result(self, step, result)
 
     def failed_rows(self, result: pb.StepResult) -> list[tuple[Request, str]]:
         """The sequences the worker could not go on with (their grammar left no token: a

@@ -9,36 +9,16 @@ sequences the steps of one or writes a status.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from proto import internal_pb2 as pb
-from scheduler.request import FinishReason, Request, Status
+from scheduler.batch import Batch
+from scheduler.request import FinishReason, Request
+from scheduler.results import accept
 
 if TYPE_CHECKING:
-    from scheduler.scheduler_config import SchedulerConfig
-    from scheduler.kv_cache_manager import KVCacheManager
-    from scheduler.preemption import PreemptionPolicy
-    from scheduler.queues import Queues
-    from scheduler.speculation_stats import SpeculationStats
     from scheduler.step import Step
-
-
-class Batch(Protocol):
-    """What a group may use of its worker's scheduler (scheduler/scheduler.py)."""
-    config: SchedulerConfig
-    kv: KVCacheManager
-    queues: Queues
-    preemption: PreemptionPolicy
-    speculation: SpeculationStats
-
-    def add_sequence(self, seq: Request) -> None: ...
-    def finish(self, seq: Request, reason: FinishReason) -> None: ...
-    def recompute(self, group: SequenceGroup, seqs: list[Request]) -> None: ...
-    def swap_out(self, group: SequenceGroup, seq: Request, step: Step) -> None: ...
-    def swap_in(self, group: SequenceGroup, seq: Request, n: int, step: Step) -> bool: ...
-    def drop_slot(self, seq: Request) -> None: ...
-    def preempt_for(self, group: SequenceGroup, step: Step) -> bool: ...
-    def has_room(self, seats: int, step: Step) -> bool: ...
+    from scheduler.stream import Streams
 
 
 class SequenceGroup:
@@ -50,10 +30,6 @@ class SequenceGroup:
     num_seqs = 1             # sequences it holds in the batch while it runs
     grows = False            # it may fork more sequences while it runs (then `reserve` counts)
     reserve = 0
-    # The worker's sampled token is not its sequences' next one: the group picks those from the
-    # candidates (add_candidates, on_result), and its output is known only at its end
-    # (final_deltas). False: each sequence streams the tokens it samples.
-    picks_tokens = False
 
     @property
     def seats(self) -> int:
@@ -98,17 +74,25 @@ class SequenceGroup:
     def end(self, sched: Batch, reason: FinishReason) -> None:
         raise NotImplementedError
 
-    def add_candidates(self, seq: Request, logprobs: pb.Logprobs | None) -> bool:
-        """picks_tokens: seq's candidates came; False if they no longer matter."""
-        raise NotImplementedError
+    # -- results: the defaults of a group whose sequences stream the tokens they sample --------
+    def on_logprobs(self, sched: Batch, seq: Request, logprobs: pb.Logprobs) -> None:
+        """Logprobs the worker computed for seq in a step."""
+        sched.streams.logprobs(seq.stream, logprobs)
 
-    def on_result(self, sched: Batch) -> bool:
-        """picks_tokens, after its candidates of a step came: True when it has ended."""
-        raise NotImplementedError
+    # on_sampled(sched, seq, tokens) -> bool: seq's row of a step, the tokens it sampled (a
+    # speculating row: its accepted run). True: call settle() once the step's rows are all in.
+    # A plain sequence accepts them (a function, not a method over it: this runs for every
+    # sequence every step).
+    on_sampled = staticmethod(accept)
 
-    def final_deltas(self, error: pb.Error | None) -> list[pb.TokenDelta]:
-        """picks_tokens: what the gateway gets at its end."""
-        raise NotImplementedError
+    def settle(self, sched: Batch) -> bool:
+        """After the step's rows: True when the group ended."""
+        return False
+
+    def report_end(self, streams: Streams, seq: Request, error: pb.Error | None) -> None:
+        """seq ended (it or the request: an abort, an error, no worker left): what its gateway
+        gets."""
+        streams.end(seq.stream, seq, int(seq.finish_reason or FinishReason.ABORT), error)
 
     def drained(self) -> list[Request]:
         """Its worker is gone: the requests to route again, each with the group it forms alone."""

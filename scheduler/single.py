@@ -10,74 +10,23 @@ from typing import TYPE_CHECKING
 
 from proto.speculation import may_speculate
 from scheduler.draft_length import DraftLength
+from scheduler.batch import Batch
 from scheduler.request import FinishReason, Request, Status
-from scheduler.sequence_group import Batch, SequenceGroup, admit_whole
+from scheduler.sequence_group import SequenceGroup, admit_whole
 
 if TYPE_CHECKING:
     from scheduler.step import Step
 
 
-@dataclass(eq=False, slots=True)
-class Single(SequenceGroup):
-    """A plain request: one sequence, the handle itself."""
-    handle: Request
-    key: tuple[int, int] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.key = self.handle.sort_key()
-
-    @property
-    def suspect(self) -> bool:
-        return self.handle.suspect
-
-    @suspect.setter
-    def suspect(self, value: bool) -> None:
-        self.handle.suspect = value
-
-    def seqs(self) -> list[Request]:
-        return [self.handle]
-
-    def start(self, sched: Batch) -> None:
-        self.handle.group = self
-        sched.add_sequence(self.handle)
-
-    def admit(self, sched: Batch, step: Step) -> bool:
-        return admit(sched, self, step) is not None
-
-    def resume(self, sched: Batch, step: Step) -> bool:
-        return resume(sched, self, step) is not None
-
-    def schedule(self, sched: Batch, step: Step) -> None:
-        schedule(sched, self, step)
-
-    def preempt(self, sched: Batch, step: Step) -> None:
-        preempt(sched, self, step)
-
-    def requeue(self, sched: Batch, suspect: bool) -> None:
-        requeue(sched, self, suspect)
-
-    def fail(self, sched: Batch, failed: list[Request], alone: bool) -> Request | None:
-        if alone and failed and self.handle.suspect:
-            return self.handle  # it failed alone: the cause
-        self.requeue(sched, suspect=bool(failed))
-        return None
-
-    def end(self, sched: Batch, reason: FinishReason) -> None:
-        sched.finish(self.handle, reason)
-
-    def drained(self) -> list[Request]:
-        return [self.handle]
-
-
 # -- one plain sequence: the group's handle ---------------------------------------------------
-def admit(sched: Batch, group: SequenceGroup, step: Step, held_back: int = 0) -> int | None:
+def admit(group: SequenceGroup, sched: Batch, step: Step, held_back: int = 0) -> int | None:
     """From waiting into `step`: the tokens it computes now (0: it reached those held back), or
     None: not now."""
     taken = admit_whole(sched, group, [group.handle], step, held_back)
     return None if taken is None else taken[0][1]
 
 
-def resume(sched: Batch, group: SequenceGroup, step: Step, held_back: int = 0) -> int | None:
+def resume(group: SequenceGroup, sched: Batch, step: Step, held_back: int = 0) -> int | None:
     """From swapped into `step`, as admit()."""
     seq = group.handle
     if seq.num_pending:
@@ -90,7 +39,7 @@ def resume(sched: Batch, group: SequenceGroup, step: Step, held_back: int = 0) -
     return n
 
 
-def schedule(sched: Batch, group: SequenceGroup, step: Step, held_back: int = 0) -> bool:
+def schedule(group: SequenceGroup, sched: Batch, step: Step, held_back: int = 0) -> bool:
     """Its work in `step` while it runs. Returns True when its work reached the tokens it holds
     back (for the caller to do what comes there)."""
     seq = group.handle
@@ -121,7 +70,7 @@ def schedule(sched: Batch, group: SequenceGroup, step: Step, held_back: int = 0)
     return False
 
 
-def preempt(sched: Batch, group: SequenceGroup, step: Step) -> None:
+def preempt(group: SequenceGroup, sched: Batch, step: Step) -> None:
     """Swap out to CPU when the cost model says moving the blocks twice beats computing the
     tokens again; else recompute. Freed blocks keep their hashes, so a recompute often finds
     most of its prefix still cached. A suspect is recomputed: it must run alone anyway."""
@@ -134,7 +83,7 @@ def preempt(sched: Batch, group: SequenceGroup, step: Step) -> None:
         sched.recompute(group, [seq])
 
 
-def requeue(sched: Batch, group: SequenceGroup, suspect: bool) -> None:
+def requeue(group: SequenceGroup, sched: Batch, suspect: bool) -> None:
     """After a failed step. Tokens the failed or void plans were to sample never come: none is
     pending any more."""
     seq = group.handle
@@ -168,3 +117,51 @@ def _lookahead(k: int, seq: Request, known: int, step: Step) -> int:
     # worker) carries the draft length it learned where k may have been larger.
     return max(0, min(seq.draft.next(), room))
 
+
+@dataclass(eq=False, slots=True)
+class Single(SequenceGroup):
+    """A plain request: one sequence, the handle itself."""
+    handle: Request
+    key: tuple[int, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = self.handle.sort_key()
+
+    @property
+    def suspect(self) -> bool:
+        return self.handle.suspect
+
+    @suspect.setter
+    def suspect(self, value: bool) -> None:
+        self.handle.suspect = value
+
+    def seqs(self) -> list[Request]:
+        return [self.handle]
+
+    def start(self, sched: Batch) -> None:
+        self.handle.group = self
+        sched.add_sequence(self.handle)
+
+    def admit(self, sched: Batch, step: Step) -> bool:
+        return admit(self, sched, step) is not None
+
+    def resume(self, sched: Batch, step: Step) -> bool:
+        return resume(self, sched, step) is not None
+
+    # The plain sequence's steps themselves, not methods over them: schedule runs for every
+    # sequence every step.
+    schedule = schedule
+    preempt = preempt
+    requeue = requeue
+
+    def fail(self, sched: Batch, failed: list[Request], alone: bool) -> Request | None:
+        if alone and failed and self.handle.suspect:
+            return self.handle  # it failed alone: the cause
+        self.requeue(sched, suspect=bool(failed))
+        return None
+
+    def end(self, sched: Batch, reason: FinishReason) -> None:
+        sched.finish(self.handle, reason)
+
+    def drained(self) -> list[Request]:
+        return [self.handle]
