@@ -222,7 +222,7 @@ class BeamSearch(SequenceGroup):
         return [self.handle]
 
     # -- results --------------------------------------------------------------------------------
-    def on_logprobs(self, sched: Batch, seq: Request, logprobs: pb.Logprobs) -> None:
+    def on_logprobs(self, sched: Batch, seq: Request, logprobs: pb.SlotLogprobs) -> None:
         """A beam's sampled logprobs are its candidates; it asks for no prompt logprobs."""
         if logprobs.prompt or seq.status is not Status.RUNNING:
             return  # preempted while the step ran: recomputed with its group

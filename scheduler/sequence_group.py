@@ -75,7 +75,7 @@ class SequenceGroup:
         raise NotImplementedError
 
     # -- results: the defaults of a group whose sequences stream the tokens they sample --------
-    def on_logprobs(self, sched: Batch, seq: Request, logprobs: pb.Logprobs) -> None:
+    def on_logprobs(self, sched: Batch, seq: Request, logprobs: pb.SlotLogprobs) -> None:
         """Logprobs the worker computed for seq in a step."""
         sched.streams.logprobs(seq.stream, logprobs)
 

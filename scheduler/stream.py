@@ -96,13 +96,13 @@ class Streams:
         self.outboxes[gateway].deltas.append(pb.TokenDelta(request_id=request_id, finish=pb.ERROR,
                                                            error=error))
 
-    def logprobs(self, stream: Stream, lp: pb.Logprobs) -> None:
-        """Logprobs go to the gateway as the worker computed them, named by request rather than
-        slot: a message of the gateway's link, not the worker's edited."""
-        out = pb.Logprobs()
-        out.CopyFrom(lp)
-        out.slot, out.request_id, out.index = 0, stream.request_id, stream.index
-        self.outboxes[stream.gateway].logprobs.append(out)
+    def logprobs(self, stream: Stream, lp: pb.SlotLogprobs) -> None:
+        """Logprobs go to the gateway as the worker computed them, named by request and index
+        rather than slot: the gateway link's message, built from the worker link's."""
+        self.outboxes[stream.gateway].logprobs.append(pb.Logprobs(
+            request_id=stream.request_id, index=stream.index, prompt=lp.prompt,
+            first_position=lp.first_position, token_ids=lp.token_ids, logprobs=lp.logprobs,
+            ranks=lp.ranks, k=lp.k, top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs))
 
     def flush(self) -> None:
         """The first figures of the streams that started since, unless they ended meanwhile."""

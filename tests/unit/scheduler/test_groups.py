@@ -82,7 +82,7 @@ def test_a_beam_search_picks_its_tokens_from_its_candidates():
     beam0 = group.beams[0]
     beam0.num_pending -= 1
     assert group.on_sampled(sched, beam0, [9]) is False  # no candidates yet: nothing to settle
-    group.on_logprobs(sched, beam0, pb.Logprobs(k=4, top_token_ids=pack([11, 12, 13, 14]),
+    group.on_logprobs(sched, beam0, pb.SlotLogprobs(k=4, top_token_ids=pack([11, 12, 13, 14]),
                                                 top_logprobs=pack_f32([-1, -2, -3, -4])))
     assert group.on_sampled(sched, beam0, [9]) is True
     assert group.settle(sched) is False  # the search goes on, with two beams

@@ -70,11 +70,11 @@ def test_an_end_is_said_once():
 
 def test_logprobs_go_out_named_by_request_and_the_workers_message_stays_as_it_came():
     streams, req = Streams(), usage()
-    worker_lp = pb.Logprobs(slot=5, first_position=3, k=0, token_ids=pack([7]))
+    worker_lp = pb.SlotLogprobs(slot=5, first_position=3, k=0, token_ids=pack([7]))
     streams.logprobs(req.stream, worker_lp)
     [out] = streams.take()[b"gw"].logprobs
-    assert (out.request_id, out.index, out.slot, out.token_ids) == ("r", 0, 0, worker_lp.token_ids)
-    assert worker_lp.slot == 5 and not worker_lp.request_id
+    assert (out.request_id, out.index, out.first_position, out.token_ids) == \
+        ("r", 0, 3, worker_lp.token_ids)
 
 
 def test_every_token_of_a_running_cluster_is_streamed_once_in_order():
