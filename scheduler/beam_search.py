@@ -29,6 +29,7 @@ import numpy as np
 
 from proto import internal_pb2 as pb, pagoda_pb2
 from proto.columns import unpack_f32, unpack_list
+from scheduler import progress
 from scheduler.batch import Batch
 from scheduler.request import FinishReason, Request, Status
 from scheduler.sequence_group import SequenceGroup, admit_whole
@@ -172,8 +173,6 @@ class BeamSearch(SequenceGroup):
         sched.recompute(self, self.beams)
 
     def requeue(self, sched: Batch, suspect: bool) -> None:
-        for b in self.beams:
-            b.num_pending = 0
         if any(b.status is Status.RUNNING for b in self.beams):
             self.suspect = suspect  # it waits apart, and runs alone, as one
             self._recompute(sched)
@@ -314,5 +313,6 @@ class BeamSearch(SequenceGroup):
                               num_preemptions=parent.num_preemptions, group=self)
         self.next_beam += 1
         sched.kv.share(parent, child)
+        progress.found(child, parent.num_computed_tokens)
         sched.queues.add(child, running=True)
         return child

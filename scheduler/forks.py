@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from scheduler import single
+from scheduler import progress, single
 from scheduler.batch import Batch
 from scheduler.request import FinishReason, Request, Status
 from scheduler.sequence_group import SequenceGroup
@@ -59,8 +59,8 @@ class Forks(SequenceGroup):
 
     def admit(self, sched: Batch, step: Step) -> bool:
         n = single.admit(self, sched, step, self.held_back)
-        if n is not None and n <= 0 and self.children:  # a sequence admitted in this step must not leave again
-            self._fork(sched, step, may_preempt=False)
+        if n is not None and n <= 0 and self.children:
+            self._fork(sched, step, may_preempt=False)  # admitted in this step: none may leave
         return n is not None
 
     def resume(self, sched: Batch, step: Step) -> bool:
@@ -101,6 +101,7 @@ class Forks(SequenceGroup):
         blocks = kv.allocate_slots(parent, 1)
         for child in children:  # from the parent's state before this step's token
             copy = kv.fork(parent, child)
+            progress.found(child, parent.num_computed_tokens)
             if copy is not None:
                 step.copy.append(copy)
             child.num_cached_tokens = parent.num_cached_tokens

@@ -57,6 +57,7 @@ class Request:
     final_only: bool = False        # its tokens go out with its finish (AddRequest.final_only)
 
     all_token_ids: list[int] = field(default_factory=list)
+    # Its progress, written by the verbs of scheduler/progress.py only:
     num_computed_tokens: int = 0    # including those of plans still on the worker
     num_pending: int = 0            # tokens sampled by plans in flight, not yet received
     block_ids: list[int] = field(default_factory=list)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from proto import internal_pb2 as pb
 from proto.columns import unpack_list
+from scheduler.progress import accept as accept_progress
 from scheduler.request import FinishReason, Request, Status
 from scheduler.step import Step
 
@@ -32,22 +33,26 @@ def apply_result(sched: Batch, step: Step, result: pb.StepResult) -> list[Reques
         raise ValueError(f"step {result.step_id}: {len(res_slots)} slots but {len(res_tokens)} tokens")
     if result.logprobs:
         deliver_logprobs(sched, step, result.logprobs)
-    FINISHED = Status.FINISHED
+    FINISHED, RUNNING, SWAPPED = Status.FINISHED, Status.RUNNING, Status.SWAPPED
     j, num_results, ended, settle = 0, len(res_slots), [], []
     for req, _, slot in step.entries:
         if j == num_results or res_slots[j] != slot:
             continue  # a prefill chunk that did not reach the end: nothing sampled
+        status = req.status
         if runs is None:
-            tokens = [res_tokens[j]]
+            tokens, cached = [res_tokens[j]], 0
         else:
             start, end = runs[j], runs[j + 1]
             tokens = res_tokens[start:end]
-            if drafts[j] and req.draft is not None and req.status is not FINISHED:
+            if drafts[j] and req.draft is not None and status is not FINISHED:
                 req.draft.update(drafts[j], end - start - 1, most)
+            # The run's KV is in the cache up to its last token (which the next step computes);
+            # a sequence preempted while the step ran keeps it only if it keeps its blocks.
+            cached = end - start - 1 if status is RUNNING or status is SWAPPED else 0
         j += 1
-        if req.status is FINISHED:
+        if status is FINISHED:
             continue
-        req.num_pending -= 1
+        accept_progress(req, cached)
         group = req.group
         if group.on_sampled(sched, req, tokens):
             if group not in settle:
@@ -64,10 +69,9 @@ def apply_result(sched: Batch, step: Step, result: pb.StepResult) -> list[Reques
 
 def accept(sched: Batch, req: Request, tokens: list[int]) -> bool:
     """A plain sequence's sampled token, or a speculating row's accepted proposals and the
-    target's token after them: their KV is in the cache up to the last one (which the next step
-    computes), so the computed count moves by all but one. Tokens are taken one by one, so a stop
-    id or the length limit inside a run ends the sequence exactly there, and the surplus is
-    dropped. A sequence preempted while the step ran keeps them too (its recompute or swap-in
+    target's token after them (apply_result moved its progress). Tokens are taken one by one,
+    so a stop id or the length limit inside a run ends the sequence exactly there, and the
+    surplus is dropped. A sequence preempted while the step ran keeps them too (its recompute or swap-in
     continues after them); only a running one has blocks to cache. False: nothing to settle
     (SequenceGroup.on_sampled)."""
     all_ids, kv = req.all_token_ids, sched.kv
@@ -87,8 +91,6 @@ def accept(sched: Batch, req: Request, tokens: list[int]) -> bool:
         sched.streams.tokens(req.stream, tokens, req)
         _end(sched, req, reason)
         return False
-    if req.status is Status.RUNNING or req.status is Status.SWAPPED:
-        req.num_computed_tokens += len(tokens) - 1
     reason, kept = None, 0
     for token in tokens:
         all_ids.append(token)

@@ -27,6 +27,7 @@ from operator import attrgetter
 
 from proto import internal_pb2 as pb
 from proto.speculation import may_speculate
+from scheduler import progress
 from scheduler.scheduler_config import SchedulerConfig
 from scheduler.grammar_waits import GrammarWaits
 from scheduler.kv_cache_manager import KVCacheManager
@@ -46,8 +47,7 @@ _KEY = attrgetter("key")
 class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int, first_step_id: int = 0,
                  streams: Streams | None = None) -> None:
-        self.config = config
-        self.streams = Streams() if streams is None else streams  # the router's, to its gateways
+        self.config, self.streams = config, Streams() if streams is None else streams
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.num_cpu_blocks)
         self.preemption = PreemptionPolicy(config, self.kv)
@@ -58,8 +58,7 @@ class Scheduler:
         self.slots = Slots()
         self.in_flight: deque[Step] = deque()  # plans sent, results not yet back
         self.last_result_at = 0.0  # monotonic: the worker starts the next plan in flight then
-        # Each registration starts its ids where no earlier one reached (the router's epoch), so a
-        # result from before a worker registered again never matches a plan of this one.
+        # From the router's epoch: a result of an earlier registration never matches a plan.
         self.step_id = first_step_id
 
     # -- what the router and reports read -----------------------------------------------------
@@ -330,6 +329,9 @@ class Scheduler:
             culprit = group.fail(self, [r for r in seqs if id(r) in failed_ids], step.alone)
             if culprit is not None:
                 culprits.append(culprit)
+                continue
+            for seq in group.seqs():  # what the failed and void plans were to sample never comes
+                progress.reset(seq)
         return culprits
 
     # -- endings and preemption ---------------------------------------------------------------
@@ -350,7 +352,7 @@ class Scheduler:
             if seq.status is Status.RUNNING or seq.status is Status.SWAPPED:
                 self.kv.free(seq)
                 self.drop_slot(seq)
-            seq.num_computed_tokens = 0
+            progress.restart(seq)
         self.queues.recompute(group, seqs)
 
     def swap_out(self, group: SequenceGroup, seq: Request, step: Step) -> None:
@@ -380,7 +382,7 @@ class Scheduler:
         for req in out:
             self.kv.free(req)
             req.on_worker, req.slot = False, -1
-            req.num_computed_tokens = req.num_pending = 0
+            progress.reset(req)
             req.status = Status.WAITING  # for the router: it waits for a worker
         self.queues.clear()
         self.slots.clear()

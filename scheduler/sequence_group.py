@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from proto import internal_pb2 as pb
+from scheduler import progress
 from scheduler.batch import Batch
 from scheduler.request import FinishReason, Request
 from scheduler.results import accept
@@ -114,8 +115,9 @@ def admit_whole(sched: Batch, group: SequenceGroup, seqs: list[Request], step: S
         if blocks is None:
             for t, _, _ in taken:
                 kv.free(t)
-                t.num_computed_tokens = 0
+                progress.restart(t)
             return None
+        progress.found(seq, len(hits) * kv.block_size)
         taken.append((seq, n, blocks))
         budget -= n
     for seq, _, _ in taken:

@@ -84,8 +84,7 @@ def preempt(group: SequenceGroup, sched: Batch, step: Step) -> None:
 
 
 def requeue(group: SequenceGroup, sched: Batch, suspect: bool) -> None:
-    """After a failed step. Tokens the failed or void plans were to sample never come: none is
-    pending any more."""
+    """After a failed step (whose caller resets its progress: Scheduler.fail_oldest)."""
     seq = group.handle
     queued = seq.status is Status.WAITING  # preempted while the plans ran: in line already
     newly_suspect = suspect and not seq.suspect
@@ -94,7 +93,6 @@ def requeue(group: SequenceGroup, sched: Batch, suspect: bool) -> None:
         sched.recompute(group, [seq])  # a suspect waits apart from the heap
     elif newly_suspect:
         sched.queues.requeue(group)
-    seq.num_computed_tokens = seq.num_pending = 0
     seq.num_preemptions += 1
 
 

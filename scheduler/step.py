@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from proto import internal_pb2 as pb
 from proto.columns import pack
+from scheduler.progress import take
 
 if TYPE_CHECKING:
     from scheduler.request import Request
@@ -49,9 +50,7 @@ class Step:
         count moves now, before the step runs, so the next plan can follow this one; a step that
         reaches the end of its known tokens samples one, which the worker feeds back itself."""
         self.budget -= n
-        computed = req.num_computed_tokens = req.num_computed_tokens + n
-        if computed == len(req.all_token_ids) + req.num_pending:
-            req.num_pending += 1
+        take(req, n)
         if req.on_worker:
             self.held.append((req, n))
             if blocks:

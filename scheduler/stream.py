@@ -30,7 +30,8 @@ class Stream:
     __slots__ = ("gateway", "request_id", "index", "final_only", "sent", "started", "ended",
                  "held", "first_token_time")
 
-    def __init__(self, gateway: bytes, request_id: str, index: int, final_only: bool = False) -> None:
+    def __init__(self, gateway: bytes, request_id: str, index: int,
+                 final_only: bool = False) -> None:
         self.gateway, self.request_id, self.index = gateway, request_id, index
         self.final_only = final_only  # its tokens go out with its finish (AddRequest.final_only)
         self.sent = 0                 # output tokens in the outbox: the next one's offset

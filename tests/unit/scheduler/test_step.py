@@ -2,8 +2,11 @@
 at once (so the next plan can follow this one), a step that reaches the end of its known tokens
 samples one, which counts as pending until its result comes; the budget bounds what a step
 takes; and the plan names new sequences whole and held ones by slot, in the order the result
-answers them."""
+answers them. A sequence's progress is written by the verbs of scheduler/progress.py only."""
 from __future__ import annotations
+
+import ast
+from pathlib import Path
 
 from proto import internal_pb2 as pb
 from proto.columns import unpack_list
@@ -59,3 +62,19 @@ def test_proposals_take_budget_and_a_step_of_block_moves_alone_is_not_empty():
     assert moves_only.is_empty()
     moves_only.swap_in.append((0, 1))
     assert not moves_only.is_empty()
+
+
+def test_progress_is_written_by_its_verbs_only():
+    """num_computed_tokens and num_pending: assigned in scheduler/progress.py, nowhere else (the
+    KV manager reads them and returns what it found)."""
+    writers = set()
+    for path in sorted((Path(__file__).resolve().parents[3] / "scheduler").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                for t in t.elts if isinstance(t, ast.Tuple) else [t]:
+                    if isinstance(t, ast.Attribute) and t.attr in ("num_computed_tokens",
+                                                                     "num_pending"):
+                        writers.add(path.name)
+    assert writers == {"progress.py"}
