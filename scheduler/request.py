@@ -115,11 +115,19 @@ class Request:
         # The first output token sits at index num_prompt_tokens; with min_tokens m, output
         # tokens 0..m-1 cannot stop it (the worker masks them, see SamplingConfig).
         self.min_stop_len = self.num_prompt_tokens + self.sampling.min_tokens + 1
-        # The worker needs them for min_tokens, and for a grammar: a complete answer may take
-        # only these (worker/grammar.py).
-        if self.sampling.min_tokens or self.sampling.HasField("structured_output"):
-            self.sampling.stop_token_ids[:] = sorted(self.stop_set)
         self.length_limit = min(self.num_prompt_tokens + self.max_tokens, max_model_len)
+
+    def worker_sampling(self) -> pb.SamplingConfig:
+        """What the worker samples it with, built for the plan that sends it: its own sampling
+        (never edited), with the ids that stop it where the worker needs them: min_tokens masks
+        them, and a grammar's complete answer may take only them (worker/grammar.py)."""
+        sampling = self.sampling
+        if not (sampling.min_tokens or sampling.HasField("structured_output")):
+            return sampling
+        out = pb.SamplingConfig()
+        out.CopyFrom(sampling)
+        out.stop_token_ids[:] = sorted(self.stop_set)
+        return out
 
     @property
     def num_tokens(self) -> int:

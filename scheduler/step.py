@@ -81,7 +81,7 @@ class Step:
             swap_in=_moves(self.swap_in), copy=_moves(self.copy),
             new_seqs=[pb.NewSeq(
                 seq_id=req.seq_id, slot=req.slot, token_ids=req.all_token_ids,
-                sampling=req.sampling, num_computed_tokens=req.num_computed_tokens - n,
+                sampling=req.worker_sampling(), num_computed_tokens=req.num_computed_tokens - n,
                 block_ids=req.block_ids, num_new_tokens=n, num_prompt_tokens=req.num_prompt_tokens)
                 for req, n in self.new],
             running_slots=pack([req.slot for req, _ in self.held]),

@@ -78,3 +78,14 @@ def test_progress_is_written_by_its_verbs_only():
                                                                      "num_pending"):
                         writers.add(path.name)
     assert writers == {"progress.py"}
+
+
+def test_the_workers_sampling_is_built_for_the_plan_and_the_requests_left_as_it_came():
+    step, req = Step(1, budget=16), request([1, 2, 3])
+    req.sampling.min_tokens, req.stop_token_ids = 2, frozenset({9})
+    req.set_limits(frozenset({0}), max_model_len=64)  # EOS 0
+    step.take(req, 3, [0])
+    req.slot = 1
+    [new] = step.plan().new_seqs
+    assert list(new.sampling.stop_token_ids) == [0, 9] and new.sampling.min_tokens == 2
+    assert not req.sampling.stop_token_ids  # the gateway's, as it came
