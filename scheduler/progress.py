@@ -32,6 +32,12 @@ def accept(req: Request, cached: int = 0) -> None:
         req.num_computed_tokens += cached
 
 
+def accept_all(reqs: list[Request]) -> None:
+    """accept() for each of a result's rows that brought one token: one call for the step."""
+    for req in reqs:
+        req.num_pending -= 1
+
+
 def found(req: Request, computed: int) -> None:
     """req starts on blocks the KV manager found for it: a prefix-cache hit at admission, or
     the parent's blocks it forked from."""

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from proto import internal_pb2 as pb
 from proto.columns import unpack_list
-from scheduler.progress import accept as accept_progress
+from scheduler import progress
 from scheduler.request import FinishReason, Request, Status
 from scheduler.step import Step
 
@@ -35,6 +35,8 @@ def apply_result(sched: Batch, step: Step, result: pb.StepResult) -> list[Reques
         deliver_logprobs(sched, step, result.logprobs)
     FINISHED, RUNNING, SWAPPED = Status.FINISHED, Status.RUNNING, Status.SWAPPED
     j, num_results, ended, settle = 0, len(res_slots), [], []
+    accepted = []  # rows of one token, whose progress moves once for the step (nothing below reads it)
+    accept_one = accepted.append
     for req, _, slot in step.entries:
         if j == num_results or res_slots[j] != slot:
             continue  # a prefill chunk that did not reach the end: nothing sampled
@@ -52,7 +54,10 @@ def apply_result(sched: Batch, step: Step, result: pb.StepResult) -> list[Reques
         j += 1
         if status is FINISHED:
             continue
-        accept_progress(req, cached)
+        if cached:
+            progress.accept(req, cached)  # before the tokens: their blocks are cached by it
+        else:
+            accept_one(req)
         group = req.group
         if group.on_sampled(sched, req, tokens):
             if group not in settle:
@@ -62,6 +67,7 @@ def apply_result(sched: Batch, step: Step, result: pb.StepResult) -> list[Reques
     if j != num_results:
         raise ValueError(f"step {result.step_id}: {num_results - j} sampled slots match no "
                          "sequence of the plan")
+    progress.accept_all(accepted)
     ended += [group.handle for group in settle if group.settle(sched)]
     sched.streams.flush()
     return ended
