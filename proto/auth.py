@@ -28,7 +28,9 @@ log = logging.getLogger("pagoda.auth")
 # Raised on any change of internal.proto that an older peer would misread. 4: every token to a
 # gateway travels in SchedulerMessage's columns, none in a TokenDelta (proto/token_stream.py).
 # 5: a worker compiles grammars before their sequences are admitted (CompileGrammars).
-PROTOCOL_VERSION = 6
+# 7: TokenDelta has no token_ids; a worker's logprobs are SlotLogprobs (by slot), a gateway's
+# Logprobs (by request and index), one message per link.
+PROTOCOL_VERSION = 7
 
 
 def add_auth_args(parser: argparse.ArgumentParser) -> None:

@@ -52,8 +52,7 @@ class Update:
 
 class Writer:
     """Builds one SchedulerMessage's stream: token entries in arrival order (a stream's tokens
-    stay in order), the deltas, and logprobs. Whatever a delta carries in token_ids (a beam's
-    whole output) moves into the columns when the message is built."""
+    stay in order), the deltas, and logprobs."""
 
     def __init__(self) -> None:
         self.request_ids: list[str] = []
@@ -73,10 +72,10 @@ class Writer:
 
     def appends(self) -> tuple:
         """The columns' append methods, in add()'s order (request id, index, count, offset,
-        token): a step streams one token per decode, and binding these once per step spares
-        a method call per token."""
+        tokens: an extend): a step streams one token per decode, and binding these once per
+        step spares a method call per token."""
         return (self.request_ids.append, self.indices.append, self.num_tokens.append,
-                self.offsets.append, self.token_ids.append)
+                self.offsets.append, self.token_ids.extend)
 
     def put(self, update: Update) -> None:
         """An update as it was decoded: its tokens an entry, its news a delta after them."""
@@ -86,23 +85,9 @@ class Writer:
             self.deltas.append(update.news)
 
     def to_message(self) -> pb.SchedulerMessage:
-        deltas = [self._moved(d) if d.token_ids else d for d in self.deltas]
-        return pb.SchedulerMessage(deltas=[d for d in deltas if d is not None],
-                                   logprobs=self.logprobs, request_ids=self.request_ids,
+        return pb.SchedulerMessage(deltas=self.deltas, logprobs=self.logprobs, request_ids=self.request_ids,
                                    indices=pack(self.indices), num_tokens=pack(self.num_tokens),
                                    token_ids=pack(self.token_ids), offsets=pack(self.offsets))
-
-    def _moved(self, delta: pb.TokenDelta) -> pb.TokenDelta | None:
-        """delta's tokens as a column entry, and what is left of it (None: nothing)."""
-        news = pb.TokenDelta()
-        news.CopyFrom(delta)
-        news.ClearField("token_ids")
-        # An error ends the stream at once: the gateway shows nothing that comes with it.
-        if not delta.HasField("error"):
-            self.add(delta.request_id, delta.index, list(delta.token_ids), delta.offset)
-            news.offset = delta.offset + len(delta.token_ids)
-        bare = pb.TokenDelta(request_id=news.request_id, index=news.index, offset=news.offset)
-        return None if news == bare else news
 
 
 class Columns:
@@ -150,7 +135,7 @@ def updates(msg: pb.SchedulerMessage, columns: Columns | None = None,
     """msg as Updates, in the order to apply them (above). columns: msg's, already decoded (None:
     decoded here); entries in `skip` (say, malformed) are left out, and an entry of no tokens
     says nothing. A delta joins the last entry of its sequence when it continues it exactly
-    (its offset is that entry's end) and holds no tokens of its own nor an error: an error stays
+    (its offset is that entry's end) and holds no error: an error stays
     after the tokens it follows, which the gateway shows before it fails the stream."""
     cols = Columns(msg) if columns is None else columns
     tokens, starts = cols.token_ids.tolist(), cols.starts.tolist()
@@ -165,7 +150,7 @@ def updates(msg: pb.SchedulerMessage, columns: Columns | None = None,
         last[(rid, index)] = u
     for d in msg.deltas:
         u = last.get((d.request_id, d.index))
-        if u is not None and u.news is None and not d.token_ids and not d.HasField("error") \
+        if u is not None and u.news is None and not d.HasField("error") \
                 and d.offset == u.offset + len(u.token_ids):
             u.news = d
             del last[(d.request_id, d.index)]

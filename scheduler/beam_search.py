@@ -29,8 +29,11 @@ import numpy as np
 
 from proto import internal_pb2 as pb, pagoda_pb2
 from proto.columns import unpack_f32, unpack_list
+from scheduler import progress
+from scheduler.batch import Batch
 from scheduler.request import FinishReason, Request, Status
-from scheduler.sequence_group import Batch, SequenceGroup
+from scheduler.sequence_group import SequenceGroup, admit_whole
+from scheduler.stream import Stream, Streams
 
 if TYPE_CHECKING:
     from scheduler.step import Step
@@ -69,8 +72,9 @@ class BeamSearch(SequenceGroup):
     next_beam: int = 1
     suspect: bool = False     # it runs alone, whole (Scheduler.fail_oldest)
 
+    outputs: list[Stream] = field(default_factory=list)  # its streams, one per index, from its end
+
     grows = True
-    picks_tokens = True
 
     @classmethod
     def of(cls, handle: Request, params: pagoda_pb2.BeamSearchParams) -> BeamSearch:
@@ -113,7 +117,7 @@ class BeamSearch(SequenceGroup):
         self.cum_logprob, self.unsent = {}, set()
         self.improvable, self.results, self.next_beam = True, None, 1
         self.suspect, handle.suspect = handle.suspect, False  # lost_steps.py: it runs alone
-        handle.group, handle.status = self, Status.WAITING
+        handle.group = self
 
     # -- scheduling -----------------------------------------------------------------------------
     def schedule(self, sched: Batch, step: Step) -> None:
@@ -150,29 +154,7 @@ class BeamSearch(SequenceGroup):
     def admit(self, sched: Batch, step: Step) -> bool:
         """Whole, each beam with its prefix-cache hits, or not at all (strict order: nothing
         behind it goes first)."""
-        beams, kv = self.beams, sched.kv
-        if any(b.num_pending for b in beams):
-            return False  # a result of before its preemption is still on the way
-        budget, taken = step.budget, []
-        for b in beams:
-            hits = kv.get_computed_blocks(b)
-            n = min(b.num_tokens - len(hits) * kv.block_size, budget)
-            blocks = kv.allocate_slots(b, n, hits)
-            if blocks is None:
-                for t, _, _ in taken:
-                    kv.free(t)
-                    t.num_computed_tokens = 0
-                return False
-            taken.append((b, n, blocks))
-            budget -= n
-        for b, n, blocks in taken:
-            kv.count_admission(b)
-        sched.queues.admit(self, beams)
-        for b, n, blocks in taken:
-            if n:
-                step.take(b, n, blocks)
-        self.handle.status = Status.RUNNING
-        return True
+        return admit_whole(sched, self, self.beams, step) is not None
 
     def preempt(self, sched: Batch, step: Step) -> None:
         """Recompute, for the whole group: the candidates of a step still running are dropped
@@ -182,20 +164,15 @@ class BeamSearch(SequenceGroup):
         self._recompute(sched)
 
     def _recompute(self, sched: Batch) -> None:
+        """Its beams wait off the queue; admit() takes them all."""
         for b in self.beams:
-            if b.status is Status.RUNNING:
-                sched.recompute(b)
-            b.num_computed_tokens = 0
             b.num_preemptions += 1
         self.unsent.clear()
         self.candidates.clear()
-        self.handle.status = Status.WAITING
         self.handle.num_preemptions += 1
-        sched.queues.enqueue(self)  # its beams wait off the queue; admit() takes them all
+        sched.recompute(self, self.beams)
 
     def requeue(self, sched: Batch, suspect: bool) -> None:
-        for b in self.beams:
-            b.num_pending = 0
         if any(b.status is Status.RUNNING for b in self.beams):
             self.suspect = suspect  # it waits apart, and runs alone, as one
             self._recompute(sched)
@@ -219,47 +196,51 @@ class BeamSearch(SequenceGroup):
         for b in self.beams:
             sched.finish(b, reason)
         self.beams = []
-        handle.status, handle.finish_reason = Status.FINISHED, reason
-        sched.queues.forget(self)
+        handle.finish_reason = reason
+        sched.queues.end(self)
 
-    def final_deltas(self, error: pb.Error | None) -> list[pb.TokenDelta]:
-        """One delta per index with its whole output, best first (an abort or error: every
-        index ends with it)."""
+    def report_end(self, streams: Streams, seq: Request, error: pb.Error | None) -> None:
+        """Each index gets its whole output, best first, and its finish, once (an abort or an
+        error: every index ends with it, without tokens)."""
         handle, results = self.handle, self.results or []
-        out = []
-        for i in range(self.width):
-            delta = pb.TokenDelta(
-                request_id=handle.request_id, index=i, prompt_tokens=handle.num_prompt_tokens,
-                cached_prompt_tokens=max(0, handle.num_cached_tokens),
-                queue_time_s=max(0.0, handle.queue_time), num_preemptions=handle.num_preemptions,
-                finish=int(handle.finish_reason or FinishReason.ABORT))
+        if not self.outputs:
+            self.outputs = [Stream(handle.gateway, handle.request_id, i) for i in range(self.width)]
+        for i, stream in enumerate(self.outputs):
+            if stream.ended:
+                continue
+            finish, cum = int(handle.finish_reason or FinishReason.ABORT), None
             if i < len(results):
-                delta.token_ids.extend(results[i].token_ids)
-                delta.finish = int(results[i].finish)
-                delta.cumulative_logprob = results[i].cum_logprob
-            if error is not None:
-                delta.error.CopyFrom(error)
-            out.append(delta)
-        return out
+                if error is None:
+                    streams.tokens(stream, results[i].token_ids, handle)
+                finish, cum = int(results[i].finish), results[i].cum_logprob
+            streams.end(stream, handle, finish, error, cum)
 
     def drained(self) -> list[Request]:
         """It starts again from its prompt."""
-        self.beams, self.results, self.handle.status = [], None, Status.WAITING
+        self.beams, self.results = [], None
         return [self.handle]
 
     # -- results --------------------------------------------------------------------------------
-    def add_candidates(self, seq: Request, logprobs: pb.Logprobs | None) -> bool:
-        if seq.status is not Status.RUNNING or logprobs is None:
-            return False  # preempted while the step ran: recomputed with its group
+    def on_logprobs(self, sched: Batch, seq: Request, logprobs: pb.SlotLogprobs) -> None:
+        """A beam's sampled logprobs are its candidates; it asks for no prompt logprobs."""
+        if logprobs.prompt or seq.status is not Status.RUNNING:
+            return  # preempted while the step ran: recomputed with its group
         ids, values = unpack_list(logprobs.top_token_ids), unpack_f32(logprobs.top_logprobs)
         self.candidates[id(seq)] = list(zip(ids[:logprobs.k], values[:logprobs.k]))
-        return True
 
-    def on_result(self, sched: Batch) -> bool:
+    def on_sampled(self, sched: Batch, seq: Request, tokens: list[int]) -> bool:
+        """The worker's own token is not the beam's next one: the search picks those."""
+        return id(seq) in self.candidates
+
+    def settle(self, sched: Batch) -> bool:
+        """Once every live beam has its candidates: one step of the search."""
         if self.handle.status is Status.FINISHED or \
                 not all(id(b) in self.candidates for b in self.beams):
             return False
-        return self._advance(sched)
+        if self._advance(sched):
+            self.report_end(sched.streams, self.handle, None)
+            return True
+        return False
 
     def _advance(self, sched: Batch) -> bool:
         """One step of transformers' beam search (batch size 1). Returns True when it is over."""
@@ -332,5 +313,6 @@ class BeamSearch(SequenceGroup):
                               num_preemptions=parent.num_preemptions, group=self)
         self.next_beam += 1
         sched.kv.share(parent, child)
+        progress.found(child, parent.num_computed_tokens)
         sched.queues.add(child, running=True)
         return child

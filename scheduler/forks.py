@@ -10,17 +10,34 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from scheduler.request import Request, Status
-from scheduler.sequence_group import Batch, Single
+from scheduler import progress, single
+from scheduler.batch import Batch
+from scheduler.request import FinishReason, Request, Status
+from scheduler.sequence_group import SequenceGroup
+from scheduler.single import Single
 
 if TYPE_CHECKING:
     from scheduler.step import Step
 
 
 @dataclass(eq=False, slots=True)
-class Forks(Single):
-    """handle: sequence 0, the parent."""
+class Forks(SequenceGroup):
+    """handle: sequence 0, the parent, scheduled as a plain sequence (scheduler/single.py) that
+    holds back its last prompt token until the fork, then as a plain one."""
+    handle: Request
     children: list[Request] = field(default_factory=list)  # until the fork
+    key: tuple[int, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = self.handle.sort_key()
+
+    @property
+    def suspect(self) -> bool:
+        return self.handle.suspect
+
+    @suspect.setter
+    def suspect(self, value: bool) -> None:
+        self.handle.suspect = value
 
     @property
     def seats(self) -> int:
@@ -34,12 +51,44 @@ class Forks(Single):
         return [s for s in (self.handle, *self.children) if s.status is not Status.FINISHED]
 
     def start(self, sched: Batch) -> None:
-        Single.start(self, sched)
+        self.handle.group = self
+        sched.add_sequence(self.handle)
         for child in self.children:  # on the parent's worker, to share its blocks
             child.group, child.worker = self, self.handle.worker
             sched.add_sequence(child)
 
-    def _reach_held_back(self, sched: Batch, step: Step, may_preempt: bool = True) -> None:
+    def admit(self, sched: Batch, step: Step) -> bool:
+        n = single.admit(self, sched, step, self.held_back)
+        if n is not None and n <= 0 and self.children:
+            self._fork(sched, step, may_preempt=False)  # admitted in this step: none may leave
+        return n is not None
+
+    def resume(self, sched: Batch, step: Step) -> bool:
+        n = single.resume(self, sched, step, self.held_back)
+        if n is not None and n <= 0 and self.children:
+            self._fork(sched, step, may_preempt=False)
+        return n is not None
+
+    def schedule(self, sched: Batch, step: Step) -> None:
+        if single.schedule(self, sched, step, self.held_back):
+            self._fork(sched, step)
+
+    def preempt(self, sched: Batch, step: Step) -> None:
+        single.preempt(self, sched, step)
+
+    def requeue(self, sched: Batch, suspect: bool) -> None:
+        single.requeue(self, sched, suspect)
+
+    def fail(self, sched: Batch, failed: list[Request], alone: bool) -> Request | None:
+        if alone and failed and self.handle.suspect:
+            return self.handle  # it failed alone: the cause
+        self.requeue(sched, suspect=bool(failed))
+        return None
+
+    def end(self, sched: Batch, reason: FinishReason) -> None:
+        sched.finish(self.handle, reason)
+
+    def _fork(self, sched: Batch, step: Step, may_preempt: bool = True) -> None:
         """The fork: the parent computes its prompt's last token and its children start from
         there, sharing its blocks; one token each, if the step has room for all of them."""
         parent, kv = self.handle, sched.kv
@@ -52,6 +101,7 @@ class Forks(Single):
         blocks = kv.allocate_slots(parent, 1)
         for child in children:  # from the parent's state before this step's token
             copy = kv.fork(parent, child)
+            progress.found(child, parent.num_computed_tokens)
             if copy is not None:
                 step.copy.append(copy)
             child.num_cached_tokens = parent.num_cached_tokens

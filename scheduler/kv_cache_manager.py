@@ -140,7 +140,6 @@ class KVCacheManager:
         if computed_blocks is not None:
             pool.touch(computed_blocks)
             req.block_ids = list(computed_blocks)
-            req.num_computed_tokens = computed
             req.num_cached_blocks = len(computed_blocks)
         new = pool.allocate(need) if need else []
         req.block_ids += new
@@ -168,7 +167,6 @@ class KVCacheManager:
         child.block_ids = shared + own
         child.block_hashes = parent.block_hashes[:full]
         child.num_cached_blocks = min(parent.num_cached_blocks, full)
-        child.num_computed_tokens = c
         return (parent.block_ids[full], own[0]) if c % bs else None
 
     def share(self, parent: "Request", child: "Request") -> None:
@@ -179,7 +177,6 @@ class KVCacheManager:
         full = parent.num_computed_tokens // self.block_size
         child.block_hashes = parent.block_hashes[:full]
         child.num_cached_blocks = min(parent.num_cached_blocks, full)
-        child.num_computed_tokens = parent.num_computed_tokens
 
     def write_slots(self, req: "Request", n: int) -> tuple[list[int], BlockMove | None]:
         """allocate_slots for a sequence that may share its partial last block (share): that

@@ -58,7 +58,7 @@ def _cut_logprobs(lp: pb.Logprobs) -> list[pb.Logprobs]:
     for a in range(0, positions, LOGPROBS_POSITIONS):
         b = min(a + LOGPROBS_POSITIONS, positions)
         parts.append(pb.Logprobs(
-            slot=lp.slot, request_id=lp.request_id, index=lp.index, prompt=lp.prompt,
+            request_id=lp.request_id, index=lp.index, prompt=lp.prompt,
             first_position=lp.first_position + a, k=k, token_ids=lp.token_ids[4 * a:4 * b],
             logprobs=lp.logprobs[4 * a:4 * b], ranks=lp.ranks[4 * a:4 * b],
             top_token_ids=lp.top_token_ids[4 * a * k:4 * b * k],

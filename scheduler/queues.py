@@ -1,10 +1,10 @@
 """One worker's queues: which sequence groups wait, run, are swapped out, wait apart as suspects or
 are not ready yet, and how many sequences wait. Every move between them is a verb here, and so is
 every change of the status of a sequence in them, so that the counts and the heap stay true;
-nothing else touches these containers. A request outside them has its status set by its owner:
-the handle of a beam search (its beams are the sequences here) by its group
-(scheduler/beam_search.py), which the queues read as the group's status; one no worker holds (a
-pending, drained or refused request) by the router and the scheduler's drain.
+nothing else touches these containers. Each verb is a whole transition (a group is admitted,
+swapped out, recomputed or ends), and moves the status of the group's handle with it: a beam
+search's handle is none of its sequences (scheduler/beam_search.py). A request no worker holds (a
+pending, drained or refused one) has its status set by the router and the scheduler's drain.
 
 Entries are sequence groups (scheduler/sequence_group.py). A group that leaves a queue by ending
 (or by being admitted through the suspects) is dropped from it lazily: prune() at each step's start,
@@ -69,18 +69,12 @@ class Queues:
             self.swapped.remove(seq.group)
         seq.status = Status.RUNNING
 
-    def mark_waiting(self, seq: Request) -> None:
-        """A running or swapped sequence waits again (its group decides where: enqueue)."""
+    def _mark_waiting(self, seq: Request) -> None:
         if seq.status is Status.SWAPPED:
             self.swapped.remove(seq.group)
         if seq.status is not Status.WAITING:
             seq.status = Status.WAITING
             self.num_waiting += 1
-
-    def mark_swapped(self, seq: Request) -> None:
-        """A running sequence's blocks went to CPU: its group waits in the swapped list."""
-        seq.status = Status.SWAPPED
-        bisect.insort(self.swapped, seq.group, key=_key)  # after its equals: first out, first in
 
     def remove(self, seq: Request) -> None:
         """The sequence ended: it leaves every count and list, and its group too if seq was
@@ -96,7 +90,14 @@ class Queues:
 
     # -- groups -------------------------------------------------------------------------------
     def track(self, group: Queued) -> None:
+        """A group arrives (its sequences were added): it waits, and is known by its handle."""
+        group.handle.status = Status.WAITING  # a beam search's handle is none of its sequences
         self.groups[group.handle.seq_id] = group
+
+    def end(self, group: Queued) -> None:
+        """A group whose sequences all ended (remove) ends too."""
+        group.handle.status = Status.FINISHED
+        self.forget(group)
 
     def forget(self, group: Queued) -> None:
         """The group ended: it is known by its handle no longer."""
@@ -141,10 +142,24 @@ class Queues:
         heapq.heappop(self.waiting)
 
     def admit(self, group: Queued, seqs) -> None:
-        """A waiting group joins the batch, with those of its sequences that run now."""
+        """A waiting or swapped group joins the batch, with those of its sequences that run now."""
         for seq in seqs:
             self.mark_running(seq)
+        group.handle.status = Status.RUNNING
         self.start_running(group)
+
+    def recompute(self, group: Queued, seqs) -> None:
+        """A group leaves the batch to be computed again: `seqs`, its sequences, wait, and it
+        waits in line (or apart: a suspect)."""
+        for seq in seqs:
+            self._mark_waiting(seq)
+        group.handle.status = Status.WAITING
+        self.enqueue(group)
+
+    def swap_out(self, group: Queued, seq: Request) -> None:
+        """A running sequence's blocks went to CPU: its group waits in the swapped list."""
+        seq.status = group.handle.status = Status.SWAPPED
+        bisect.insort(self.swapped, group, key=_key)  # after its equals: first out, first in
 
     def start_running(self, *groups: Queued) -> None:
         """Groups whose sequences run now join the running list."""

@@ -7,6 +7,7 @@ from typing import Any
 
 from proto import internal_pb2 as pb
 from scheduler.draft_length import DraftLength
+from scheduler.stream import Stream
 
 
 class Status(enum.Enum):
@@ -54,9 +55,9 @@ class Request:
     arrival_time: float = 0.0       # time.monotonic() at the scheduler
     queue_time: float = -1.0        # arrival to first scheduled, once known
     final_only: bool = False        # its tokens go out with its finish (AddRequest.final_only)
-    first_token_time: float = 0.0   # time.monotonic() of its first output token (final_only: 0 before)
 
     all_token_ids: list[int] = field(default_factory=list)
+    # Its progress, written by the verbs of scheduler/progress.py only:
     num_computed_tokens: int = 0    # including those of plans still on the worker
     num_pending: int = 0            # tokens sampled by plans in flight, not yet received
     block_ids: list[int] = field(default_factory=list)
@@ -88,11 +89,8 @@ class Request:
     # it last got further than before (scheduler/lost_steps.py), and how far it had got then.
     lost_steps: int = 0
     lost_at_length: int = -1
-    # Streaming to the gateway: whether the first delta (with usage) went out, and how many
-    # tokens at the end are not sent yet. A plain decode leaves both alone, so a quiet step
-    # writes nothing here.
-    stream_started: bool = False
-    num_unstreamed: int = 0
+    # What its gateway was sent (scheduler/stream.py), made with it: never derived.
+    stream: Stream | None = None
     # Speculative decoding: how many tokens it may propose next (scheduler/draft_length.py),
     # made at its first speculating step.
     draft: DraftLength | None = None
@@ -100,6 +98,8 @@ class Request:
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+        if self.stream is None:
+            self.stream = Stream(self.gateway, self.request_id, self.index, self.final_only)
 
     def derive(self, **changes) -> Request:
         """Another sequence of the same request (a beam, say): its parameters and stop rule,
@@ -115,11 +115,19 @@ class Request:
         # The first output token sits at index num_prompt_tokens; with min_tokens m, output
         # tokens 0..m-1 cannot stop it (the worker masks them, see SamplingConfig).
         self.min_stop_len = self.num_prompt_tokens + self.sampling.min_tokens + 1
-        # The worker needs them for min_tokens, and for a grammar: a complete answer may take
-        # only these (worker/grammar.py).
-        if self.sampling.min_tokens or self.sampling.HasField("structured_output"):
-            self.sampling.stop_token_ids[:] = sorted(self.stop_set)
         self.length_limit = min(self.num_prompt_tokens + self.max_tokens, max_model_len)
+
+    def worker_sampling(self) -> pb.SamplingConfig:
+        """What the worker samples it with, built for the plan that sends it: its own sampling
+        (never edited), with the ids that stop it where the worker needs them: min_tokens masks
+        them, and a grammar's complete answer may take only them (worker/grammar.py)."""
+        sampling = self.sampling
+        if not (sampling.min_tokens or sampling.HasField("structured_output")):
+            return sampling
+        out = pb.SamplingConfig()
+        out.CopyFrom(sampling)
+        out.stop_token_ids[:] = sorted(self.stop_set)
+        return out
 
     @property
     def num_tokens(self) -> int:

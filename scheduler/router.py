@@ -17,11 +17,12 @@ from scheduler.admission import Rejected, check_admission, seeded_sampling  # no
 from scheduler.beam_search import BeamSearch
 from scheduler.scheduler_config import RouterConfig, SchedulerConfig  # noqa: F401 - RouterConfig: the API
 from scheduler.forks import Forks
-from scheduler.outbox import Outboxes
 from scheduler.reports import loads_of
 from scheduler.request import FinishReason, Request, Status
 from scheduler.scheduler import Scheduler
-from scheduler.sequence_group import SequenceGroup, Single
+from scheduler.sequence_group import SequenceGroup
+from scheduler.single import Single
+from scheduler.stream import Streams
 from scheduler.tenants import TenantLoad
 
 log = logging.getLogger("pagoda.router")
@@ -54,7 +55,7 @@ class Router:
         # Every registration's step ids start at its epoch << 32: ids never repeat across
         # registrations, so a late result of an earlier one is recognised and dropped.
         self.epochs = itertools.count(1)
-        self.outbox = Outboxes()
+        self.streams = Streams()  # every gateway's outbox (scheduler/stream.py)
 
     # -- workers ------------------------------------------------------------------------------
     def refusal(self, worker_id: bytes, hello: pb.WorkerHello) -> str | None:
@@ -98,7 +99,8 @@ class Router:
             swap_bytes_per_s=hello.swap_bytes_per_s, prefill_tokens_per_s=hello.prefill_tokens_per_s)
         first_step_id = next(self.epochs) << 32
         self.workers[worker_id] = WorkerState(worker_id, hello,
-                                              Scheduler(cfg, hello.num_blocks, first_step_id))
+                                              Scheduler(cfg, hello.num_blocks, first_step_id,
+                                                        self.streams))
         log.info("worker %s registered: %d blocks of %d, max_model_len %d, %s",
                  hello.worker_id, hello.num_blocks, hello.block_size, hello.max_model_len,
                  hello.device)
@@ -216,8 +218,7 @@ class Router:
     def refuse(self, gateway: bytes, request_id: str, error: pb.Error) -> None:
         """The answer to an add that never became a request. It waits in the gateway's outbox
         with the rest, so a burst of refusals leaves in a few messages, not one send each."""
-        self.outbox[gateway].deltas.append(pb.TokenDelta(request_id=request_id, finish=pb.ERROR,
-                                                         error=error))
+        self.streams.refuse(gateway, request_id, error)
 
     def fail_pending(self, code: str, message: str) -> int:
         """End the sequences no worker has taken (none is left to take them)."""
@@ -239,8 +240,7 @@ class Router:
     def _forget(self, request_id: str) -> None:
         seqs = self.seqs.pop(request_id, None)
         if seqs:
-            group = seqs[0].group
-            self.tenants.release(seqs[0].tenant, group.seats if group.picks_tokens else len(seqs))
+            self.tenants.end(seqs[0])
             self.public.pop(seqs[0].public_id, None)
 
     def loads(self) -> pagoda_pb2.GetLoadsResponse:
@@ -334,7 +334,7 @@ class Router:
         state.steps += 1
         state.forward_seconds += result.forward_seconds
         if oldest.void:
-            sched.update(result, self.outbox)  # drops it; its sequences were requeued
+            sched.update(result)  # drops it; its sequences were requeued
             return
         if result.error and result.step_id == oldest.step_id:
             # The worker's own text goes to the log only; the client gets a short message.
@@ -346,18 +346,18 @@ class Router:
                 sched.finish(req, FinishReason.ERROR)
                 self._emit(req, error=pb.Error(code="INTERNAL", message=FAILED_ALONE))
             return
-        # The scheduler streams plain one-token steps into the outboxes itself; what is left
-        # (first tokens with usage, finishes) comes back for _emit.
+        # The scheduler streams the tokens and ends (scheduler/stream.py); what ended comes
+        # back to be forgotten.
         failed = sched.failed_rows(result)
         try:
-            others = sched.update(result, self.outbox)
+            ended = sched.update(result)
         except ValueError as e:
             # The worker and its scheduler disagree about the batch: start that worker afresh
             # and recompute its sequences (elsewhere, or on it once it registers again).
             self.remove(worker_id, str(e))
             return
-        for req in others:
-            self._emit(req)
+        for req in ended:
+            self._ended(req)
         for req, why in failed:
             if req.status is Status.FINISHED:
                 continue  # ended while the step ran (an abort)
@@ -365,36 +365,15 @@ class Router:
             self._emit(req, error=pb.Error(code="INVALID_ARGUMENT", message=why))
 
     def _emit(self, req: Request, error: pb.Error | None = None) -> None:
-        box = self.outbox[req.gateway]
-        if req.group.picks_tokens:  # a beam search says nothing until it ends
-            box.deltas += req.group.final_deltas(error)
-            return self._forget(req.request_id)
-        first = not req.stream_started
-        if req.num_unstreamed:
-            box.add(req.request_id, req.index, req.all_token_ids[-req.num_unstreamed:],
-                    req.num_tokens - req.num_prompt_tokens - req.num_unstreamed)
-            req.num_unstreamed = 0
-        req.stream_started = True
-        if first or req.is_finished:
-            delta = pb.TokenDelta(request_id=req.request_id, index=req.index,
-                                  prompt_tokens=req.num_prompt_tokens,
-                                  cached_prompt_tokens=max(0, req.num_cached_tokens),
-                                  queue_time_s=max(0.0, req.queue_time),
-                                  num_preemptions=req.num_preemptions,
-                                  offset=req.num_tokens - req.num_prompt_tokens)
-            if req.is_finished:
-                delta.finish = int(req.finish_reason)
-                if error is not None:
-                    delta.error.CopyFrom(error)
-                if req.final_only and req.num_tokens > req.num_prompt_tokens:
-                    delta.first_token_s = (req.first_token_time or time.monotonic()) - req.arrival_time
-                seqs = self.seqs.get(req.request_id)
-                if seqs is not None and all(s.is_finished for s in seqs):
-                    self._forget(req.request_id)
-            box.deltas.append(delta)
+        """req ended outside a result (an abort, an error, no worker): its gateway is told."""
+        req.group.report_end(self.streams, req, error)
+        self._ended(req)
+
+    def _ended(self, req: Request) -> None:
+        seqs = self.seqs.get(req.request_id)
+        if seqs is not None and all(s.is_finished for s in seqs):
+            self._forget(req.request_id)
 
     def take_outbox(self) -> dict[bytes, pb.SchedulerMessage]:
         """One message per gateway with everything since the last call."""
-        out = {gw: box.to_message() for gw, box in self.outbox.items()}
-        self.outbox = Outboxes()
-        return out
+        return self.streams.take()

@@ -27,10 +27,10 @@ from operator import attrgetter
 
 from proto import internal_pb2 as pb
 from proto.speculation import may_speculate
+from scheduler import progress
 from scheduler.scheduler_config import SchedulerConfig
 from scheduler.grammar_waits import GrammarWaits
 from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.outbox import Outboxes
 from scheduler.preemption import PreemptionPolicy
 from scheduler.queues import Queues
 from scheduler.request import FinishReason, Request, Status
@@ -39,13 +39,15 @@ from scheduler.sequence_group import SequenceGroup
 from scheduler.speculation_stats import SpeculationStats
 from scheduler.slots import Slots
 from scheduler.step import Step
+from scheduler.stream import Streams
 
 _KEY = attrgetter("key")
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, num_blocks: int, first_step_id: int = 0) -> None:
-        self.config = config
+    def __init__(self, config: SchedulerConfig, num_blocks: int, first_step_id: int = 0,
+                 streams: Streams | None = None) -> None:
+        self.config, self.streams = config, Streams() if streams is None else streams
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.num_cpu_blocks)
         self.preemption = PreemptionPolicy(config, self.kv)
@@ -56,8 +58,7 @@ class Scheduler:
         self.slots = Slots()
         self.in_flight: deque[Step] = deque()  # plans sent, results not yet back
         self.last_result_at = 0.0  # monotonic: the worker starts the next plan in flight then
-        # Each registration starts its ids where no earlier one reached (the router's epoch), so a
-        # result from before a worker registered again never matches a plan of this one.
+        # From the router's epoch: a result of an earlier registration never matches a plan.
         self.step_id = first_step_id
 
     # -- what the router and reports read -----------------------------------------------------
@@ -270,9 +271,9 @@ class Scheduler:
         return victim is not group
 
     # -- results ------------------------------------------------------------------------------
-    def update(self, result: pb.StepResult, outboxes: Outboxes) -> list[Request]:
-        """The result of the oldest plan in flight (results.py). Returns the sequences with news
-        other than a plain token (first tokens, finishes)."""
+    def update(self, result: pb.StepResult) -> list[Request]:
+        """The result of the oldest plan in flight (results.py). Returns the sequences, or the
+        handles of groups, that ended in it."""
         if not self.in_flight or result.step_id != self.in_flight[0].step_id:
             raise ValueError(f"result for step {result.step_id}, but the oldest plan in flight "
                              f"is {self.in_flight[0].step_id if self.in_flight else 'none'}")
@@ -284,7 +285,7 @@ class Scheduler:
         if step.alone:
             for req, _, _ in step.entries:
                 req.group.suspect = False  # it ran alone and the worker survived it
-        return apply_result(self, step, result, outboxes)
+        return apply_result(self, step, result)
 
     def failed_rows(self, result: pb.StepResult) -> list[tuple[Request, str]]:
         """The sequences the worker could not go on with (their grammar left no token: a
@@ -328,6 +329,9 @@ class Scheduler:
             culprit = group.fail(self, [r for r in seqs if id(r) in failed_ids], step.alone)
             if culprit is not None:
                 culprits.append(culprit)
+                continue
+            for seq in group.seqs():  # what the failed and void plans were to sample never comes
+                progress.reset(seq)
         return culprits
 
     # -- endings and preemption ---------------------------------------------------------------
@@ -340,14 +344,32 @@ class Scheduler:
         self.queues.remove(seq)
         seq.finish_reason = reason
 
-    def recompute(self, seq: Request) -> None:
-        """seq leaves the batch to be computed again from its first token: its blocks and slot
-        go, and it waits (its group puts it in line). Freed blocks keep their hashes, so the
-        recompute often finds most of its prefix still cached."""
-        self.kv.free(seq)
+    def recompute(self, group: SequenceGroup, seqs: list[Request]) -> None:
+        """`seqs`, the group's, leave the batch to be computed again from their first token:
+        their blocks and slots go, and the group waits in line (Queues.recompute). Freed blocks
+        keep their hashes, so the recompute often finds most of its prefix still cached."""
+        for seq in seqs:
+            if seq.status is Status.RUNNING or seq.status is Status.SWAPPED:
+                self.kv.free(seq)
+                self.drop_slot(seq)
+            progress.restart(seq)
+        self.queues.recompute(group, seqs)
+
+    def swap_out(self, group: SequenceGroup, seq: Request, step: Step) -> None:
+        """seq's blocks go to CPU in `step` and its group waits in the swapped list."""
+        step.swap_out += self.kv.swap_out(seq)
         self.drop_slot(seq)
-        seq.num_computed_tokens = 0
-        self.queues.mark_waiting(seq)
+        self.queues.swap_out(group, seq)
+
+    def swap_in(self, group: SequenceGroup, seq: Request, n: int, step: Step) -> bool:
+        """seq's blocks come back from CPU in `step`, with room for n more tokens, and its group
+        runs again; False: no room now."""
+        moves = self.kv.swap_in(seq, n)
+        if moves is None:
+            return False
+        step.swap_in += moves
+        self.queues.admit(group, (seq,))
+        return True
 
     def drop_slot(self, seq: Request) -> None:
         self.slots.release(seq, self.step_id)
@@ -360,7 +382,7 @@ class Scheduler:
         for req in out:
             self.kv.free(req)
             req.on_worker, req.slot = False, -1
-            req.num_computed_tokens = req.num_pending = 0
+            progress.reset(req)
             req.status = Status.WAITING  # for the router: it waits for a worker
         self.queues.clear()
         self.slots.clear()

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from proto import internal_pb2 as pb
 from proto.columns import pack
+from scheduler.progress import take
 
 if TYPE_CHECKING:
     from scheduler.request import Request
@@ -49,9 +50,7 @@ class Step:
         count moves now, before the step runs, so the next plan can follow this one; a step that
         reaches the end of its known tokens samples one, which the worker feeds back itself."""
         self.budget -= n
-        computed = req.num_computed_tokens = req.num_computed_tokens + n
-        if computed == len(req.all_token_ids) + req.num_pending:
-            req.num_pending += 1
+        take(req, n)
         if req.on_worker:
             self.held.append((req, n))
             if blocks:
@@ -82,7 +81,7 @@ class Step:
             swap_in=_moves(self.swap_in), copy=_moves(self.copy),
             new_seqs=[pb.NewSeq(
                 seq_id=req.seq_id, slot=req.slot, token_ids=req.all_token_ids,
-                sampling=req.sampling, num_computed_tokens=req.num_computed_tokens - n,
+                sampling=req.worker_sampling(), num_computed_tokens=req.num_computed_tokens - n,
                 block_ids=req.block_ids, num_new_tokens=n, num_prompt_tokens=req.num_prompt_tokens)
                 for req, n in self.new],
             running_slots=pack([req.slot for req, _ in self.held]),

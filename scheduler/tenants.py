@@ -27,6 +27,7 @@ class TenantLoad:
         # that run or ended leave lazily from the front (head()) and the back (newest_waiting()).
         self.lines: dict[str, deque[Request]] = {}
         self.clock = 0  # the latest start tag given: the head when nothing waits
+        self.held: dict[str, int] = {}  # sequences each request in flight counts, by its id
 
     def refusal(self, tenant: str, n: int) -> str | None:
         """Why n more sequences of this tenant cannot be admitted now, or None."""
@@ -58,12 +59,17 @@ class TenantLoad:
     def admit(self, handle: Request, n: int) -> None:
         """A request of n sequences (handle: its first, or its beam search's) was admitted."""
         self.in_flight[handle.tenant] += n
+        self.held[handle.request_id] = n
         line = self.lines.setdefault(handle.tenant, deque())
         line.append(handle)
         if len(line) > 2 * self.in_flight[handle.tenant] + 8:
             # Ended ones stuck behind a front that still waits: dropped now, so that the line
             # holds no more than twice what the tenant has in flight (amortized once per entry).
             self.lines[handle.tenant] = deque(r for r in line if _waits(r))
+
+    def end(self, handle: Request) -> None:
+        """The request admitted with handle ended: what it counted is released."""
+        self.release(handle.tenant, self.held.pop(handle.request_id, 0))
 
     def release(self, tenant: str, n: int) -> None:
         left = self.in_flight[tenant] - n

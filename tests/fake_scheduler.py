@@ -27,14 +27,23 @@ from gateway.tokenizer import TextTokenizer, load_tokenizer
 from proto import internal_pb2 as ipb, pagoda_pb2 as pb, pagoda_pb2_grpc
 from proto.auth import PROTOCOL_VERSION
 from proto.columns import pack, pack_f32
-from proto.token_stream import Writer
+from proto.token_stream import Update, Writer
 from tests.cluster import free_port
 
 DEFAULT_REPLY = "Héllo 😀 wörld, 日本語 and 🇯🇵 done."
 
-# A plan turns an AddRequest into steps: a TokenDelta or a Logprobs to send, a float to sleep
-# for, or None to wait until the request is aborted.
+# A plan turns an AddRequest into steps: an `out` (tokens and/or news of one sequence), a
+# TokenDelta (news alone) or a Logprobs to send, a float to sleep for, or None to wait until the
+# request is aborted.
 Plan = Callable[[ipb.AddRequest], list]
+
+
+def out(request_id: str, token_ids: Sequence[int] = (), index: int = 0, **news) -> Update:
+    """One sequence's tokens, then its news (finish, usage, error, ...) if any, as the real
+    scheduler's stream sends them (scheduler/stream.py); the fake numbers the offsets."""
+    delta = ipb.TokenDelta(request_id=request_id, index=index, **news)
+    bare = delta == ipb.TokenDelta(request_id=request_id, index=index)
+    return Update(request_id, index, 0, list(token_ids), None if bare else delta)
 
 
 def logprobs_msg(request_id: str, first_position: int, token_ids: Sequence[int],
@@ -61,12 +70,12 @@ def reply_plan(tok: TextTokenizer, text: str = DEFAULT_REPLY, per_delta: int = 1
         ids = tok.encode(text, add_special_tokens=False)
         per_index = []
         for index in range(max(1, add.n)):
-            deltas = [ipb.TokenDelta(request_id=add.request_id, index=index,
-                                     token_ids=ids[i:i + per_delta])
-                      for i in range(0, len(ids), per_delta)]
-            deltas[-1].finish, deltas[-1].prompt_tokens = finish, len(add.prompt_token_ids)
-            deltas[-1].cached_prompt_tokens = 16
-            per_index.append(deltas)
+            steps = [out(add.request_id, ids[i:i + per_delta], index)
+                     for i in range(0, len(ids), per_delta)]
+            steps[-1].news = ipb.TokenDelta(request_id=add.request_id, index=index, finish=finish,
+                                            prompt_tokens=len(add.prompt_token_ids),
+                                            cached_prompt_tokens=16)
+            per_index.append(steps)
         # Interleave the indices, as a real scheduler batches them.
         steps = [d for step in zip(*per_index) for d in step]
         return [s for d in steps for s in ((delay, d) if delay else (d,))]
@@ -121,19 +130,24 @@ class FakeScheduler:
     def info(self) -> ipb.ClusterInfo:
         return cluster_info(self.tok, self.num_workers, self.max_model_len)
 
-    async def send(self, peer: bytes, msg: ipb.SchedulerMessage) -> None:
-        """Numbers the message as the real scheduler does: epoch, the link's seq, and each
-        delta's offset (output tokens sent before it on its sequence). The deltas' tokens go
-        into the columns, as the real scheduler's encoder puts them (proto/token_stream.py)."""
-        for d in msg.deltas:
-            key = (d.request_id, d.index)
-            d.offset = self.sent_tokens.get(key, 0)
-            self.sent_tokens[key] = d.offset + len(d.token_ids)
-        if any(d.token_ids for d in msg.deltas):
-            writer = Writer()
-            writer.deltas += msg.deltas
-            del msg.deltas[:]
-            msg.MergeFrom(writer.to_message())
+    async def send_updates(self, peer: bytes, updates: Sequence[Update]) -> None:
+        """Sequences' tokens and news in one message, in the token stream's encoding
+        (proto/token_stream.py), each numbered from what its sequence was sent before."""
+        writer = Writer()
+        for u in updates:
+            key = (u.request_id, u.index)
+            u.offset = self.sent_tokens.get(key, 0)
+            self.sent_tokens[key] = u.offset + len(u.token_ids)
+            if u.news is not None:
+                u.news.offset = self.sent_tokens[key]
+            writer.put(u)
+        await self.send(peer, writer.to_message(), numbered=True)
+
+    async def send(self, peer: bytes, msg: ipb.SchedulerMessage, numbered: bool = False) -> None:
+        """Numbers the message as the real scheduler does: epoch, the link's seq, and (unless
+        numbered) each delta's offset (output tokens sent before it on its sequence)."""
+        for d in msg.deltas if not numbered else ():
+            d.offset = self.sent_tokens.get((d.request_id, d.index), 0)
         msg.epoch = self.epoch
         msg.seq = self.seqs[peer] = self.seqs.get(peer, 0) + 1
         await self.sock.send_multipart([peer, msg.SerializeToString()])
@@ -218,6 +232,10 @@ class FakeScheduler:
                     continue  # the gateway gave up this sequence
                 elif isinstance(step, ipb.Logprobs):
                     await self.send(run.peer, ipb.SchedulerMessage(logprobs=[step]))
+                elif isinstance(step, Update):
+                    if step.finish != ipb.NOT_FINISHED:
+                        run.finished.add(step.index)
+                    await self.send_updates(run.peer, [step])
                 else:
                     if step.finish != ipb.NOT_FINISHED:
                         run.finished.add(step.index)

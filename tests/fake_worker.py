@@ -216,7 +216,7 @@ class FakeWorker:
                 if seq.beam_k:  # candidates; the plan names the next token
                     top = beam_distribution(context)[:seq.beam_k]
                     tok = top[0][0]
-                    logprobs.append(pb.Logprobs(
+                    logprobs.append(pb.SlotLogprobs(
                         slot=sid, first_position=len(seq.tokens), token_ids=pack([tok]),
                         logprobs=pack_f32([top[0][1]]), ranks=pack([1]), k=len(top),
                         top_token_ids=pack([t for t, _ in top]),

@@ -53,10 +53,10 @@ def prompt_logprobs(batch, compute_logits, slots, counts, hidden, result) -> Non
 
 
 def logprobs_message(slot: int, prompt: bool, first_position: int, token_ids: torch.Tensor,
-                     lps, lo: int, hi: int, k: int) -> internal_pb2.Logprobs:
-    """Rows lo:hi of compute_logprobs' output, with the top k of each, as a Logprobs message."""
+                     lps, lo: int, hi: int, k: int) -> internal_pb2.SlotLogprobs:
+    """Rows lo:hi of compute_logprobs' output, with the top k of each, as a SlotLogprobs message."""
     values, ranks, top_ids, top_values = (t[lo:hi].cpu() for t in lps)
-    return internal_pb2.Logprobs(
+    return internal_pb2.SlotLogprobs(
         slot=slot, prompt=prompt, first_position=first_position,
         token_ids=pack(token_ids[lo:hi].cpu().numpy()), logprobs=pack_f32(values.float().numpy()),
         ranks=pack(ranks.numpy()), k=k, top_token_ids=pack(top_ids[:, :k].reshape(-1).numpy()),

@@ -96,11 +96,10 @@ def check_update(u: Update, n: int, vocab_size: int, max_model_len: int) -> str 
 
 
 def check_news(d: pb.TokenDelta, max_model_len: int) -> str | None:
-    """A delta: usage, finish and error within range, and no tokens (they travel in the columns)."""
+    """A delta: usage, finish and error within range (it holds no tokens: they travel in the
+    columns)."""
     error = d.HasField("error")
     return _first(
-        f"a delta holds {len(d.token_ids)} token_ids: tokens travel in the columns"
-        if d.token_ids else None,
         None if d.finish in _FINISHES else f"finish = {d.finish} is not a Finish",
         _int("offset", d.offset, 0, max_model_len),
         _int("prompt_tokens", d.prompt_tokens, 0, max_model_len),

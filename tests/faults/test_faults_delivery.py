@@ -16,7 +16,7 @@ from gateway.scheduler_link.inbox import Inbox
 from gateway.tokenizer import load_tokenizer
 from proto import internal_pb2 as ipb, pagoda_pb2 as pb, pagoda_pb2_grpc
 from proto.token_stream import Update
-from tests.fake_scheduler import local_gateway, until
+from tests.fake_scheduler import local_gateway, out, until
 
 TOK = load_tokenizer("")
 harness = functools.partial(local_gateway, TOK)
@@ -25,7 +25,7 @@ TOKENS = TOK.encode(" one two three", add_special_tokens=False)
 
 async def started_stream(h):
     """A stream whose first token arrived; the fake then waits for the test's messages."""
-    h.scheduler.plan = lambda add: [ipb.TokenDelta(request_id=add.request_id, index=0,
+    h.scheduler.plan = lambda add: [out(request_id=add.request_id, index=0,
                                                    token_ids=TOKENS[:1]), None]
     call = h.stub.GenerateStream(pb.GenerateRequest(prompt="x"))
     first = await call.read()
@@ -42,16 +42,14 @@ async def ending(call) -> grpc.aio.AioRpcError:
     return e.value
 
 
-def lose_one_message(h, add, peer) -> ipb.SchedulerMessage:
+def lose_one_message(h, add, peer) -> Update:
     h.scheduler.seqs[peer] += 1  # this number's message never arrives
-    return ipb.SchedulerMessage(deltas=[ipb.TokenDelta(
-        request_id=add.request_id, index=0, token_ids=TOKENS[1:2])])
+    return out(request_id=add.request_id, index=0, token_ids=TOKENS[1:2])
 
 
-def repeat_the_first_token(h, add, peer) -> ipb.SchedulerMessage:
+def repeat_the_first_token(h, add, peer) -> Update:
     h.scheduler.sent_tokens[(add.request_id, 0)] -= 1  # the first token again
-    return ipb.SchedulerMessage(deltas=[ipb.TokenDelta(
-        request_id=add.request_id, index=0, token_ids=TOKENS[:1])])
+    return out(request_id=add.request_id, index=0, token_ids=TOKENS[:1])
 
 
 @pytest.mark.parametrize("fault,details", [
@@ -64,7 +62,7 @@ def test_a_lost_or_repeated_message_ends_the_stream_unavailable_and_aborts_it(ru
     async def body():
         async with harness() as h:
             call, add, peer = await started_stream(h)
-            await h.scheduler.send(peer, fault(h, add, peer))
+            await h.scheduler.send_updates(peer, [fault(h, add, peer)])
             error = await asyncio.wait_for(ending(call), 5)
             print(f"\n{fault.__name__}: {error.code().name}: {error.details()}")
             assert error.code() == grpc.StatusCode.UNAVAILABLE
@@ -83,7 +81,7 @@ def test_a_restarted_scheduler_ends_streams_in_flight_and_serves_on(run):
             assert error.code() == grpc.StatusCode.UNAVAILABLE
             assert error.details() == "the scheduler restarted and lost the requests in flight"
             assert (await h.health_of()) == health_pb2.HealthCheckResponse.SERVING
-            h.scheduler.plan = lambda add: [ipb.TokenDelta(
+            h.scheduler.plan = lambda add: [out(
                 request_id=add.request_id, token_ids=TOKENS, finish=ipb.LENGTH)]
             assert [r.token_ids for r in await h.stream(prompt="y")][-1] == TOKENS
     run(body())

@@ -12,7 +12,7 @@ import grpc
 from gateway.tokenizer import load_tokenizer
 from proto import internal_pb2 as ipb, pagoda_pb2 as pb
 from proto.columns import pack, pack_f32
-from tests.fake_scheduler import local_gateway, logprobs_msg, until
+from tests.fake_scheduler import local_gateway, logprobs_msg, out, until
 from tests.faults.test_faults_delivery import ending
 
 TOK = load_tokenizer("")
@@ -37,9 +37,6 @@ MALFORMED = {
                             "finish = 7 is not a Finish"),
     "token outside the vocabulary": (lambda rid: column(rid, [V + 5]),
                                      f"token_ids holds token {V + 5}, outside the vocabulary of {V}"),
-    "tokens in a delta": (lambda rid: dict(deltas=[delta(request_id=rid, token_ids=TOKENS[1:2],
-                                                         offset=1)]),
-                          "a delta holds 1 token_ids: tokens travel in the columns"),
     "negative token in the columns": (lambda rid: column(rid, [-3]),
                                       "entry 0 of the token columns holds a negative"),
     "negative offset in the columns": (lambda rid: column(rid, TOKENS[1:2], offset=-1),
@@ -68,7 +65,7 @@ MALFORMED = {
 
 
 def first_token_then_wait(add: ipb.AddRequest) -> list:
-    return [ipb.TokenDelta(request_id=add.request_id, index=0, token_ids=TOKENS[:1]), None]
+    return [out(request_id=add.request_id, index=0, token_ids=TOKENS[:1]), None]
 
 
 async def rest_of(call) -> list[pb.GenerateResponse]:
@@ -104,8 +101,8 @@ def test_garbage_and_bad_envelopes_are_dropped_and_no_stream_notices(run):
             envelopes = [
                 ipb.SchedulerMessage(epoch=0, seq=seq + 1),                       # no epoch
                 ipb.SchedulerMessage(epoch=h.scheduler.epoch, seq=0),             # no seq
-                ipb.SchedulerMessage(epoch=h.scheduler.epoch, seq=seq, deltas=[   # a repeat
-                    delta(request_id=rid, token_ids=TOKENS[1:2], offset=1)]),
+                ipb.SchedulerMessage(epoch=h.scheduler.epoch, seq=seq,            # a repeat
+                                     **column(rid, TOKENS[1:2])),
                 ipb.SchedulerMessage(epoch=h.scheduler.epoch, seq=seq + 1, info=bad_info),
                 ipb.SchedulerMessage(epoch=h.scheduler.epoch, seq=seq + 1, refused="x" * 10000),
             ]
@@ -114,9 +111,9 @@ def test_garbage_and_bad_envelopes_are_dropped_and_no_stream_notices(run):
             for msg in envelopes:
                 await raw(h, peer, msg.SerializeToString())
             # News for a request this gateway does not know: dropped quietly.
-            await raw(h, peer, numbered(h, peer, deltas=[delta(request_id="nobody", token_ids=[V + 1])]))
-            await h.scheduler.send(peer, ipb.SchedulerMessage(deltas=[delta(
-                request_id=rid, token_ids=TOKENS[1:], finish=ipb.LENGTH, prompt_tokens=1)]))
+            await raw(h, peer, numbered(h, peer, **column("nobody", TOKENS[:1])))
+            await h.scheduler.send_updates(peer, [out(rid, TOKENS[1:], finish=ipb.LENGTH,
+                                                      prompt_tokens=1)])
             rest = await rest_of(call)
             dropped = h.gateway.client._bad.total
             print(f"\n{3 + len(envelopes)} garbage frames and bad envelopes dropped ({dropped} "
@@ -149,12 +146,12 @@ def test_a_malformed_update_ends_only_its_own_stream_internal(run):
                     "the scheduler sent a malformed update for this request (" + why), error.details()
                 await until(lambda: rid in h.scheduler.aborts)
             call, rid = calls["healthy"]
-            await h.scheduler.send(peer, ipb.SchedulerMessage(deltas=[delta(
-                request_id=rid, token_ids=TOKENS[1:], finish=ipb.LENGTH, prompt_tokens=1)]))
+            await h.scheduler.send_updates(peer, [out(rid, TOKENS[1:], finish=ipb.LENGTH,
+                                                      prompt_tokens=1)])
             rest = await rest_of(call)
             assert [t for r in rest for t in r.token_ids] == TOKENS[1:]
             # And a new request completes.
-            h.scheduler.plan = lambda add: [ipb.TokenDelta(
+            h.scheduler.plan = lambda add: [out(
                 request_id=add.request_id, token_ids=TOKENS, finish=ipb.LENGTH)]
             assert [t for r in await h.stream(prompt="y") for t in r.token_ids] == TOKENS
             print(f"\n{len(MALFORMED)} malformed updates: each ended its own stream INTERNAL and "

@@ -18,7 +18,7 @@ from gateway.tokenizer import load_tokenizer
 from gateway.validation.limits import Limits
 from proto import internal_pb2 as ipb, pagoda_pb2 as pb, pagoda_pb2_grpc
 from proto.sizes import LOGPROBS_POSITIONS
-from tests.fake_scheduler import FakeScheduler, logprobs_msg, until, workers_of
+from tests.fake_scheduler import FakeScheduler, logprobs_msg, out, until, workers_of
 
 TOK = load_tokenizer("")
 SIZES = token_sizes(TOK)
@@ -46,7 +46,7 @@ def largest_generate_plan(add: ipb.AddRequest) -> list:
     for lo in range(0, add.max_tokens, LOGPROBS_POSITIONS):
         ids = [LONGEST] * min(LOGPROBS_POSITIONS, add.max_tokens - lo)
         last = lo + len(ids) == add.max_tokens
-        steps += [scored(p + lo, ids, False, rid), ipb.TokenDelta(
+        steps += [scored(p + lo, ids, False, rid), out(
             request_id=rid, token_ids=ids, finish=ipb.LENGTH if last else ipb.NOT_FINISHED,
             prompt_tokens=p if last else 0)]
     return steps

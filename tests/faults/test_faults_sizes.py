@@ -50,8 +50,9 @@ def largest_gateway_messages() -> list[ipb.GatewayMessage]:
     return [ipb.GatewayMessage(add=add), ipb.GatewayMessage(call=call)]
 
 
-def logprobs(positions: int, k: int, **kw) -> ipb.Logprobs:
-    return ipb.Logprobs(first_position=BIG, k=k, token_ids=pack([BIG] * positions),
+def logprobs(positions: int, k: int, kind=ipb.Logprobs, **kw):
+    """The gateway link's Logprobs, or (kind) the worker link's SlotLogprobs."""
+    return kind(first_position=BIG, k=k, token_ids=pack([BIG] * positions),
                         logprobs=pack_f32([-1.0] * positions), ranks=pack([BIG] * positions),
                         top_token_ids=pack([BIG] * positions * k),
                         top_logprobs=pack_f32([-2.0] * positions * k), **kw)
@@ -60,8 +61,9 @@ def logprobs(positions: int, k: int, **kw) -> ipb.Logprobs:
 def largest_result() -> ipb.WorkerMessage:
     result = ipb.StepResult(step_id=2**64 - 1, slots=pack(range(SEQS)), token_ids=pack([BIG] * SEQS),
                             error="e" * (1 << 16), forward_seconds=1.0, logprobs=[
-                                *(logprobs(1, MAX_LOGPROBS, slot=s) for s in range(SEQS)),
-                                logprobs(TOKENS, MAX_LOGPROBS, slot=0, prompt=True)])
+                                *(logprobs(1, MAX_LOGPROBS, ipb.SlotLogprobs, slot=s)
+                                  for s in range(SEQS)),
+                                logprobs(TOKENS, MAX_LOGPROBS, ipb.SlotLogprobs, slot=0, prompt=True)])
     assert checks.check_result(result, BIG + 1) is None
     return ipb.WorkerMessage(result=result)
 

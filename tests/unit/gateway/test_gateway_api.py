@@ -15,7 +15,9 @@ from gateway.app import Gateway
 from gateway.generation.response_builder import token_logprobs
 from gateway.tokenizer import TextTokenizer, load_tokenizer
 from proto import internal_pb2 as ipb, pagoda_pb2 as pb, pagoda_pb2_grpc
-from tests.fake_scheduler import DEFAULT_REPLY as REPLY, local_gateway, logprobs_msg, reply_plan, until
+from proto.token_stream import Update
+from tests.fake_scheduler import (DEFAULT_REPLY as REPLY, local_gateway, logprobs_msg, out,
+                                  reply_plan, until)
 
 TOK = load_tokenizer("")
 harness = functools.partial(local_gateway, TOK)
@@ -31,10 +33,10 @@ def text_of(responses, index: int = 0) -> str:
     return "".join(r.text for r in responses if r.index == index)
 
 
-def delta(add, ids=(), index=0, finish=ipb.NOT_FINISHED, **kw) -> ipb.TokenDelta:
+def delta(add, ids=(), index=0, finish=ipb.NOT_FINISHED, **kw) -> Update:
     if finish != ipb.NOT_FINISHED:
         kw.setdefault("prompt_tokens", len(add.prompt_token_ids))
-    return ipb.TokenDelta(request_id=add.request_id, index=index, token_ids=ids, finish=finish, **kw)
+    return out(request_id=add.request_id, index=index, token_ids=ids, finish=finish, **kw)
 
 
 async def expect_error(rpc, code: grpc.StatusCode) -> str:

@@ -9,7 +9,7 @@ from gateway.rest.openai_schema import CompletionRequest, completion_requests, o
 from gateway.tokenizer import load_tokenizer
 from gateway.validation.validate import ValidationError, validate
 from proto import internal_pb2 as ipb, pagoda_pb2 as pb
-from tests.fake_scheduler import local_gateway
+from tests.fake_scheduler import local_gateway, out
 from tests.unit.gateway.test_gateway_validate import LIMITS, req, tok  # noqa: F401 - tok: a fixture
 
 TOK = load_tokenizer("")
@@ -84,7 +84,7 @@ BEAM_TEXTS = ["Paris is the capital.", "Paris, of course", "Lyon"]
 
 def beam_plan(add: ipb.AddRequest) -> list:
     """What the scheduler sends at the end of a search: one delta per beam, whole, best first."""
-    return [ipb.TokenDelta(request_id=add.request_id, index=i,
+    return [out(request_id=add.request_id, index=i,
                            token_ids=TOK.encode(text, add_special_tokens=False),
                            finish=ipb.LENGTH, prompt_tokens=len(add.prompt_token_ids),
                            cumulative_logprob=-1.5 * (i + 1))

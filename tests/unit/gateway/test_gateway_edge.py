@@ -17,7 +17,7 @@ from gateway.scheduler_link.scheduler_client import SchedulerClient
 from gateway.tokenizer import load_tokenizer
 from proto import internal_pb2 as ipb
 from tests.cluster import free_port
-from tests.fake_scheduler import FakeScheduler, local_gateway, until, workers_of
+from tests.fake_scheduler import FakeScheduler, local_gateway, out, until, workers_of
 from tests.faults.test_security import _self_signed
 
 TOK = load_tokenizer("")
@@ -53,7 +53,7 @@ def test_an_sse_client_that_reads_nothing_is_hung_up_on_and_its_request_aborted(
     def endless(add: ipb.AddRequest) -> list:
         # Many bytes a delta: the buffers fill within the test's time even on a loaded machine,
         # whose gateway turns fewer deltas a second into SSE events.
-        return [ipb.TokenDelta(request_id=add.request_id, token_ids=[long_token] * 64)
+        return [out(request_id=add.request_id, token_ids=[long_token] * 64)
                 for _ in range(2_300)]
 
     async def main():

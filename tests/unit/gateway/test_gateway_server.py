@@ -21,8 +21,8 @@ from gateway.app import Gateway
 from gateway.scheduler_link.scheduler_client import SchedulerClient
 from gateway.tokenizer import load_tokenizer
 from proto import internal_pb2 as ipb, pagoda_pb2 as pb
-from tests.fake_scheduler import (DEFAULT_REPLY as REPLY, FakeScheduler, local_gateway, reply_plan,
-                                  until, workers_of)
+from tests.fake_scheduler import (DEFAULT_REPLY as REPLY, FakeScheduler, local_gateway, out,
+                                  reply_plan, until, workers_of)
 
 TOK = load_tokenizer("")
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -112,7 +112,7 @@ def test_stop_string_on_each_of_n_aborts_that_sequence_alone(run):
 def test_client_cancel_sends_abort(run):
     async def body():
         async with harness() as h:
-            h.scheduler.plan = lambda add: [ipb.TokenDelta(request_id=add.request_id,
+            h.scheduler.plan = lambda add: [out(request_id=add.request_id,
                                                            token_ids=TOK.encode("Hi")), None]
             call = h.stub.GenerateStream(pb.GenerateRequest(prompt="x"))
             first = await call.read()
@@ -169,7 +169,7 @@ def test_error_delta_maps_to_status(run, code, expected):
     async def body():
         async with harness() as h:
             h.scheduler.plan = lambda add: [
-                ipb.TokenDelta(request_id=add.request_id, token_ids=TOK.encode("Hi")),
+                out(request_id=add.request_id, token_ids=TOK.encode("Hi")),
                 ipb.TokenDelta(request_id=add.request_id, finish=ipb.ERROR,
                                error=ipb.Error(code=code, message="no room for 9000 blocks"))]
             with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -305,7 +305,7 @@ def test_concurrent_streams_get_their_own_tokens(run):
             # Each request's reply is its own prompt, so a delta routed to the wrong stream shows.
             h.scheduler.plan = lambda add: [
                 step for t in add.prompt_token_ids
-                for step in (0.001, ipb.TokenDelta(request_id=add.request_id, token_ids=[t]))
+                for step in (0.001, out(request_id=add.request_id, token_ids=[t]))
             ] + [ipb.TokenDelta(request_id=add.request_id, finish=ipb.LENGTH)]
             prompts = [f"request {i}: {'😀' * (i % 3)} {'語' * i}" for i in range(16)]
             results = await asyncio.gather(*(h.stream(prompt=p, request_id=str(i))

@@ -8,7 +8,7 @@ from scheduler.scheduler_config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.request import FinishReason, Request, Status
 from scheduler.scheduler import Scheduler
-from scheduler.sequence_group import Single
+from scheduler.single import Single
 
 
 def request(rid: str, prompt: list[int], arrival: int = 0) -> Request:

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from proto import internal_pb2 as pb, pagoda_pb2
+from scheduler.beam_search import BeamSearch
 from scheduler.request import Request, Status
 from scheduler.router import Rejected
 from scheduler.tenants import TenantLoad
@@ -142,7 +143,7 @@ def in_flight_by_tenant(router) -> dict[str, int]:
     for seqs in router.seqs.values():
         group = seqs[0].group
         held[seqs[0].tenant] = held.get(seqs[0].tenant, 0) + (
-            group.seats if group.picks_tokens else len(seqs))
+            group.seats if isinstance(group, BeamSearch) else len(seqs))
     return held
 
 
