@@ -228,7 +228,7 @@ class FakeWorker:
                     tok = next_token(context, seq.seed, seq.num_prompt_tokens, seq.min_tokens)
                     if seq.logprobs_k >= 0:  # made-up values: what is kept is the point
                         k = seq.logprobs_k
-                        logprobs.append(pb.Logprobs(
+                        logprobs.append(pb.SlotLogprobs(
                             slot=sid, first_position=len(seq.tokens), token_ids=pack([tok]),
                             logprobs=pack_f32([-0.5]), ranks=pack([1]), k=k,
                             top_token_ids=pack([1 + (tok + j) % (VOCAB - 2) for j in range(k)]),
