@@ -204,10 +204,11 @@ def largest_tokenize_response(limits: Limits, tokens: TokenSizes,
             + (limits.max_messages - 1) * tokens.chat_per_message + tokens.chat_tools
             + max(0, limits.max_tools - 1) * max(0, tokens.chat_per_tool - frame)
             + limits.max_tool_calls * max(0, tokens.chat_per_call - frame))
-    count = text + _SPECIALS
+    # At most one token per byte of text, and at most --max-tokenize-contexts contexts of them.
+    count = min(text, limits.max_tokenize_contexts * max_model_len) + _SPECIALS
     offset = _field(2 * (1 + _varint(text)))
-    spellings = (tokens.spelling_per_byte * text + _SPECIALS * tokens.longest_spelling
-                 + count * (1 + _varint(tokens.longest_spelling)))
+    spellings = (min(tokens.spelling_per_byte * text, count * tokens.longest_spelling)
+                 + _SPECIALS * tokens.longest_spelling + count * (1 + _varint(tokens.longest_spelling)))
     return _field(_ID * count) + spellings + count * offset + _field(text) + _SCALARS
 
 

@@ -6,6 +6,7 @@ Generate (max_model_len tokens of the longest token, logprobs and prompt logprob
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import grpc
 import pytest
@@ -28,6 +29,7 @@ BY_BYTES = sorted(range(TOK.vocab_size), key=lambda i: -len(TOK.token_bytes(i)))
 LONGEST = BY_BYTES[0]                            # 81 bytes in SmolLM2's vocabulary
 TOP = sorted(range(TOK.vocab_size), key=lambda i: -len(TOK.token_text(i).encode()))[:K]
 WIDE = "\U0010ffff"  # 4 UTF-8 bytes, 4 tokens: one token per byte, the most Tokenize returns
+LONG_RUN = "="  # runs of it make long tokens: the longest text in the fewest tokens
 
 
 def scored(first: int, ids: list[int], prompt: bool, request_id: str) -> ipb.Logprobs:
@@ -53,14 +55,14 @@ def largest_generate_plan(add: ipb.AddRequest) -> list:
 
 
 @contextlib.asynccontextmanager
-async def served(max_model_len: int, send_limit: int, plan=None):
+async def served(max_model_len: int, send_limit: int, plan=None, limits: Limits = LIMITS):
     """A real gateway with the send limit main.py would compute, on a fake scheduler of
     max_model_len; yields a stub whose channel takes messages up to that limit."""
     scheduler = FakeScheduler(TOK, max_model_len=max_model_len)
     if plan is not None:
         scheduler.plan = plan
     client = SchedulerClient(scheduler.address, max_unread=1 << 16)  # the plan sends at once
-    gateway = Gateway(TOK, scheduler.address, port=0, client=client, limits=LIMITS,
+    gateway = Gateway(TOK, scheduler.address, port=0, client=client, limits=limits,
                       max_response_bytes=send_limit)
     port = await gateway.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[
@@ -82,17 +84,24 @@ def test_the_largest_tokenize_and_detokenize_answers_fit(run):
 
     async def body():
         async with served(max_model_len, bound) as stub:
-            return (await stub.Tokenize(pb.TokenizeRequest(prompt=WIDE * limits.max_prompt_chars)),
+            return (await stub.Tokenize(pb.TokenizeRequest(prompt=WIDE * (limits.max_tokenize_tokens // 4))),
+                    await stub.Tokenize(pb.TokenizeRequest(prompt=LONG_RUN * limits.max_prompt_chars)),
                     await stub.Detokenize(pb.DetokenizeRequest(token_ids=[LONGEST] * max_model_len,
                                                                skip_special_tokens=False)))
 
-    tokenize, detokenize = run(body())
-    print(f"\nmax_model_len {max_model_len}: Tokenize of {len(tokenize.token_ids)} tokens "
-          f"{tokenize.ByteSize()} bytes (bound {tokenize_bound}); Detokenize "
-          f"{detokenize.ByteSize()} bytes; send limit {bound}")
-    assert len(tokenize.token_ids) == 4 * limits.max_prompt_chars  # one token per byte
-    # Slack: ids at 5 bytes, offsets at their widest, the chat template around 256 messages.
-    assert tokenize.ByteSize() <= tokenize_bound < 2 * tokenize.ByteSize()
+    wide, long_text, detokenize = run(body())
+    print(f"\nmax_model_len {max_model_len}: Tokenize of {len(wide.token_ids)} tokens "
+          f"{wide.ByteSize()} bytes, of {len(long_text.prompt)} characters {long_text.ByteSize()} "
+          f"bytes (bound {tokenize_bound}); Detokenize {detokenize.ByteSize()} bytes; send limit {bound}")
+    # The most tokens an answer holds (--max-tokenize-contexts), one per byte of WIDE ...
+    assert len(wide.token_ids) == limits.max_tokenize_tokens
+    # ... and the longest text the context allows, in few tokens: the bound covers both, and
+    # the token bound takes effect in it (counted from the characters alone it was 6 times higher).
+    assert long_text.prompt == LONG_RUN * limits.max_prompt_chars
+    assert max(wide.ByteSize(), long_text.ByteSize()) <= tokenize_bound
+    by_characters = largest_tokenize_response(dataclasses.replace(LIMITS, max_tokenize_contexts=1 << 20),
+                                              SIZES, max_model_len)
+    assert 2 * tokenize_bound < by_characters
     assert detokenize.text == TOK.token_text(LONGEST) * max_model_len
     assert detokenize.ByteSize() <= bound
 
@@ -109,7 +118,10 @@ def test_a_real_gateway_delivers_the_largest_generate_response(run):
         stopping=pb.StoppingCriteria(max_tokens=max_model_len - prompt_len))
 
     async def body():
-        async with served(max_model_len, bound, largest_generate_plan) as stub:
+        # The send limit is the point here, not the whole-answer memory budget (24 MiB by
+        # default, which this answer passes: test_hostile_bounds.py shows that refusal).
+        roomy = dataclasses.replace(LIMITS, max_whole_answer_bytes=1 << 30, max_whole_answers_bytes=1 << 30)
+        async with served(max_model_len, bound, largest_generate_plan, roomy) as stub:
             return await stub.Generate(request, timeout=60)
 
     out = run(body())
