@@ -162,15 +162,7 @@ class StepPipeline:
             if tokens is not None:
                 step.tokens = tokens.numpy()
                 return
-        extra = [(hook.__self__, rows) for hook in self._at["logits_rows"]
-                 if (rows := hook(step)) is not None]
-        if extra:  # in the same pass over the LM head
-            idx = torch.cat([idx, *(rows.to(idx.device) for _, rows in extra)])
-        logits = self.model.compute_logits(hidden[idx])
-        at = len(sampled_slots)
-        step.logits = logits[:at]
-        for hook, rows in extra:
-            step.extra_logits[hook], at = logits[at:at + len(rows)], at + len(rows)
+        self._logits(step)
         step.history = [batch.tokens(s) for s in slot_list]
         masks = [m for mask in self._at["mask"] if (m := mask(step)) is not None]
         if len(masks) > 1:  # the sampler applies one bitmask; two would have to be combined first
@@ -182,6 +174,19 @@ class StepPipeline:
         sampled_logprobs(sampled_slots, params, step.logits, step.sampled, inputs.sample_positions,
                          step.result, step.skip_logprobs)
         step.tokens = step.sampled.cpu().numpy()
+
+    def _logits(self, step: Step) -> None:
+        """The sampled rows' raw logits, and those the hooks ask for, in one pass over the LM head."""
+        idx = step.inputs.logits_indices
+        extra = [(hook.__self__, rows) for hook in self._at["logits_rows"]
+                 if (rows := hook(step)) is not None]
+        if extra:
+            idx = torch.cat([idx, *(rows.to(idx.device) for _, rows in extra)])
+        logits = self.model.compute_logits(step.hidden[idx])
+        at = len(step.sampled_slots)
+        step.logits = logits[:at]
+        for hook, rows in extra:
+            step.extra_logits[hook], at = logits[at:at + len(rows)], at + len(rows)
 
     def _advance(self, step: Step) -> None:
         """The batch takes the step: its computed counts, then the sampled tokens."""
