@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-import worker.runner
+import worker.startup
 from pagoda.kernels import cpu_gemm, cpu_pointwise
 from worker.attention_backends import TorchBackend
 from worker.cpu_matmul import CpuMatmul
@@ -115,7 +115,7 @@ def test_the_model_calls_the_backend_only_through_forward(tmp_path, monkeypatch)
     folder = save_model(make_hf_model("llama"), tmp_path)
     want = PlanDriver(ModelRunner(runner_args(folder))).generate([[5, 6, 7, 8], [9]], 3)
     spy = SpyBackend()
-    monkeypatch.setattr(worker.runner, "select_backend", lambda name, device_type: spy)
+    monkeypatch.setattr(worker.startup, "select_backend", lambda name, device_type: spy)
     runner = ModelRunner(runner_args(folder))
     calls_at_start = spy.calls                                       # start-up measurements
     got = PlanDriver(runner).generate([[5, 6, 7, 8], [9]], 3)
