@@ -10,7 +10,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from runtime.flag_errors import FlagError
+from process_life.flag_errors import FlagError
 from worker.attention_backends import select_backend
 from worker.cache import CacheEngine, bytes_per_block, num_device_blocks
 from worker.eos import eos_token_ids
