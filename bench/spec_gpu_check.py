@@ -41,7 +41,7 @@ from proto.token_stream import updates
 from scheduler.router import Router, RouterConfig
 from tests.plan_driver import PlanDriver
 from worker.runner import ModelRunner
-from worker.speculative import build_speculator
+from worker.speculation.speculator import build_speculator
 from worker.worker_flags import worker_args
 
 NEAR_TIE = 1e-3       # logits; fp32 rounding between row counts is ~1e-5 at this model's scale

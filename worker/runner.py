@@ -1,9 +1,9 @@
 """ModelRunner: executes the scheduler's StepPlans against the model and the paged KV cache.
 
-Start-up (load, size the cache, measure) is worker/startup.py; each plan runs through the fixed
-stages of worker/step_pipeline.py, with the features as its hooks (speculation, grammars, beam
+Start-up (load, size the cache, measure) is worker/startup/stages.py; each plan runs through the fixed
+stages of worker/step/pipeline.py, with the features as its hooks (speculation, grammars, beam
 search). The worker mirrors the scheduler's view of each sequence (tokens, blocks, computed
-count) in its persistent batch (worker/input_batch.py), so that a plan only has to carry the
+count) in its persistent batch (worker/step/input_batch.py), so that a plan only has to carry the
 diff; see proto/internal.proto for the meaning of each field.
 """
 from __future__ import annotations
@@ -19,17 +19,17 @@ from process_life.flag_errors import FlagError
 from modelfiles.resolve import model_display_name, resolve_model
 from proto import internal_pb2
 from proto.auth import PROTOCOL_VERSION
-from worker.beam_hook import BeamHook
-from worker.grammar import GrammarRows
-from worker.grammar_hook import GrammarHook
-from worker.input_batch import InputBatch, StepInputs
-from worker.parallel import FORGET, PLAN, TensorParallel
-from worker.plan_checks import check_compile, check_plan
-from worker.device import resolve_device, resolve_dtype
-from worker.sampler import Sampler
-from worker.speculation_hook import SpeculationHook
-from worker.startup import start_up
-from worker.step_pipeline import StepPipeline, inputs_on
+from worker.step.beam import BeamHook
+from worker.grammar.matchers import GrammarRows
+from worker.grammar.hook import GrammarHook
+from worker.step.input_batch import InputBatch, StepInputs
+from worker.parallel.tensor_parallel import FORGET, PLAN, TensorParallel
+from worker.step.plan_checks import check_compile, check_plan
+from worker.startup.device import resolve_device, resolve_dtype
+from worker.step.sampler import Sampler
+from worker.speculation.hook import SpeculationHook
+from worker.startup.stages import start_up
+from worker.step.pipeline import StepPipeline, inputs_on
 from worker.worker_flags import default_worker_id
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     """One rank's runner. Under tensor parallelism (tp) every rank runs every plan; rank 0 hands
-    each plan on to the others, and alone computes logits and samples (worker/parallel.py)."""
+    each plan on to the others, and alone computes logits and samples (worker/parallel/tensor_parallel.py)."""
 
     def __init__(self, args: argparse.Namespace, tp: TensorParallel | None = None) -> None:
         self.args = args
@@ -114,7 +114,7 @@ class ModelRunner:
 
     def compile_grammars(self, msg: internal_pb2.CompileGrammars) -> None:
         """Start compiling, in the background, the grammars of sequences the scheduler holds
-        back until grammars_finished() says they are ready (worker/grammar.py)."""
+        back until grammars_finished() says they are ready (worker/grammar/matchers.py)."""
         if why := check_compile(msg):
             logger.error("refused a grammar request: %s", why)
             return

@@ -10,11 +10,11 @@ import torch
 
 from proto import internal_pb2
 from proto.columns import pack, unpack_list
-from worker.input_batch import InputBatch
-from worker.parallel import TensorParallel
-from worker.sampler import Sampler
-from worker.step_hook import Step, StepHook
-from worker.step_pipeline import StepPipeline
+from worker.step.input_batch import InputBatch
+from worker.parallel.tensor_parallel import TensorParallel
+from worker.step.sampler import Sampler
+from worker.step.hook import Step, StepHook
+from worker.step.pipeline import StepPipeline
 
 VOCAB = 64
 
