@@ -15,7 +15,7 @@ Hq * D * T * (C + (T + 1) / 2) per sequence).
 layers' caches (as a step reads them: 600 MB in bf16 at 64 rows, far past any cache, in huge
 pages as the worker's cache lies), block tables scattered (shuffled blocks) and contiguous;
 milliseconds a step (30 layers) and the GB/s of keys and values read, with the kernel's prefetch
-on and off (worker/startup_measurements.py chooses one per machine). Run it in two trees to
+on and off (worker/startup/measurements.py chooses one per machine). Run it in two trees to
 compare kernels.
 
 --paths: kernels/cpu_attention.py's paths for sequences of m new tokens (decode rows, the short
@@ -90,9 +90,9 @@ def paths(runs: int) -> None:
 
 
 def _in_huge_pages(x: torch.Tensor) -> torch.Tensor:
-    """x copied into memory laid out as the worker's KV cache is (worker/cache.py zeroed_host:
+    """x copied into memory laid out as the worker's KV cache is (worker/model/kv_cache.py zeroed_host:
     huge pages where the kernel gives them), so that TLB misses are the worker's, not torch's."""
-    from worker.cache import zeroed_host
+    from worker.model.kv_cache import zeroed_host
     return zeroed_host(tuple(x.shape), x.dtype).copy_(x)
 
 

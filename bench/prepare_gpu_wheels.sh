@@ -5,11 +5,11 @@
 # only where its module is missing, except protobuf, which must match the generated proto code.
 #   protobuf        proto/*_pb2.py (generated for 7.36.2)
 #   pyzmq, tqdm     imported by worker/ and proto/ (proto.auth, the runner's progress bar)
-#   safetensors     the random models' checkpoints (bench/random_model.py, worker/loader.py)
+#   safetensors     the random models' checkpoints (bench/random_model.py, worker/model/loader.py)
 #   numpy           worker/ and scheduler/ (a CUDA torch image usually has it: 16 MB, kept off
 #                   the image's own copy unless missing)
 #   pytest + deps   the kernel tests (pluggy, iniconfig, packaging, pygments)
-#   gguf            worker/loader.py for .gguf models (the SmolLM2 wheel's format; small)
+#   gguf            worker/model/loader.py for .gguf models (the SmolLM2 wheel's format; small)
 # Not carried: transformers and its dependencies (~25 MB more; bench/e2e_gpu.py skips its
 # baselines without it) and xgrammar (imports transformers; the grammar-mask CUDA test runs only
 # where the image has it); the SmolLM2 model wheel (93 MB, over the limit: random models of its

@@ -37,7 +37,7 @@ def main() -> None:
                    help="only: decode 1 with kernels/cpu_decode_attention.c and with the torch path, "
                         "alternating ROUNDS times in this process (medians of every step of each)")
     p.add_argument("--fused-ab", type=int, default=0, metavar="ROUNDS",
-                   help="only: decode 1, 8, 32 and 64 with worker/fused_decode.py's C step and layer by "
+                   help="only: decode 1, 8, 32 and 64 with worker/model/fused_decode.py's C step and layer by "
                         "layer, alternating ROUNDS times (use with -- --quantization q4_1)")
     p.add_argument("worker_flags", nargs="*")
     args = p.parse_args()
@@ -94,9 +94,9 @@ def attention_ab(runner, rounds: int, steps: int, blocks_per_seq: int) -> None:
 
 
 def fused_ab(runner, rounds: int, steps: int, blocks_per_seq: int) -> None:
-    from worker import fused_decode
+    from worker.model import fused_decode
     if runner.model.model.fused_decode is None:
-        raise SystemExit("this model takes no fused decode step (see worker/fused_decode.py)")
+        raise SystemExit("this model takes no fused decode step (see worker/model/fused_decode.py)")
     times = {(seqs, on): [] for seqs in (1, 8, 32, 64) for on in (True, False)}
     try:
         for _ in range(rounds):

@@ -24,8 +24,8 @@ from tests.plan_driver import PlanDriver
 from tests.unit.worker.test_worker_gguf_quant import dequantized_float64 as dequantized_gguf
 from tests.unit.worker.test_worker_int8 import dequantized_float64 as dequantized_int8
 from tests.worker_tiny_models import runner_args
-from worker.layers import Linear
-from worker.loader import gguf_blocks
+from worker.model.layers import Linear
+from worker.model.loader import gguf_blocks
 from worker.runner import ModelRunner
 
 PROMPTS = [[504, 3575, 282, 4649, 314, 47, 33, 1000 + i * 37, 260, 3000 + i] for i in range(8)]

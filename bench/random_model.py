@@ -2,7 +2,7 @@
 written without transformers.
 
 The device machine can carry neither the SmolLM2 wheel (93 MB) nor, within its 64 MiB, transformers
-and its dependencies; worker/loader.py reads this folder as it reads any HF folder, and
+and its dependencies; worker/model/loader.py reads this folder as it reads any HF folder, and
 transformers (where it is installed) reads it as the same model (ModelConfig.to_hf_config).
 The tensor names are HF's, so a name the loader does not know fails the load at once.
 """
@@ -29,7 +29,7 @@ def write_random_model(folder: Path | str, scale: float = 0.02, seed: int = 0,
     model over the whole vocabulary never repeats a token in a few dozen)."""
     from safetensors.torch import save_file
 
-    from worker.model_config import ModelConfig
+    from worker.model.config import ModelConfig
 
     folder = Path(folder)
     cfg = ModelConfig(architecture="llama", **{**SMOLLM2, **shape})

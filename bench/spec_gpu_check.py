@@ -41,7 +41,7 @@ from proto.token_stream import updates
 from scheduler.router import Router, RouterConfig
 from tests.plan_driver import PlanDriver
 from worker.runner import ModelRunner
-from worker.speculative import build_speculator
+from worker.speculation.speculator import build_speculator
 from worker.worker_flags import worker_args
 
 NEAR_TIE = 1e-3       # logits; fp32 rounding between row counts is ~1e-5 at this model's scale
@@ -104,7 +104,7 @@ def make_runner(model: Path, device: str, dtype: str) -> ModelRunner:
 
 def generate(runner: ModelRunner, speculator, prompts, max_tokens):
     """Every request through the Router to its end: (tokens by request, step errors, stats)."""
-    runner.speculator = speculator
+    runner.speculator = runner.speculation.speculator = speculator  # the hello's and the step's
     runner.forget_all()
     router = Router(RouterConfig(max_num_seqs=64, max_num_batched_tokens=BATCH_TOKENS,
                                  max_waiting_requests=len(prompts) + 1))
@@ -141,7 +141,7 @@ def generate(runner: ModelRunner, speculator, prompts, max_tokens):
 
 def top2(runner: ModelRunner, prompt: list[int]) -> tuple[list[int], float]:
     """The two best next tokens after `prompt` and their logit gap (a plain prefill)."""
-    runner.speculator = None
+    runner.speculator = runner.speculation.speculator = None
     runner.forget_all()
     original = runner.model.compute_logits
     try:

@@ -26,7 +26,7 @@ from proto import internal_pb2 as pb, pagoda_pb2
 from proto.columns import unpack
 from proto.token_stream import updates
 from scheduler.router import Router, RouterConfig
-from worker import grammar as worker_grammar
+from worker.grammar import matchers as worker_grammar
 from worker.runner import ModelRunner
 from worker.worker_flags import add_worker_args
 

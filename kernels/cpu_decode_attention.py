@@ -31,7 +31,7 @@ _kernel = cbuild.IsaKernel(
 available, isa, supported_isas = _kernel.available, _kernel.isa, _kernel.supported_isas
 
 # Whether the kernel requests the blocks ahead of the one it reads (its own prefetch) or leaves
-# them to the hardware: the machine's (worker/startup_measurements.py measures it at start-up and
+# them to the hardware: the machine's (worker/startup/measurements.py measures it at start-up and
 # sets this; the one-C-call decode step reads it too).
 prefetch = True
 

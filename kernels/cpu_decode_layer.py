@@ -3,7 +3,7 @@ every layer (RMSNorm, q/k/v with rotary q and k, the K/V writes, paged attention
 gated SiLU MLP, the residual sums) in one parallel region, over GGUF Q8_0 / Q4_1 weights, int8
 rows with a scale per row (kernels/cpu_gemm_int8.py's format) or dense fp32 / bf16 ones, and an fp32 or bf16 paged cache, then the final norm; activations in
 fp32. For a single stream, where layer-by-layer torch spends a large share of the step on its
-ops' dispatch (worker/fused_decode.py decides when).
+ops' dispatch (worker/model/fused_decode.py decides when).
 
 Shapes and layouts are kernels/cpu_attention.py's and kernels/cpu_gemm_gguf.py's; reference()
 is the same step in float64 on the dequantized (or widened) weights, which the kernel is held
@@ -41,7 +41,7 @@ BF16_DOT_TOL = 1e-2
 # the tiles from 8 (20.2 against 22.6; 16: 27.6 against 37.5; at 1 and 2 tokens the tiles, 16
 # rows padded, lost: 13.2 and 16.0 against 11.8 and 15.2).
 BF16_DOT_MIN_TOKENS = 5
-few_rows_dot = False  # the machine's, measured at start-up (worker/startup_measurements.py)
+few_rows_dot = False  # the machine's, measured at start-up (worker/startup/measurements.py)
 WTYPES = {**{kind: fmt[0] for kind, fmt in cpu_gemm_gguf.FORMATS.items()}, **{k: t for k, (t, _) in DENSE.items()},
           INT8: INT8_WTYPE}
 PROJECTIONS = ("qkv", "o", "gate_up", "down")

@@ -35,7 +35,7 @@ available, isa, supported_isas = _kernel.available, _kernel.isa, _kernel.support
 def xwt(x: torch.Tensor, w: torch.Tensor, isa: int | None = None, few_tiles: bool = False) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> [M, N], bf16 CPU tensors whose rows are contiguous. few_tiles:
     1-4 rows in the AVX512-BF16 4 x 4 tiles instead of one weight row at a time (which is faster
-    is the CPU's: worker/cpu_matmul.py). Call only after available() returned True."""
+    is the CPU's: worker/model/cpu_matmul.py). Call only after available() returned True."""
     M, K = x.shape
     N = w.shape[0]
     x, w = cbuild.row_major(x, w)

@@ -1,6 +1,6 @@
 """The pointwise parts of a bf16 layer in C (kernels/csrc/cpu_pointwise.c): the residual sum and
 RMSNorm, the rotary turn of q and k in place, SiLU(gate) * up; one call each over a step's rows,
-rounding where torch's bf16 ops round. worker/layers.py takes them for bf16 activations on a CPU
+rounding where torch's bf16 ops round. worker/model/layers.py takes them for bf16 activations on a CPU
 where they run; fp32 stays on torch's ops, whose bits match transformers'.
 
 The instruction set is chosen at run time: AVX-512 with AVX512-BF16 (its rounding instruction), else

@@ -5,7 +5,7 @@ much larger in (a larger frame makes ZeroMQ drop the connection; the peer reconn
 Protobuf sizes: a length-delimited field costs 1-2 tag bytes + a varint length + its bytes; a
 varint at most 5 bytes (10 for 64-bit); a column entry 4; a float 4. Each function counts every
 field at the most the checks of the receiver (scheduler/message_checks.py,
-worker/plan_checks.py, gateway/scheduler_link/scheduler_checks.py) let through, and `with_margin` adds MARGIN
+worker/step/plan_checks.py, gateway/scheduler_link/scheduler_checks.py) let through, and `with_margin` adds MARGIN
 for what is counted loosely.
 """
 from __future__ import annotations

@@ -120,7 +120,7 @@ class Request:
     def worker_sampling(self) -> pb.SamplingConfig:
         """What the worker samples it with, built for the plan that sends it: its own sampling
         (never edited), with the ids that stop it where the worker needs them: min_tokens masks
-        them, and a grammar's complete answer may take only them (worker/grammar.py)."""
+        them, and a grammar's complete answer may take only them (worker/grammar/matchers.py)."""
         sampling = self.sampling
         if not (sampling.min_tokens or sampling.HasField("structured_output")):
             return sampling

@@ -26,7 +26,7 @@ def fast_tokenizer(tokenizer_json: Path):
 
 def vocabulary_info(tokenizer, vocab_size: int, eos_token_ids: list[int]):
     import xgrammar as xgr
-    # Each matcher takes its request's stop tokens instead (worker/grammar.py); these are only
+    # Each matcher takes its request's stop tokens instead (worker/grammar/matchers.py); these are only
     # xgrammar's default.
     return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                               stop_token_ids=list(eos_token_ids))
@@ -46,7 +46,7 @@ class GrammarCache:
         self.compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
         self.info = info
         self.vocab_size = info.vocab_size
-        # A worker compiles on threads of its own while its loop reads hits (worker/grammar.py):
+        # A worker compiles on threads of its own while its loop reads hits (worker/grammar/matchers.py):
         # the LRU's lock covers the entries, never a compile.
         self._compiled: BytesLru[object] = BytesLru(max_bytes, max_entries)
 

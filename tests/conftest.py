@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The workers' kept start-up measurements (worker/kept.py: row bounds, the decode step's bound, the
+# The workers' kept start-up measurements (worker/startup/kept.py: row bounds, the decode step's bound, the
 # prefill rate) go to a folder of the suite's own, which its processes inherit: timed while tests
 # load the machine, they would otherwise steer a later `make run` from the user's cache folder.
 # Kept across runs all the same, so that a run does not time every configuration again.

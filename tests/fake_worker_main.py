@@ -36,7 +36,7 @@ from proto import internal_pb2 as pb
 from tests.fake_worker import DIE_MARK, FakeWorker, hangs
 from worker.heartbeat import heartbeats, main_routing_id
 from worker.main import Link, main_socket, serve
-from worker.speculative_config import SpeculativeConfig
+from worker.speculation.config import SpeculativeConfig
 from worker.worker_flags import add_worker_args, default_worker_id
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tests.plan_driver import PlanDriver
-from worker.ranks import start_group
+from worker.parallel.ranks import start_group
 from worker.runner import ModelRunner
 from worker.worker_flags import worker_args
 

@@ -7,7 +7,7 @@ main socket heartbeats too while idle, which is how a restarted scheduler finds 
 new hello. SIGTERM or SIGINT while serving finishes the current step and says goodbye, so the
 scheduler requeues this worker's sequences at once. Every frame is one protobuf message.
 
-With --tensor-parallel-size N this process is rank 0 of N (worker/ranks.py): it alone talks
+With --tensor-parallel-size N this process is rank 0 of N (worker/parallel/ranks.py): it alone talks
 to the scheduler, and leaves it with a goodbye when another rank is lost.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from proto.auth import check_auth_args, secure_client
 from proto.polling import receive, resolve_busy_poll_us
 from proto.sizes import largest_step_plan
 from worker.heartbeat import heartbeats, main_routing_id
-from worker.group_lost import GroupLost
+from worker.parallel.group_lost import GroupLost
 from worker.worker_flags import add_worker_args
 
 logger = logging.getLogger("pagoda.worker")
@@ -94,7 +94,7 @@ class Link:
 
 def serve(runner, link: Link, busy_poll_us: float = 0.0, ranks=None) -> int:
     """The worker loop over a connected socket; returns the exit code on shutdown. ranks: the
-    other ranks of a tensor-parallel worker (worker/ranks.py RankGroup), or None."""
+    other ranks of a tensor-parallel worker (worker/parallel/ranks.py RankGroup), or None."""
     send = lambda msg, flags=0: link.sock.send(msg.SerializeToString(), flags)  # noqa: E731
 
     def goodbye() -> None:
@@ -241,8 +241,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ranks = None
     if args.tensor_parallel_size != 1:
-        from worker import ranks as tensor_parallel
-        from worker.device import resolve_device
+        from worker.parallel import ranks as tensor_parallel
+        from worker.startup.device import resolve_device
 
         device = resolve_device(args.device)
         if tensor_parallel.is_follower():

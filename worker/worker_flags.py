@@ -23,7 +23,7 @@ def parse_bytes(text: str) -> int:
 
 
 DECODE_STEP_TOKENS = (1, 2, 4, 8, 16, 32, 64)  # the counts --cpu-decode-step-tokens's measurement times
-MAX_DECODE_STEP_TOKENS = 64  # the C step's most (worker/fused_decode.py MAX_TOKENS)
+MAX_DECODE_STEP_TOKENS = 64  # the C step's most (worker/model/fused_decode.py MAX_TOKENS)
 
 
 def decode_step_tokens(text: str) -> int:
@@ -83,11 +83,11 @@ def add_worker_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--cpu-matmul", default="auto", choices=["auto", "torch"],
                    help="fp32 and bf16 CPU projections: auto = pagoda's kernels (kernels/cpu_gemm.c, "
                         "cpu_gemm_bf16.c) where they build, up to the rows where they beat torch's "
-                        "BLAS, measured at a machine's first start (worker/cpu_matmul.py); "
+                        "BLAS, measured at a machine's first start (worker/model/cpu_matmul.py); "
                         "torch = torch's BLAS")
     g.add_argument("--cpu-decode-step-tokens", type=decode_step_tokens, default=None, metavar="N",
                    help="fp32 and bf16 decode steps of up to N sequences run as one C call "
-                        "(worker/fused_decode.py, with --cpu-matmul auto); default: up to the count "
+                        "(worker/model/fused_decode.py, with --cpu-matmul auto); default: up to the count "
                         f"where that beats layer by layer, of {', '.join(map(str, DECODE_STEP_TOKENS))}, "
                         "measured at a machine's first start; 0 = never")
     g.add_argument("--measure-again", action="store_true",
@@ -125,9 +125,9 @@ def worker_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def speculative_config(text: str) -> str:
-    """The flag's JSON as given, once it parses (worker/speculative_config.py), so that argparse,
+    """The flag's JSON as given, once it parses (worker/speculation/config.py), so that argparse,
     in the launcher as in the worker, refuses a bad one with the field named."""
-    from worker.speculative_config import SpeculativeConfig
+    from worker.speculation.config import SpeculativeConfig
     try:
         SpeculativeConfig.parse(text)
     except ValueError as e:
@@ -141,8 +141,8 @@ def model_refusal(args: argparse.Namespace) -> str | None:
     starts anything: a model (--model, or the draft of --speculative-config) that is not there,
     or --max-model-len past the positions the model was trained on. None when it would start."""
     from modelfiles.resolve import resolve_model
-    from worker.model_config import ModelConfig
-    from worker.speculative_config import SpeculativeConfig
+    from worker.model.config import ModelConfig
+    from worker.speculation.config import SpeculativeConfig
     models = [(args.model, "--model")]
     if args.speculative_config and (draft := SpeculativeConfig.parse(args.speculative_config).model):
         models.append((draft, "--speculative-config.model"))

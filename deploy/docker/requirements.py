@@ -1,6 +1,6 @@
 """The image's requirements: pyproject.toml's dependencies, less Triton on a CPU-only torch.
 
-Triton (a gigabyte installed) serves only GPU attention, and worker/attention_backends.py imports it only
+Triton (a gigabyte installed) serves only GPU attention, and worker/model/attention_backends.py imports it only
 there; a CUDA or ROCm torch pulls it in by itself. So the CPU image stays small and the CUDA
 variant differs by the torch index alone. xgrammar depends on Triton too (for its GPU mask
 kernel, imported only for CUDA tensors), so on a CPU torch it is installed without its

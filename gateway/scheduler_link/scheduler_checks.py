@@ -1,5 +1,5 @@
 """Range checks on every message the gateway receives from the scheduler, in one place (as
-scheduler/message_checks.py and worker/plan_checks.py are for theirs).
+scheduler/message_checks.py and worker/step/plan_checks.py are for theirs).
 
 The scheduler is authenticated (proto/auth.py), but a bug there, or a frame from a wrong build,
 must not crash the gateway's one read loop, nor hang or garble a stream: each function returns

@@ -31,7 +31,7 @@ int pagoda_decode_attention_isa(void) {
 // Blocks lie anywhere in the cache, so the hardware prefetchers lose the stream at each block's
 // end: the next blocks' keys (or values) can be requested `ahead` blocks ahead (PREFETCH_BLOCKS;
 // 0: not at all). Whether that pays is the machine's: on a Zen 5 it sped fp32 and bf16 up, on a
-// Zen 2 it slows fp32 by a tenth and bf16 needs it (worker/startup_measurements.py measures it).
+// Zen 2 it slows fp32 by a tenth and bf16 needs it (worker/startup/measurements.py measures it).
 // Into L2 (prefetcht1), not L1: on an AMX Xeon a bf16 step's attention of 64 rows over 30 layers
 // read 11.9-12.4 GB/s so, 10.8-11.8 into L1, whose fill buffers the requests then held.
 #define PREFETCH_BLOCKS 2

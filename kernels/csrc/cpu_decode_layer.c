@@ -17,7 +17,7 @@
 // kernels/cpu_attention.py's decode plan), its K/V layout. Added here: dense dot products (a
 // bf16 weight widened exactly to fp32: it is an fp32's top half; activations stay fp32),
 // RMSNorm (sum of squares in double), the rotary turn of q and k (heads with each pair (i, i +
-// D/2) at (2i, 2i + 1), the layout worker/model.py loads), SiLU(gate) * up (exp_poly), the K/V
+// D/2) at (2i, 2i + 1), the layout worker/model/llama.py loads), SiLU(gate) * up (exp_poly), the K/V
 // writes with rounding to bf16 (to nearest even, as torch rounds), and the residual sums, added
 // in place by the o and down projections' rows as they are computed.
 #include "cpu_gemm_gguf.c"
@@ -321,7 +321,7 @@ STEP(avx2, "avx2,fma,f16c", layer_dots_avx2, 4, 0)
 
 // Every layer of one decode step, then the final norm into p->out. Every token of the step is a
 // decode row (rows covers 0 .. T - 1); the caller bounds positions, slots and tables by the
-// cache (worker/plan_checks.py, kernels/cpu_attention.py), as for the kernels this reuses.
+// cache (worker/step/plan_checks.py, kernels/cpu_attention.py), as for the kernels this reuses.
 void pagoda_decode_step(const DecodeLayer *layers, int num_layers, const DecodeStep *p) {
     int width = 0;
     for (int r = 0; r < p->num_rows; r++) {

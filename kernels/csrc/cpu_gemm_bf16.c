@@ -7,7 +7,7 @@
 // instruction) and an AVX2 + FMA path that widens bf16 to fp32 with a shift or a mask. Each
 // weight row is read once for all M rows of x, which stay in L1 or L2, so with few rows the kernel runs at the speed weights stream from memory; with more
 // (AVX512-BF16: tiles of 4 x 4, one reduction for four sums) it runs past torch's bf16 linear
-// up to the rows worker/cpu_matmul.py measures at start-up.
+// up to the rows worker/model/cpu_matmul.py measures at start-up.
 #include "cpu_bf16_tile.h"
 
 #include <immintrin.h>
@@ -217,7 +217,7 @@ static void xwt_avx2(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t 
 // isa: 3 = AMX (with AVX512-BF16 for a few rows and what the tiles leave), 2 = AVX512-BF16,
 // 1 = AVX2 + FMA (the caller asks pagoda_bf16_isa which it may use). few_tiles: 1-4 rows of x
 // take the 4 x 4 tiles too, not one weight row at a time; which streams faster is the CPU's
-// (worker/cpu_matmul.py measures it): one row at a time on a Zen 5 EPYC (6.4 against 7.6 ms for
+// (worker/model/cpu_matmul.py measures it): one row at a time on a Zen 5 EPYC (6.4 against 7.6 ms for
 // the model's projections), the tiles on an AMX Xeon (10.1 against 13.2; 4 rows 13.1 against 20.6).
 void pagoda_bf16_xwt(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw,
                      uint16_t *out, int64_t ldo, int M, int64_t N, int64_t K, int threads, int isa,

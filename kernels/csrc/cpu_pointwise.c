@@ -3,7 +3,7 @@
 // is 4-9 ops (an fp32 copy of the activations, the statistics, a rounding, the weight), about 14%
 // of a bf16 prefill step and 15% of a 32-sequence decode step (bench/profile_cpu.py).
 //
-// Each rounds where worker/layers.py's torch ops round (HF's arithmetic in bf16): the residual
+// Each rounds where worker/model/layers.py's torch ops round (HF's arithmetic in bf16): the residual
 // sum to bf16; the norm's statistics in fp32, its product rounded to bf16 before the weight's,
 // which rounds again; the rotary turn in fp32, rounded once; SiLU rounded to bf16 before the
 // product with up, which rounds again. Rounding is to nearest even (to_bf16), as torch rounds.

@@ -13,7 +13,7 @@ from pagoda.kernels.cpu_decode_layer import Shape
 from tests.emulated import bochs
 from tests.emulated.recording import THREADS, Case, add_inputs, path_name, paths, record, use_library
 from tests.unit.kernels.test_kernels_cpu_decode_layer import SHAPE, STEPS, TOL, _model, _step
-from worker.layers import RotaryEmbedding
+from worker.model.layers import RotaryEmbedding
 
 BF16_DOT_VALUE = "bf16_dot:pagoda.kernels.cpu_decode_layer"
 

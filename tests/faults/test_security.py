@@ -207,7 +207,7 @@ def test_a_result_whose_runs_do_not_cover_its_tokens_is_refused(num_tokens, num_
 
 def test_a_plan_with_ids_outside_the_cache_or_vocabulary_is_refused_by_the_worker():
     from proto.columns import pack
-    from worker.plan_checks import check_plan
+    from worker.step.plan_checks import check_plan
     ok = ipb.StepPlan(step_id=1, new_seqs=[ipb.NewSeq(seq_id="s", token_ids=[1, 2, 3], block_ids=[0],
                                                       num_new_tokens=3)],
                       running_slots=pack([4]), running_num_tokens=pack([1]),

@@ -1,5 +1,5 @@
 """The real model in bf16 over the real stack (`--dtype bfloat16`, what `--dtype auto` picks on
-a CPU with bf16 instructions): its decode steps run as one C call (worker/fused_decode.py, bf16 weights), and
+a CPU with bf16 instructions): its decode steps run as one C call (worker/model/fused_decode.py, bf16 weights), and
 what it answers stays within bf16's rounding of transformers in fp32, teacher-forced on the same
 tokens: every greedy token is fp32's best or within a small margin of it, and its logprob is
 near fp32's."""
@@ -58,7 +58,7 @@ def test_bf16_decodes_in_one_c_step_within_bf16s_rounding_of_fp32(bf16_stub, smo
 
 def test_plain_greedy_answers_the_heads_max_the_same_tokens_as_the_samplers(bf16_stub, smollm2_hf):
     """A step whose rows are all plain greedy takes their tokens from the LM head's own max
-    (worker/model.py greedy_tokens); one with a row that asks for logprobs computes the logits
+    (worker/model/llama.py greedy_tokens); one with a row that asks for logprobs computes the logits
     and samples every row from them. Plain requests alone (the head's max) answer what they
     answer side by side with logprobs requests (the sampler's), which answer the same."""
     from transformers import AutoTokenizer

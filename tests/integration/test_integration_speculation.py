@@ -149,7 +149,7 @@ def _streamed(stub, request) -> dict[int, list[int]]:
 
 
 def test_seeded_sampling_gives_what_the_plain_cluster_gives(spec_stub, stub, reference):
-    """Each position is drawn as the plain sampler draws it (worker/rejection_sampler.py), so
+    """Each position is drawn as the plain sampler draws it (worker/speculation/rejection_sampler.py), so
     speculation changes how many tokens a step gives, not which: alone, in a batch, every time."""
     names = ("rename", "question")  # long accepted runs; open text, whose two draws differ soon
     alone = _streamed(spec_stub, _sampled(reference["rename"][0]))

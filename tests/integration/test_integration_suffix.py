@@ -1,4 +1,4 @@
-"""Speculative decoding with method suffix (worker/suffix_proposer.py: drafts as long as their
+"""Speculative decoding with method suffix (worker/speculation/suffix_proposer.py: drafts as long as their
 match, up to 16 tokens, never paused by the scheduler) over the real stack and the real model:
 greedy answers are transformers' tokens, ending where transformers' end, preempted in a crowded
 pool, with most of a copied answer's tokens coming from accepted proposals. The prompts,

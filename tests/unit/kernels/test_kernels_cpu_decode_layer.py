@@ -10,7 +10,7 @@ import torch
 
 from pagoda.kernels import cpu_attention, cpu_decode_attention, cpu_decode_layer
 from pagoda.kernels.cpu_decode_layer import Shape
-from worker.layers import RotaryEmbedding
+from worker.model.layers import RotaryEmbedding
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # tests/conftest.py
 

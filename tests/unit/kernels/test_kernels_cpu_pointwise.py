@@ -1,6 +1,6 @@
 """kernels/csrc/cpu_pointwise.c (bf16 residual sum + RMSNorm, rotary, SiLU * up) on every
 instruction set this CPU has, one thread and two: against float64 within bf16's rounding, and
-against torch's bf16 ops (worker/layers.py's other path, HF's arithmetic) within one bf16 step of
+against torch's bf16 ops (worker/model/layers.py's other path, HF's arithmetic) within one bf16 step of
 each value, with at most a few in a thousand differing at all (the statistics summed in another
 order)."""
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The Triton paged attention on speculative verification steps against the float64 loop of
 kernels/reference.py: a speculating sequence has 1 + p query rows (p proposals, up to
-MAX_SPECULATIVE_TOKENS = 16) over its paged context, beside plain decodes (worker/speculative.py).
+MAX_SPECULATIVE_TOKENS = 16) over its paged context, beside plain decodes (worker/speculation/speculator.py).
 
 choose_config gives such a step the narrow decode tiles while each query fits one (1 + k rows
 <= 16 // GQA group: k <= 4 for SmolLM2's group of 3, k <= 15 for group 1), split-KV on top when

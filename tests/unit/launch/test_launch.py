@@ -49,7 +49,7 @@ def test_speculative_config_reaches_the_worker_from_serve_and_from_llm_keywords(
     import json
 
     from pagoda.offline import _flags
-    from worker.speculative_config import SpeculativeConfig
+    from worker.speculation.config import SpeculativeConfig
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
     parsers = process_parsers()
     for argv in (["--speculative-config", json.dumps(spec)],         # pagoda serve / make run ARGS=

@@ -6,8 +6,8 @@ import argparse
 import pytest
 import torch
 
-from worker import device
-from worker.device import resolve_device, resolve_dtype
+from worker.startup import device
+from worker.startup.device import resolve_device, resolve_dtype
 from worker.worker_flags import add_worker_args, parse_bytes, worker_args
 
 

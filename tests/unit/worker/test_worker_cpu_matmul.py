@@ -1,4 +1,4 @@
-"""worker/cpu_matmul.py: which path CPU projections take is measured once per machine and kept;
+"""worker/model/cpu_matmul.py: which path CPU projections take is measured once per machine and kept;
 the measurement races the very products each path would compute; --cpu-matmul torch turns both
 kernels off (a kernel that disagrees with float64 is off: tests/unit/kernels/test_kernels_startup_checks.py)."""
 from __future__ import annotations
@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-import worker.layers as layers
+import worker.model.layers as layers
 from pagoda.kernels import cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8
-from worker import cpu_matmul
-from worker.cpu_matmul import BF16_ROWS, FP32_ROWS, WIDEN_ROWS, CpuMatmul
+from worker.model import cpu_matmul
+from worker.model.cpu_matmul import BF16_ROWS, FP32_ROWS, WIDEN_ROWS, CpuMatmul
 
 SHAPE = (96, 40)
 BF16 = torch.bfloat16

@@ -1,4 +1,4 @@
-"""Draft-model speculation (worker/draft_model.py) on tiny random checkpoints, the real scheduler
+"""Draft-model speculation (worker/speculation/draft_model.py) on tiny random checkpoints, the real scheduler
 feeding the real ModelRunner in process: answers are transformers' greedy tokens of the target
 whatever the draft; the target as its own draft has every proposal accepted; a noisy copy as the
 draft is rejected at times; preemption by recompute and by swap (a row whose draft cache
@@ -16,7 +16,7 @@ from proto import internal_pb2 as pb
 from tests.unit.scheduler.test_scheduler import GW, make_router, run, with_workers
 from tests.worker_tiny_models import make_hf_model, runner_args, save_model
 from process_life.flag_errors import FlagError
-from worker import draft_model
+from worker.speculation import draft_model
 from worker.runner import ModelRunner
 
 K = 3

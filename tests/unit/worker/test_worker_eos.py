@@ -1,9 +1,9 @@
-"""worker.eos: every token that ends an answer, from each place a model's files can name one."""
+"""worker.model.eos: every token that ends an answer, from each place a model's files can name one."""
 from __future__ import annotations
 
 import json
 
-from worker.eos import end_of_turn_ids, eos_token_ids
+from worker.model.eos import end_of_turn_ids, eos_token_ids
 
 TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}\n{{ m['content'] }}<|turn_end|>\n"
             "{% endfor %}{% if add_generation_prompt %}<|start|>assistant\n{% endif %}")

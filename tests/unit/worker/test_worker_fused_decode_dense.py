@@ -1,4 +1,4 @@
-"""Dense fp32 and bf16 models take worker/fused_decode.py's one-C-call decode step: their decode
+"""Dense fp32 and bf16 models take worker/model/fused_decode.py's one-C-call decode step: their decode
 steps go through kernels/csrc/cpu_decode_layer.c, and what comes out is transformers' (fp32: the same
 greedy tokens, logits within 1e-4; bf16: within bf16's rounding of transformers in fp32). A
 model the step does not take (--cpu-matmul torch) runs layer by layer (int8 weights:
@@ -15,7 +15,8 @@ from pagoda.kernels.cpu_decode_layer import decode_step
 from tests.plan_driver import PlanDriver
 from tests.worker_tiny_models import (assert_greedy_equals_reference, make_hf_model, reference_logits,
                                       runner_args, save_model)
-from worker import fused_decode, startup_measurements
+from worker.model import fused_decode
+from worker.startup import measurements as startup_measurements
 from worker.runner import ModelRunner
 from worker.worker_flags import DECODE_STEP_TOKENS
 

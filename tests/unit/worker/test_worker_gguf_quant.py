@@ -15,7 +15,7 @@ from pagoda.kernels import cpu_decode_layer, cpu_gemm_gguf
 from pagoda.kernels.cpu_decode_layer import decode_step
 from tests.unit.worker.test_worker_loader import write_gguf
 from tests.worker_tiny_models import assert_greedy_equals_reference, make_hf_model, runner_args, save_model
-from worker.loader import gguf_blocks
+from worker.model.loader import gguf_blocks
 from worker.runner import ModelRunner
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [200, 3, 17]]
@@ -24,7 +24,7 @@ NEW_TOKENS = 16
 
 def dequantized_float64(hf, kind: str, stored: dict[str, torch.Tensor] | None = None):
     """hf with every projection's weights replaced by their kind blocks dequantized in float64:
-    stored[HF name] (worker/loader.py gguf_blocks) where given, else quantized here."""
+    stored[HF name] (worker/model/loader.py gguf_blocks) where given, else quantized here."""
     stored = stored or {}
     ref = copy.deepcopy(hf).double()
     with torch.no_grad():
@@ -61,7 +61,7 @@ def test_greedy_and_logits_equal_float64_on_the_dequantized_weights(variant, kin
     linears = [m for m in runner.model.modules() if getattr(m, "blocks", None) is not None]
     assert linears and all(m.weight is None and m.kind == kind for m in linears)
     assert runner.model.lm_head_gguf is not None
-    # Decode steps run as one C step (worker/fused_decode.py) where the model qualifies: not with
+    # Decode steps run as one C step (worker/model/fused_decode.py) where the model qualifies: not with
     # biases, which the other variant has, so both ways are held to the reference.
     fused = variant == "llama" and cpu_decode_layer.available()
     assert (runner.model.model.fused_decode is not None) == fused

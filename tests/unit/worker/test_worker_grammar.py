@@ -1,4 +1,4 @@
-"""worker.grammar with the real tokenizer's vocabulary and xgrammar: answers walked through the
+"""worker.grammar.matchers with the real tokenizer's vocabulary and xgrammar: answers walked through the
 real Sampler under the mask parse and validate (jsonschema) or match their regex/choice, greedy
 and sampled; a sequence added again replays to the same mask; a conflict is reported, never
 sampled; the raw logits stay untouched."""
@@ -17,8 +17,8 @@ from modelfiles.resolve import resolve_model, tokenizer_json
 from proto import internal_pb2
 from structured.compiler import GrammarCache, tokenizer_info
 from structured.spec import Spec, SpecError
-from worker.grammar import GrammarRows, apply_grammar_mask, why_no_token
-from worker.sampler import Sampler
+from worker.grammar.matchers import GrammarRows, apply_grammar_mask, why_no_token
+from worker.step.sampler import Sampler
 
 VOCAB = 49152
 SCHEMAS = [

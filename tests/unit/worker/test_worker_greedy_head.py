@@ -11,7 +11,7 @@ from proto import internal_pb2
 from tests.plan_driver import PlanDriver
 from tests.worker_tiny_models import make_hf_model, runner_args, save_model
 from worker.runner import ModelRunner
-from worker.sampler import plain_greedy
+from worker.step.sampler import plain_greedy
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [200, 3, 17], [44] * 20]
 NEW_TOKENS = 10

@@ -1,4 +1,4 @@
-"""worker/host_memory.py: with glibc's thresholds set, memory a step frees stays in the process,
+"""worker/startup/host_memory.py: with glibc's thresholds set, memory a step frees stays in the process,
 so the next step's allocations of the same size fault no pages in again."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import resource
 import pytest
 import torch
 
-from worker.host_memory import keep_freed_memory
+from worker.startup.host_memory import keep_freed_memory
 
 MB = 2**20
 

@@ -10,10 +10,10 @@ import copy
 import pytest
 import torch
 
-import worker.layers as layers
+import worker.model.layers as layers
 from process_life.flag_errors import FlagError
 from pagoda.kernels import cpu_decode_layer, cpu_gemm_int8
-from worker import cpu_matmul
+from worker.model import cpu_matmul
 from tests.worker_tiny_models import (VARIANTS, assert_greedy_equals_reference, make_hf_model,
                                       runner_args, save_model)
 from worker.runner import ModelRunner
@@ -68,7 +68,7 @@ def test_int8_is_refused_where_it_cannot_run(tmp_path):
 @pytest.mark.skipif(not cpu_gemm_int8.available(), reason="no int8 kernel on this CPU")
 def test_an_int8_runner_bounds_its_layers_and_its_vocabulary_projection_apart(tmp_path, monkeypatch):
     """Its layers' bound is raced on a layer's four projections and the vocabulary projection's on
-    its own shape (worker/cpu_matmul.py choose_quantized); the logits' projection obeys its own bound."""
+    its own shape (worker/model/cpu_matmul.py choose_quantized); the logits' projection obeys its own bound."""
     monkeypatch.setenv("PAGODA_MEASUREMENTS", str(tmp_path / "cache"))
     raced = []
     monkeypatch.setattr(cpu_matmul, "measure_quantized",

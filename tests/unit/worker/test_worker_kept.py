@@ -1,8 +1,8 @@
-"""worker/kept.py: a machine's measurements are keyed by more of its CPU than the model name,
+"""worker/startup/kept.py: a machine's measurements are keyed by more of its CPU than the model name,
 which a VM gives many Xeon generations alike, and one disturbed by other processes is taken again."""
 from __future__ import annotations
 
-from worker.kept import cpu_identity, machine_key
+from worker.startup.kept import cpu_identity, machine_key
 
 ENTRY = """processor\t: {n}
 vendor_id\t: GenuineIntel
@@ -40,7 +40,7 @@ def test_this_machines_key_names_its_cpu_then_the_parts():
 def test_a_figure_measured_while_others_took_the_cpus_is_measured_again(tmp_path, monkeypatch):
     """The launcher starts the gateway and its grammar checkers beside the worker: a measurement
     they disturbed is taken once more, and the second figure is kept."""
-    from worker import kept as kept_module
+    from worker.startup import kept as kept_module
     monkeypatch.setenv("PAGODA_MEASUREMENTS", str(tmp_path))
     clock = iter([0.0, 1.0, 1.0, 2.0])  # monotonic: each measurement takes a second
     monkeypatch.setattr(kept_module.time, "monotonic", lambda: next(clock))
@@ -63,7 +63,7 @@ def test_a_figure_measured_while_others_took_the_cpus_is_measured_again(tmp_path
 
 
 def test_a_quiet_measurement_is_taken_once(tmp_path, monkeypatch):
-    from worker import kept as kept_module
+    from worker.startup import kept as kept_module
     monkeypatch.setenv("PAGODA_MEASUREMENTS", str(tmp_path))
     clock = iter([0.0, 1.0])
     monkeypatch.setattr(kept_module.time, "monotonic", lambda: next(clock))

@@ -1,4 +1,4 @@
-"""The CPU KV cache's memory (worker/cache.py zeroed_host): zeros, aligned to a huge page, of
+"""The CPU KV cache's memory (worker/model/kv_cache.py zeroed_host): zeros, aligned to a huge page, of
 every dtype, resident only once written, so that a worker's start-up does not write the whole
 cache and its memory grows with the blocks it uses, and in huge pages where the kernel gives them."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from worker.cache import HUGE_PAGE, zeroed_host
+from worker.model.kv_cache import HUGE_PAGE, zeroed_host
 
 MB = 2**20
 

@@ -1,4 +1,4 @@
-"""worker.layers against transformers' own functions, bit for bit where the arithmetic is the same,
+"""worker.model.layers against transformers' own functions, bit for bit where the arithmetic is the same,
 and the attention backend as an interface the model calls without asking which one it is."""
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-import worker.runner
+import worker.startup.stages
 from pagoda.kernels import cpu_gemm, cpu_pointwise
-from worker.attention_backends import TorchBackend
-from worker.cpu_matmul import CpuMatmul
+from worker.model.attention_backends import TorchBackend
+from worker.model.cpu_matmul import CpuMatmul
 from tests.plan_driver import PlanDriver
 from tests.worker_tiny_models import make_hf_model, runner_args, save_model
-from worker.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
-from worker.model import _pair_rotary_halves
+from worker.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
+from worker.model.llama import _pair_rotary_halves
 from worker.runner import ModelRunner
 
 GEN = torch.Generator().manual_seed(0)
@@ -115,7 +115,7 @@ def test_the_model_calls_the_backend_only_through_forward(tmp_path, monkeypatch)
     folder = save_model(make_hf_model("llama"), tmp_path)
     want = PlanDriver(ModelRunner(runner_args(folder))).generate([[5, 6, 7, 8], [9]], 3)
     spy = SpyBackend()
-    monkeypatch.setattr(worker.runner, "select_backend", lambda name, device_type: spy)
+    monkeypatch.setattr(worker.startup.stages, "select_backend", lambda name, device_type: spy)
     runner = ModelRunner(runner_args(folder))
     calls_at_start = spy.calls                                       # start-up measurements
     got = PlanDriver(runner).generate([[5, 6, 7, 8], [9]], 3)
@@ -129,9 +129,9 @@ def test_cpu_logits_equal_float64(rows, kernel, monkeypatch):
     """The CPU logits product: through kernels/csrc/cpu_gemm.c, or without it in slices of the
     vocabulary written in place; every column, the last partial slice's too, must hold the
     float64 product's value."""
-    from worker.model import LlamaForCausalLM
-    monkeypatch.setattr("worker.model._VOCAB_SLICE", 96)
-    monkeypatch.setattr("worker.layers.CPU", CpuMatmul(1024 if kernel and cpu_gemm.available() else 0))
+    from worker.model.llama import LlamaForCausalLM
+    monkeypatch.setattr("worker.model.llama._VOCAB_SLICE", 96)
+    monkeypatch.setattr("worker.model.layers.CPU", CpuMatmul(1024 if kernel and cpu_gemm.available() else 0))
     vocab, hidden = 1000, 64                      # 10 full slices and a partial one
     weight = torch.randn(vocab, hidden, generator=GEN)
     h = torch.randn(rows, hidden, generator=GEN)
@@ -151,12 +151,12 @@ def test_bf16_logits_go_through_the_bf16_kernel_or_fp32_and_equal_float64(rows, 
     kernels/csrc/cpu_gemm_bf16.c up to its bound's rows; past it, widened to fp32 where the CPU has
     no bf16 instructions, else torch's slices; within bf16's rounding of the float64 product."""
     from pagoda.kernels import cpu_gemm_bf16
-    from worker.model import LlamaForCausalLM
+    from worker.model.llama import LlamaForCausalLM
     if not cpu_gemm_bf16.available():
         pytest.skip(f"no bf16 kernel on this CPU ({torch.backends.cpu.get_cpu_capability()})")
     # The fp32 leg through the fp32 kernel where it runs.
     # (1-4 rows in the 4 x 4 tiles or not: either way, as the choice says)
-    monkeypatch.setattr("worker.layers.CPU", CpuMatmul(1024 if cpu_gemm.available() else 0, 4, widen, widen))
+    monkeypatch.setattr("worker.model.layers.CPU", CpuMatmul(1024 if cpu_gemm.available() else 0, 4, widen, widen))
     calls, widened = [], []
     real = cpu_gemm_bf16.xwt
     monkeypatch.setattr(cpu_gemm_bf16, "xwt", lambda x, w, **kw: calls.append((x.shape, kw)) or real(x, w, **kw))
@@ -179,19 +179,19 @@ def test_bf16_logits_go_through_the_bf16_kernel_or_fp32_and_equal_float64(rows, 
 
 @pytest.mark.parametrize("rows", [3, 8, 9, 200])
 def test_bf16_linear_past_the_kernels_rows_is_widened_to_fp32_where_the_cpu_lacks_bf16(rows, monkeypatch):
-    """worker.layers.linear on bf16 operands without bf16 instructions: the bf16 kernel up to its
+    """worker.model.layers.linear on bf16 operands without bf16 instructions: the bf16 kernel up to its
     rows, then fp32 (the fp32 kernel or MKL) on widened operands, the bias added; a bf16 result
     within bf16's rounding of the float64 product either way."""
     from pagoda.kernels import cpu_gemm_bf16
-    from worker.layers import linear
+    from worker.model.layers import linear
     if not cpu_gemm_bf16.available():
         pytest.skip("no bf16 kernel on this CPU")
     calls = []
-    monkeypatch.setattr("worker.layers.F.linear", lambda x, w, b=None, real=F.linear: calls.append(x.dtype) or real(x, w, b))
+    monkeypatch.setattr("worker.model.layers.F.linear", lambda x, w, b=None, real=F.linear: calls.append(x.dtype) or real(x, w, b))
     weight = torch.randn(96, 40, generator=GEN).bfloat16()
     b = torch.randn(96, generator=GEN).bfloat16()
     x = torch.randn(rows, 40, generator=GEN).bfloat16()
-    monkeypatch.setattr("worker.layers.CPU", CpuMatmul(0, 8, True))  # the fp32 leg through MKL, seen by the spy
+    monkeypatch.setattr("worker.model.layers.CPU", CpuMatmul(0, 8, True))  # the fp32 leg through MKL, seen by the spy
     got = linear(x, weight, b)
     assert calls == ([] if rows <= 8 else [torch.float32])
     want = x.double() @ weight.double().t() + b.double()
@@ -204,11 +204,11 @@ def test_bf16_linear_past_the_kernels_rows_is_widened_to_fp32_where_the_cpu_lack
 @pytest.mark.parametrize("rows", [1, 2, 9, 64, 1024, 1025])
 @pytest.mark.parametrize("bias", [False, True])
 def test_cpu_linear_equals_float64(rows, bias, kernel, monkeypatch):
-    """worker.layers.linear runs up to its bound's rows through kernels/csrc/cpu_gemm.c and more
+    """worker.model.layers.linear runs up to its bound's rows through kernels/csrc/cpu_gemm.c and more
     through F.linear: both are x W^T + b to float32 rounding, contiguous, in the input's dtype."""
-    from worker.layers import linear
+    from worker.model.layers import linear
     # The parametrization straddles the kernel's bound.
-    monkeypatch.setattr("worker.layers.CPU", CpuMatmul(1024 if kernel and cpu_gemm.available() else 0))
+    monkeypatch.setattr("worker.model.layers.CPU", CpuMatmul(1024 if kernel and cpu_gemm.available() else 0))
     calls = []
     monkeypatch.setattr(cpu_gemm, "xwt", lambda *a, real=cpu_gemm.xwt: calls.append(1) or real(*a))
     weight = torch.randn(96, 40, generator=GEN)

@@ -1,4 +1,4 @@
-"""worker.loader on a tiny GGUF written here the way llama.cpp's converter writes one (q/k rows
+"""worker.model.loader on a tiny GGUF written here the way llama.cpp's converter writes one (q/k rows
 permuted for its rope, some tensors Q8_0): the same tensors as transformers' own GGUF loader,
 cached as safetensors on first load, and the same greedy tokens."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 from tests.plan_driver import PlanDriver
 from tests.worker_tiny_models import make_hf_model, reference_logits, runner_args
-from worker.loader import CACHE_FILE, CACHE_NAME, load_weights
+from worker.model.loader import CACHE_FILE, CACHE_NAME, load_weights
 from worker.runner import ModelRunner
 
 GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -96,7 +96,7 @@ def test_gguf_weights_equal_transformers_and_are_cached(tiny_gguf, tmp_path, mon
     cached = list(tmp_path.glob(f"*/{CACHE_NAME}/{CACHE_FILE}"))
     assert len(cached) == 1 and (cached[0].parent / "config.json").exists()
     # The second load comes from the cache: same tensors without touching the GGUF.
-    monkeypatch.setattr("worker.loader.load_gguf", lambda p: pytest.fail("dequantized again"))
+    monkeypatch.setattr("worker.model.loader.load_gguf", lambda p: pytest.fail("dequantized again"))
     config2, weights2 = load_weights(path)
     assert config2 == config and all(torch.equal(weights2[k], v) for k, v in weights.items())
 
@@ -115,7 +115,7 @@ def test_runner_on_gguf_matches_transformers(tiny_gguf, tmp_path, monkeypatch):
 def test_a_cache_that_cannot_be_written_costs_only_the_next_start(tmp_path, caplog):
     """A full or vanished disk under the cache: safetensors says so with its own error, not
     OSError; the worker warns and starts, and no half-written file is left behind."""
-    from worker.loader import _save_tensors, _write_by_rename
+    from worker.model.loader import _save_tensors, _write_by_rename
 
     gone = tmp_path / "gone" / "blocks.safetensors"
     assert _write_by_rename(gone, lambda tmp: _save_tensors({"w": torch.ones(2)}, tmp)) is False

@@ -1,4 +1,4 @@
-"""worker.logits: each processor against a float64 numpy reference of its formula and against
+"""worker.step.logits: each processor against a float64 numpy reference of its formula and against
 transformers' own processor where one exists; logprobs against a float64 log_softmax."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, To
                           TopPLogitsWarper)
 
 from proto import internal_pb2
-from worker.logits import apply_logit_bias, apply_min_p, apply_min_tokens, apply_penalties, compute_logprobs
-from worker.sampler import apply_top_k_top_p
+from worker.step.logits import apply_logit_bias, apply_min_p, apply_min_tokens, apply_penalties, compute_logprobs
+from worker.step.sampler import apply_top_k_top_p
 
 VOCAB = 40  # small, so that histories repeat tokens
 fast = settings(max_examples=60, deadline=None)

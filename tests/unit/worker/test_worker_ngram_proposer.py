@@ -1,4 +1,4 @@
-"""n-gram proposals (worker/ngram_proposer.py) against a plain-Python reference over random
+"""n-gram proposals (worker/speculation/ngram_proposer.py) against a plain-Python reference over random
 token sequences, and --speculative-config's parsing (vLLM's field names, errors naming the field)."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from worker.ngram_proposer import propose
-from worker.speculative_config import SpeculativeConfig
+from worker.speculation.ngram_proposer import propose
+from worker.speculation.config import SpeculativeConfig
 
 
 def reference(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

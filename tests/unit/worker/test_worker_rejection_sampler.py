@@ -1,4 +1,4 @@
-"""The rejection sampler (worker/rejection_sampler.py) against the target distribution: over many
+"""The rejection sampler (worker/speculation/rejection_sampler.py) against the target distribution: over many
 draws, each output position's tokens are distributed as the target's probabilities there
 (chi-square), for a draft distribution and for one-hot (n-gram) proposals, at several
 temperatures and top-p values; greedy follows the argmax exactly; seeded draws repeat."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from worker.rejection_sampler import verify
+from worker.speculation.rejection_sampler import verify
 
 V = 6
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -0.5, -1.0],
@@ -88,7 +88,7 @@ def test_seeded_n_gram_runs_are_the_tokens_the_plain_sampler_gives():
     """One-hot proposals verified by drawing each position as the sampler draws it: a seeded
     row's run is, token for token, what decoding one token a step gives at those positions,
     whatever the proposals were (they decide only how far the run goes)."""
-    from worker.sampler import Sampler
+    from worker.step.sampler import Sampler
     logits = LOGITS.float()
     probs = logits.softmax(-1)
     sampler = Sampler(torch.Generator().manual_seed(0))

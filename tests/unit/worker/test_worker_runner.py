@@ -13,7 +13,7 @@ import torch
 from tests.plan_driver import PlanDriver
 from proto import internal_pb2
 from proto.columns import pack, unpack_f32, unpack_list
-from worker.model_config import ModelConfig
+from worker.model.config import ModelConfig
 from worker.runner import ModelRunner
 from tests.worker_tiny_models import VARIANTS, make_hf_model, reference_logits, runner_args, save_model
 

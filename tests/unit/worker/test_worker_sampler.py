@@ -1,4 +1,4 @@
-"""worker.sampler: greedy and filtered sampling against a float64 reference, stateless seeds, and
+"""worker.step.sampler: greedy and filtered sampling against a float64 reference, stateless seeds, and
 the logits processors in their place in the pipeline."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from proto import internal_pb2
-from worker.sampler import Sampler, seed_for
+from worker.step.sampler import Sampler, seed_for
 
 
 def cfg(temperature=0.0, top_p=1.0, top_k=0, seed=None, **extra):

@@ -1,4 +1,4 @@
-"""The worker's side of speculative decoding (worker/speculative.py) on its persistent batch,
+"""The worker's side of speculative decoding (worker/speculation/speculator.py) on its persistent batch,
 without a model: proposals go after the known tokens and grow the row's query; after the step,
 the accepted ones stay as computed tokens and the rest are forgotten; a failed step leaves the
 batch as it was; a plan that speculates where it may not is refused, naming the slot."""
@@ -9,9 +9,9 @@ import pytest
 
 from proto import internal_pb2 as pb
 from proto.columns import pack, unpack_list
-from worker.input_batch import InputBatch
-from worker.speculative import Proposals, Speculator, result_columns
-from worker.speculative_config import SpeculativeConfig
+from worker.step.input_batch import InputBatch
+from worker.speculation.speculator import Proposals, Speculator, result_columns
+from worker.speculation.config import SpeculativeConfig
 
 QUOTED = [5, 6, 7, 8, 9, 10, 11, 12, 1, 2, 5, 6, 7]  # ends with 5 6 7: 8 9 10 11 followed it
 

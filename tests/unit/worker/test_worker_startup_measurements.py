@@ -1,4 +1,4 @@
-"""worker/startup_measurements.py: the prefill rate a worker reports is timed on a machine's first
+"""worker/startup/measurements.py: the prefill rate a worker reports is timed on a machine's first
 start and read back on the next ones (the warm-up forward runs every time); another model shape
 or dtype is timed again, and so is every one with --measure-again, which keeps the new figure;
 tensor-parallel ranks always time it together (their forwards meet in
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagoda.kernels import cpu_decode_attention
-from worker import startup_measurements
+from worker.startup import measurements as startup_measurements
 
 
 @pytest.fixture

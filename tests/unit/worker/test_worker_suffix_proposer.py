@@ -1,4 +1,4 @@
-"""Suffix proposals (worker/suffix_proposer.py) against a plain-Python reference over random token
+"""Suffix proposals (worker/speculation/suffix_proposer.py) against a plain-Python reference over random token
 sequences, the draft's length following its match, and --speculative-config's suffix fields
 (vLLM's names and defaults, errors naming the field)."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from worker.speculative_config import SpeculativeConfig
-from worker.suffix_proposer import propose
+from worker.speculation.config import SpeculativeConfig
+from worker.speculation.suffix_proposer import propose
 
 
 def reference(tokens: list[int], k: int, depth: int, factor: float, min_prob: float) -> list[int]:

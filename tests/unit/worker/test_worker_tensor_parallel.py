@@ -27,8 +27,8 @@ from tests.plan_driver import PlanDriver
 from tests.unit.worker.test_model_parity import SMOLLM2_PROMPTS, TINY_PROMPTS
 from tests.unit.worker.test_worker_main import receive, scheduler_socket, send  # noqa: F401 (a fixture)
 from tests.worker_tiny_models import make_hf_model, runner_args, save_model
-from worker.model_config import ModelConfig
-from worker.parallel import refusal
+from worker.model.config import ModelConfig
+from worker.parallel.tensor_parallel import refusal
 from worker.runner import ModelRunner
 
 ROOT = Path(__file__).resolve().parents[3]

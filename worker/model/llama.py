@@ -9,16 +9,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.attention_backends import AttentionBackend
-from worker.attention import PagedAttention
-from worker.attention_metadata import AttentionMetadata
-from worker.fused_decode import FusedDecode
-from worker.model_config import ModelConfig
+from worker.model.attention_backends import AttentionBackend
+from worker.model.attention import PagedAttention
+from worker.model.attention_metadata import AttentionMetadata
+from worker.model.fused_decode import FusedDecode
+from worker.model.config import ModelConfig
 from pagoda.kernels import cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8
-from worker import layers
-from worker.layers import (Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary, bf16_kernel_fits,
+from worker.model import layers
+from worker.model.layers import (Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary, bf16_kernel_fits,
                            bf16_widens, gguf_linear, int8_linear, kernel_fits, linear)
-from worker.parallel import TensorParallel, row_parallel_linear
+from worker.parallel.tensor_parallel import TensorParallel, row_parallel_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -65,7 +65,7 @@ class LlamaAttention(nn.Module):
 
 def projection_shapes(config: ModelConfig) -> tuple[tuple[int, int], ...]:
     """A layer's projection weights (out, in features) as built here: q|k|v fused, o, gate|up
-    fused, down (worker/cpu_matmul.py races the quantized kernels on them)."""
+    fused, down (worker/model/cpu_matmul.py races the quantized kernels on them)."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     h, i = config.hidden_size, config.intermediate_size
     return (q + 2 * kv, h), (h, q), (2 * i, h), (h, i)
@@ -115,7 +115,7 @@ class LlamaModel(nn.Module):
                                     for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    fused_decode = None  # worker/fused_decode.py's FusedDecode, once the weights qualify
+    fused_decode = None  # worker/model/fused_decode.py's FusedDecode, once the weights qualify
 
     def forward(self, input_ids, positions, meta, kv_caches):
         x, residual = self.embed_tokens(input_ids), None
@@ -133,7 +133,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int,
                  device: torch.device, tp: TensorParallel | None = None) -> None:
-        """config: the shape of this rank's share (worker/parallel.py shard_config) under tp."""
+        """config: the shape of this rank's share (worker/parallel/tensor_parallel.py shard_config) under tp."""
         super().__init__()
         self.config = config
         self.tp = tp or TensorParallel()
@@ -170,13 +170,13 @@ class LlamaForCausalLM(nn.Module):
         their blocks), the others are quantized from the float weights."""
         if kind == "int8":
             return self.quantize_int8()
-        from worker.loader import gguf_blocks
+        from worker.model.loader import gguf_blocks
         return self.quantize_gguf(kind, gguf_blocks(model_path, kind))
 
     def quantize_gguf(self, kind: str, stored: dict[str, torch.Tensor]) -> int:
         """Every projection's weights, and the vocabulary projection's (a copy when tied: the
         embedding lookup keeps its float rows), as GGUF blocks of kind ("q8_0", "q4_1"). stored:
-        HF tensor name -> its blocks in that format (worker/loader.py gguf_blocks), taken as they
+        HF tensor name -> its blocks in that format (worker/model/loader.py gguf_blocks), taken as they
         are; every other weight is quantized with gguf's reference quantizer."""
         for name, module in self.named_modules():
             if not isinstance(module, Linear):
@@ -300,7 +300,7 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], backend: 
                 max_positions: int, device: torch.device, dtype: torch.dtype,
                 tp: TensorParallel | None = None, fused_decode: bool = False) -> LlamaForCausalLM:
     """fused_decode: dense fp32 / bf16 decode steps may run as one C call (--cpu-matmul auto:
-    pagoda's kernels wanted; worker/fused_decode.py says where the model qualifies)."""
+    pagoda's kernels wanted; worker/model/fused_decode.py says where the model qualifies)."""
     # Built on "meta" so that no time goes into random initialization of weights we overwrite.
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend, max_positions, device, tp)

@@ -8,7 +8,7 @@ worker at start-up with a message naming the field.
      "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1}
 
 ngram: only one of prompt_lookup_min / _max given sets both; neither gives 2..5.
-suffix (worker/suffix_proposer.py): vLLM's defaults for its fields; num_speculative_tokens
+suffix (worker/speculation/suffix_proposer.py): vLLM's defaults for its fields; num_speculative_tokens
 defaults to the tree depth, capped at MAX_SPECULATIVE_TOKENS.
 disable_by_batch_size (vLLM's field): no proposals in a step with more running sequences than
 this. vLLM's default is never; pagoda's is DEFAULT_DISABLE_BY_BATCH_SIZE, because on the CPU a

@@ -23,12 +23,12 @@ import torch
 
 from process_life import lifetime
 from proto import internal_pb2
-from worker.parallel import (COLLECTIVE_TIMEOUT_S, FLAG, FORGET, KEEPALIVE, PLAN, STOP, GroupLost,
+from worker.parallel.tensor_parallel import (COLLECTIVE_TIMEOUT_S, FLAG, FORGET, KEEPALIVE, PLAN, STOP, GroupLost,
                              TensorParallel, init_group, refusal)
 
 logger = logging.getLogger("pagoda.worker")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Set by rank 0 for the ranks it starts: which rank, where its store is, and its own pid.
 RANK_ENV, PORT_ENV, PARENT_ENV = "PAGODA_TP_RANK", "PAGODA_TP_PORT", "PAGODA_TP_PARENT"
 STOP_WAIT_S = 5.0
@@ -85,7 +85,7 @@ def start_group(args: argparse.Namespace, argv: list[str], device: torch.device)
     """Rank 0: refuses a size that does not split the model, starts the other ranks with the
     worker's own flags, and joins them."""
     from modelfiles.resolve import resolve_model
-    from worker.model_config import ModelConfig
+    from worker.model.config import ModelConfig
 
     size = args.tensor_parallel_size
     if why := refusal(ModelConfig.read(resolve_model(args.model)), size):

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from worker.model_config import ModelConfig
+from worker.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

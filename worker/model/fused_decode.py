@@ -13,7 +13,7 @@ a sequence, or a verification's few: kernels/cpu_attention.py MAX_KERNEL_DECODE_
 are at most max_tokens of them; any other step (a prefill chunk, a wide batch, a cache the C
 attention does not serve) runs layer by layer. The model qualifies when it runs on the CPU with
 GGUF or int8 weights (--quantization q8_0 / q4_1 / int8, fp32, exact activations) or with dense fp32 / bf16
-weights where pagoda's kernels are wanted (--cpu-matmul auto: worker/model.py build_model),
+weights where pagoda's kernels are wanted (--cpu-matmul auto: worker/model/llama.py build_model),
 without biases, tensor parallelism or another attention backend, and the kernel agrees with its
 float64 reference here for that format (checked once; it is turned off, with a log line, if
 not).
@@ -26,12 +26,12 @@ import torch
 
 from pagoda.kernels import cpu_decode_attention, cpu_decode_layer, cpu_gemm_gguf
 from pagoda.kernels.cpu_decode_layer import LayerWeights, Shape
-from worker.layers import Linear
+from worker.model.layers import Linear
 
 # Tokens up to which a step goes through the C step. GGUF: MAX_TOKENS, whatever the GGUF
-# kernel's bound for a projection alone (worker/layers.py QUANTIZED_KERNEL_ROWS): on a Zen 5 EPYC the
+# kernel's bound for a projection alone (worker/model/layers.py QUANTIZED_KERNEL_ROWS): on a Zen 5 EPYC the
 # C step beat the layers at 8, 32 and 64 decodes of Q4_1 (64: 206 against 209 ms). Dense: the machine's, measured at
-# start-up (worker/startup_measurements.py measure_decode_step_bound); MAX_DENSE_TOKENS until
+# start-up (worker/startup/measurements.py measure_decode_step_bound); MAX_DENSE_TOKENS until
 # then, or where the pool is too small to time in. On an AVX2 EPYC the C step won at 8 decodes
 # (fp32 58 against 60 ms, bf16 53 against 65) and lost at 32 in fp32 (174 against 143); on a
 # Zen 5 it lost from 4 in fp32 and 6 in bf16 (bench/profile_cpu.py --fused-ab, docs/benchmarks.md)
@@ -75,7 +75,7 @@ class FusedDecode:
         self.backend = inner.layers[0].self_attn.attn.backend
         self.dtype = inner.norm.weight.dtype  # the model's activations, which the step takes and gives
         self.dense = dense
-        # A dense model's bound is set again at start-up (worker/startup_measurements.py).
+        # A dense model's bound is set again at start-up (worker/startup/measurements.py).
         self.max_tokens = MAX_DENSE_TOKENS if dense else MAX_TOKENS
         self._layers, self._caches = None, None
 

@@ -1,4 +1,4 @@
-"""Token sampling: logits processors (worker.logits), greedy, temperature, min-p, top-k, top-p,
+"""Token sampling: logits processors (worker.step.logits), greedy, temperature, min-p, top-k, top-p,
 and per-request seeds.
 
 Sampling is an exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with
@@ -12,8 +12,8 @@ from typing import Protocol, Sequence
 
 import torch
 
-from worker.grammar import apply_grammar_mask
-from worker.logits import LogitsParams, apply_logit_bias, apply_min_p, apply_min_tokens, apply_penalties
+from worker.grammar.matchers import apply_grammar_mask
+from worker.step.logits import LogitsParams, apply_logit_bias, apply_min_p, apply_min_tokens, apply_penalties
 
 # Below this temperature a row is greedy (vLLM's _SAMPLING_EPS): dividing by ~0 only makes NaNs.
 SAMPLING_EPS = 1e-5
@@ -54,7 +54,7 @@ def race(probs: torch.Tensor, seed: int | None, position: int, generator: torch.
 def plain_greedy(p: SamplingParams) -> bool:
     """Whether a row's token is the max of its raw logits: greedy, no logits processor that
     could apply (min_tokens over stop ids, logit_bias, penalties), no logprobs or beam
-    candidates asked. (Its grammar, if any, the caller asks worker/grammar.py.)"""
+    candidates asked. (Its grammar, if any, the caller asks worker/grammar/matchers.py.)"""
     return (p.temperature < SAMPLING_EPS and not p.HasField("logprobs") and not p.beam_candidates
             and not p.logit_bias and not (p.min_tokens and p.stop_token_ids)
             and p.repetition_penalty in (0.0, 1.0) and not p.frequency_penalty and not p.presence_penalty)
@@ -72,7 +72,7 @@ class Sampler:
         """logits [S, V] float32; positions[i] is the index the sampled token will have in its
         sequence (the seeded draw depends on it); token_ids[i] is row i's sequence so far, whose
         first num_prompt_tokens[i] are the prompt (None: no row has any history); allowed is
-        (rows, their grammars' bitmask, worker/grammar.py): the tokens each of those rows may
+        (rows, their grammars' bitmask, worker/grammar/matchers.py): the tokens each of those rows may
         take next, masked after the logits processors. Returns int64 [S]: -1 for a row that has no token left
         (nothing is ever sampled from an all-masked row)."""
         if token_ids is None:

@@ -5,7 +5,7 @@ The plan names rows that compute one decode token and may propose up to k more
 (StepPlan.spec_slots). Before the forward, each such row's proposals are written after its
 known tokens in the persistent batch and its query grows to 1 + p tokens, so the forward
 computes the target's distributions at all of them; the rejection sampler
-(worker/rejection_sampler.py) keeps the accepted prefix and draws one token of the target's
+(worker/speculation/rejection_sampler.py) keeps the accepted prefix and draws one token of the target's
 after it. `settle` then makes the batch say what is true: the accepted proposals stay as known
 and computed tokens (their KV is in the cache), the rejected ones are forgotten (their KV
 slots are overwritten by later steps). The scheduler allocated the blocks for all of them.
@@ -24,13 +24,13 @@ import torch
 from process_life.flag_errors import FlagError
 from proto.columns import pack, unpack
 from proto.speculation import may_speculate
-from worker.grammar import GrammarRows, apply_grammar_mask
-from worker.input_batch import InputBatch
-from worker import ngram_proposer, suffix_proposer
-from worker.rejection_sampler import verify
-from worker.step_logprobs import run_logprobs
-from worker.sampler import SAMPLING_EPS, apply_processors, probabilities
-from worker.speculative_config import SpeculativeConfig
+from worker.grammar.matchers import GrammarRows, apply_grammar_mask
+from worker.step.input_batch import InputBatch
+from worker.speculation import ngram_proposer, suffix_proposer
+from worker.speculation.rejection_sampler import verify
+from worker.step.logprobs import run_logprobs
+from worker.step.sampler import SAMPLING_EPS, apply_processors, probabilities
+from worker.speculation.config import SpeculativeConfig
 
 
 @dataclass
@@ -54,7 +54,7 @@ def build_speculator(text: str | None, runner) -> "Speculator | None":
         raise FlagError(str(e)) from None
     draft = None
     if config.method == "draft_model":
-        from worker.draft_model import DraftModel
+        from worker.speculation.draft_model import DraftModel
         draft = DraftModel(config.model, runner.config.vocab_size, runner.backend,
                            runner.max_model_len, runner.device, runner.dtype,
                            fused_decode=runner.args.cpu_matmul == "auto")
@@ -62,7 +62,7 @@ def build_speculator(text: str | None, runner) -> "Speculator | None":
 
 
 class Speculator:
-    """Proposes (n-gram lookup, or a draft model: worker/draft_model.py), verifies, settles."""
+    """Proposes (n-gram lookup, or a draft model: worker/speculation/draft_model.py), verifies, settles."""
 
     def __init__(self, config: SpeculativeConfig, draft=None, prepare=None) -> None:
         self.config = config
@@ -151,7 +151,7 @@ class Speculator:
         history: penalties, logit_bias and min_tokens act as if those had been sampled. Rows
         that asked for logprobs get those of their whole run (from the raw logits) in result.
         A constrained row is masked at each position by its grammar as it would stand there
-        (worker/grammar.py draft_masks): proposals past the first one the grammar refuses are
+        (worker/grammar/matchers.py draft_masks): proposals past the first one the grammar refuses are
         not verified, and a position that leaves no token ends the run before it (the next step
         finds it so and fails the row as a plain step would); at the first position, the row
         gets -1, which the caller's failure path reports."""

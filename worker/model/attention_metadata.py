@@ -1,5 +1,5 @@
 """What every attention layer of one step reads: built once per step by the input batch, passed
-to the backends (worker/attention_backends.py) through the model's layers."""
+to the backends (worker/model/attention_backends.py) through the model's layers."""
 from __future__ import annotations
 
 from dataclasses import dataclass

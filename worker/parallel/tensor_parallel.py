@@ -22,9 +22,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from worker.model_config import ModelConfig
-from worker.group_lost import GroupLost
-from worker.layers import Linear, linear
+from worker.model.config import ModelConfig
+from worker.parallel.group_lost import GroupLost
+from worker.model.layers import Linear, linear
 
 # Control messages from rank 0: the plan to run, "forget every sequence", "still here" (sent
 # while idle, so a waiting rank never reaches the timeout), and "exit".

@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels import cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8, cpu_pointwise
-from worker import cpu_matmul
-from worker.cpu_matmul import CpuMatmul
+from worker.model import cpu_matmul
+from worker.model.cpu_matmul import CpuMatmul
 
 
-# How CPU projections are computed here, by dtype and rows (worker/cpu_matmul.py): chosen once
+# How CPU projections are computed here, by dtype and rows (worker/model/cpu_matmul.py): chosen once
 # at start-up by use_cpu_kernel, read by every projection.
 CPU = CpuMatmul()
 

@@ -1,5 +1,5 @@
 """GroupLost, the one failure a tensor-parallel worker does not survive. Apart from
-worker/parallel.py so that the worker's loop (worker/main.py) can catch it without importing
+worker/parallel/tensor_parallel.py so that the worker's loop (worker/main.py) can catch it without importing
 torch: the fake worker runs that loop, and torch's import is most of its start-up."""
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from proto import internal_pb2
-from worker.attention_metadata import AttentionMetadata
+from worker.model.attention_metadata import AttentionMetadata
 
 INITIAL_ROWS = 64
 # The scheduler numbers slots densely from 0 (at most --max-num-seqs plus those in flight); a
@@ -44,7 +44,7 @@ class InputBatch:
         self.block_table = np.zeros((rows, self.max_blocks), np.int32)
         self.num_tokens = np.zeros(rows, np.int64)       # known tokens (prompt + sampled)
         self.num_computed = np.zeros(rows, np.int64)     # tokens whose KV is in the cache
-        # Tokens whose KV is in a draft model's cache (worker/draft_model.py); 0 when added.
+        # Tokens whose KV is in a draft model's cache (worker/speculation/draft_model.py); 0 when added.
         self.num_draft_computed = np.zeros(rows, np.int64)
         self.num_prompt = np.zeros(rows, np.int64)
         self.num_blocks = np.zeros(rows, np.int64)

@@ -8,7 +8,7 @@ import torch
 
 from proto import internal_pb2
 from proto.columns import pack, pack_f32
-from worker.logits import compute_logprobs
+from worker.step.logits import compute_logprobs
 
 # Prompt logprobs take a [rows, vocab] logits tensor: bound it (49152 x 512 floats = 100 MB).
 PROMPT_LOGPROBS_ROWS = 512

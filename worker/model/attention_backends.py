@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 
 from pagoda.kernels import cpu_attention
-from worker.attention_metadata import AttentionMetadata
+from worker.model.attention_metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):

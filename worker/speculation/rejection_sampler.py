@@ -11,7 +11,7 @@ proposals have no draft distribution: q is one-hot on d, so d is accepted with p
 p(d) and the residual is p without d. Greedy rows accept while d is the target's argmax and end
 with the argmax.
 
-Randomness depends on the seed and the position alone (worker/sampler.py seed_for), as the
+Randomness depends on the seed and the position alone (worker/step/sampler.py seed_for), as the
 plain sampler's does: a seeded request gives the same output in any batch, and every time.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from worker.sampler import race, seed_for
+from worker.step.sampler import race, seed_for
 
 _ACCEPT_SALT = 0x5EC0_DE00_0000_0001  # the accept test's draws, apart from the resample's
 

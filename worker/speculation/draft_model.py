@@ -24,12 +24,12 @@ import torch
 
 from process_life.flag_errors import FlagError
 from modelfiles.resolve import resolve_model
-from worker.attention_backends import AttentionBackend
-from worker.cache import CacheEngine, bytes_per_block
-from worker.input_batch import InputBatch, StepInputs
-from worker.loader import load_weights
-from worker.model import build_model
-from worker.parallel import TensorParallel
+from worker.model.attention_backends import AttentionBackend
+from worker.model.kv_cache import CacheEngine, bytes_per_block
+from worker.step.input_batch import InputBatch, StepInputs
+from worker.model.loader import load_weights
+from worker.model.llama import build_model
+from worker.parallel.tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 

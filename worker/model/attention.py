@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.attention_backends import AttentionBackend
-from worker.attention_metadata import AttentionMetadata
+from worker.model.attention_backends import AttentionBackend
+from worker.model.attention_metadata import AttentionMetadata
 
 
 class PagedAttention(nn.Module):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from worker.eos import end_of_turn_ids, gguf_special_tokens
+from worker.model.eos import end_of_turn_ids, gguf_special_tokens
 
 # The folder of a GGUF's converted weights and config.json (modelfiles.resolve.cache_dir); bumped
 # when the conversion changes what it writes (v2: end-of-turn ids in config.json).

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from modelfiles.resolve import cache_dir
-from worker.model_config import WEIGHTS_CACHE_NAME as CACHE_NAME, ModelConfig
+from worker.model.config import WEIGHTS_CACHE_NAME as CACHE_NAME, ModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ this machine with the model's own MLP shape. The crossover belongs to the machin
 instruction set: 64 rows on an AVX-512 Xeon, about 2048 on a Zen 3 EPYC, 256 on a later AVX2
 EPYC (docs/benchmarks.md), so a table by instruction set was wrong somewhere whatever it said.
 The measurement (about a second) is kept per machine, thread count, shape and kernel build
-(worker/kept.py: PAGODA_CACHE/cpu-matmul.json), so only a machine's first worker pays it."""
+(worker/startup/kept.py: PAGODA_CACHE/cpu-matmul.json), so only a machine's first worker pays it."""
 from __future__ import annotations
 
 import logging
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.kernels import cbuild, cpu_gemm, cpu_gemm_bf16, cpu_gemm_gguf, cpu_gemm_int8
-from worker.kept import how, kept, machine_key, timed
+from worker.startup.kept import how, kept, machine_key, timed
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ PAIRS = 12  # timed pairs of calls per row count, at least
 POOL_BYTES = 64 << 20  # distinct weights beyond a server CPU's last-level cache (32 MB here)
 MAX_POOL = 64  # weights at most (a tiny model's would be thousands)
 STREAM_ROWS = 64  # products of up to this many rows stream the whole pool
-CACHE_NAME = "cpu-matmul"  # PAGODA_CACHE/cpu-matmul.json (worker/kept.py)
+CACHE_NAME = "cpu-matmul"  # PAGODA_CACHE/cpu-matmul.json (worker/startup/kept.py)
 # A bound that means every product: the kernel won at the largest row count timed. Past a few
 # hundred rows both paths are bound by arithmetic and their rates no longer move with the rows
 # (bench/bench_gemm.py: 160-163 against MKL's 112-132 GFLOP/s from 256 to 2048 rows on a Zen 2
@@ -89,7 +89,7 @@ def measure(fp32: bool, bf16: bool, shape: tuple[int, int]) -> CpuMatmul:
     if not bf16:
         return CpuMatmul(fp32_rows)
 
-    def widened(xb, wb):  # what worker.layers.linear does with a widened bf16 product
+    def widened(xb, wb):  # what worker.model.layers.linear does with a widened bf16 product
         return fp32_product(fp32_rows)(xb.float(), wb.float()).to(torch.bfloat16)
 
     xb = x.bfloat16()
@@ -106,7 +106,7 @@ def measure(fp32: bool, bf16: bool, shape: tuple[int, int]) -> CpuMatmul:
 
 
 def fp32_product(fp32_rows: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """x @ w^T in fp32 as worker.layers.linear computes it under an fp32 bound of fp32_rows."""
+    """x @ w^T in fp32 as worker.model.layers.linear computes it under an fp32 bound of fp32_rows."""
     return lambda x, w: cpu_gemm.xwt(x, w) if 0 < x.shape[0] <= fp32_rows else F.linear(x, w)
 
 

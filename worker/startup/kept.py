@@ -1,6 +1,6 @@
 """Measurements a worker makes of its machine at start-up, kept for the next start: the CPU
-kernels' row bounds (worker/cpu_matmul.py), the one-C-call decode step's bound and the prefill
-rate the scheduler's deadlines use (worker/startup_measurements.py). Each kind is one JSON file in
+kernels' row bounds (worker/model/cpu_matmul.py), the one-C-call decode step's bound and the prefill
+rate the scheduler's deadlines use (worker/startup/measurements.py). Each kind is one JSON file in
 PAGODA_MEASUREMENTS, else the cache folder (PAGODA_CACHE, else ~/.cache/pagoda), keyed by what
 the figure depends on; delete the file to measure again. The test suite keeps its own
 (tests/conftest.py): a figure timed while tests load the machine must not steer a later `make run`.

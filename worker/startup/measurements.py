@@ -2,7 +2,7 @@
 peak memory for the largest batch (the KV cache gets the rest), the prefill rate the
 scheduler's deadlines use, whether the CPU decode attention should prefetch its blocks, and how
 many decodes a step may have for the one-C-call step to pay (the last three kept per machine
-and configuration, worker/kept.py). Each reads the
+and configuration, worker/startup/kept.py). Each reads the
 runner's model, cache and flags and runs dummy forwards; none changes what the runner holds."""
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import torch
 
 from pagoda.kernels import cbuild, cpu_decode_attention, cpu_decode_layer
 from proto import internal_pb2
-from worker import fused_decode, layers
-from worker.cpu_matmul import bound
-from worker.cache import CacheEngine
-from worker.input_batch import InputBatch
-from worker.kept import how, kept, machine_key, timed
+from worker.model import fused_decode, layers
+from worker.model.cpu_matmul import bound
+from worker.model.kv_cache import CacheEngine
+from worker.step.input_batch import InputBatch
+from worker.startup.kept import how, kept, machine_key, timed
 from worker.worker_flags import DECODE_STEP_TOKENS
 
 
@@ -68,7 +68,7 @@ def profile_peak_memory(runner) -> int:
 def measure_prefill(runner) -> float:
     """Tokens per second of one prefill, after a small forward that pays one-time costs (every
     start: the first request must not pay them). Kept per machine and configuration
-    (worker/kept.py): the next start skips the timed prefill, about half a second on a CPU."""
+    (worker/startup/kept.py): the next start skips the timed prefill, about half a second on a CPU."""
     num_blocks = runner.cache.num_blocks
     tokens = min(runner.args.max_num_batched_tokens, 256 if runner.device.type == "cpu" else 2048,
                  num_blocks * runner.block_size)
@@ -151,7 +151,7 @@ DECODE_PAIRS = 7  # timed pairs of steps (one C call, layer by layer) per sequen
 @torch.inference_mode()
 def measure_decode_step_bound(runner) -> None:
     """Sets how many decodes a step may have for a dense model's one-C-call step
-    (worker/fused_decode.py): --cpu-decode-step-tokens, else the count of DECODE_STEP_TOKENS up to
+    (worker/model/fused_decode.py): --cpu-decode-step-tokens, else the count of DECODE_STEP_TOKENS up to
     which it beats the layers one by one here, each count's steps timed back to back, alternating;
     and for bf16 weights, whether steps of fewer than BF16_DOT_MIN_TOKENS tokens take the dot
     products (kernels/cpu_decode_layer.py few_rows_dot), timed at one token first, with the flag

@@ -1,0 +1,1 @@
+"""Tensor parallelism: the sharded layers' group, and the ranks of one worker."""
