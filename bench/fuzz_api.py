@@ -7,10 +7,14 @@ document does not describe, a request it calls invalid that was taken, an INTERN
 status, a call past its deadline; then whether the gateway still serves.
 
     .venv/bin/python bench/fuzz_api.py [--examples 2000] [--seed 53] [--only chat,Generate]
-        [--huge 4194304] [--deadline 300] [--json out.json]
+        [--huge 4194304] [--deadline 300] [--max-tokens 16] [--json out.json]
 
-starts the real stack (launcher, SmolLM2, fp32, --max-model-len 256 so that an answer is
-short) with an API key; or point it at a running one (its key, if it has one):
+starts the real stack (launcher, SmolLM2, fp32) with an API key, --max-model-len 64 so that an
+answer is short (a chat of one short message, 31 tokens with SmolLM2's system prompt, still
+fits) and one OpenMP thread in each process (--threads; on a machine other processes keep busy,
+the worker's two threads met at every layer's barrier and a step waited for the one that was
+descheduled: 1 token a second against 14 with one thread on 2 shared cores); or point it at a
+running one (its key, if it has one):
 
     .venv/bin/python bench/fuzz_api.py --http http://127.0.0.1:8000 --grpc 127.0.0.1:50051 \\
         [--key KEY]
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -69,7 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--http", help="a running gateway's HTTP root (else the stack is started)")
     p.add_argument("--grpc", help="its gRPC target, host:port")
     p.add_argument("--key", help="its API key, if it has one")
-    p.add_argument("--max-model-len", type=int, default=256, help="of the stack started here")
+    p.add_argument("--max-model-len", type=int, default=64, help="of the stack started here")
+    p.add_argument("--threads", type=int, default=1,
+                   help="OMP_NUM_THREADS of the stack started here (its worker's kernels)")
+    p.add_argument("--max-tokens", type=int, default=16,
+                   help="the most tokens asked of the RPCs' requests steered past the first checks")
     p.add_argument("--json", type=Path, help="write the report here")
     args = p.parse_args(argv)
     only = [o for o in args.only.split(",") if o]
@@ -80,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         http, target, key = args.http.rstrip("/"), args.grpc, args.key
     else:
         log = Path(tempfile.mkdtemp(prefix="fuzz-api-")) / "stack.log"
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the launcher's children inherit it
         cluster = Cluster("--dtype", "float32", "--api-key", KEY,
                           "--max-model-len", str(args.max_model_len), log_path=log,
                           lazy_grammar=False).start(timeout=1200)  # minutes on a busy machine
@@ -98,26 +108,33 @@ def main(argv: list[str] | None = None) -> int:
                                        args.examples, args.seed, timeout=args.deadline)
                     reports.append(_show(r.operation, r.examples, r.statuses, r.refusals,
                                          r.failures, r.seconds, r.messages))
+                    _write(args, reports)
             for rpc in grpc_fuzz.RPCS:
                 if chosen(rpc):
                     r = grpc_fuzz.fuzz(channel, rpc, key or "", args.examples, args.seed,
                                        Sizes(huge=args.huge), vocab_size=model.vocab_size,
-                                       max_tokens=64, timeout=args.deadline)
+                                       max_tokens=args.max_tokens, timeout=args.deadline)
                     reports.append(_show(rpc, r.examples, r.statuses, r.refusals, r.failures,
                                          r.seconds, r.details))
+                    _write(args, reports)
         after = healthy(http, target, key)
         alive = cluster is None or cluster.proc.poll() is None
         print(f"after: {after}, launcher alive: {alive}", flush=True)
         failed = sum(len(r["failures"]) for r in reports) + (not alive) + (after["http_health"] != 200) \
             + (not after["grpc_serving"])
-        if args.json:
-            args.json.write_text(json.dumps({"examples": args.examples, "seed": args.seed,
-                                             "huge": args.huge, "operations": reports,
-                                             "after": after, "alive": alive}, indent=1))
+        _write(args, reports, after=after, alive=alive)
     finally:
         if cluster is not None:
             cluster.stop()
     return 1 if failed else 0
+
+
+def _write(args, reports: list[dict], **end) -> None:
+    """After each operation, so that a run cut short keeps what it did."""
+    if args.json:
+        args.json.write_text(json.dumps({"examples": args.examples, "seed": args.seed,
+                                         "huge": args.huge, "operations": reports, **end},
+                                        indent=1))
 
 
 def _show(name: str, examples: int, statuses, refusals, failures: list[str], seconds: float,
