@@ -4,7 +4,8 @@ hypothesis-drawn messages (tests/grpc_fuzz.py), thousands of examples each, as
 tests/faults/test_fuzz_api.py does with 50 on the fake worker. Reports per operation the
 examples sent, the statuses, the fields refused most, and each failure: a 5xx, an answer the
 document does not describe, a request it calls invalid that was taken, an INTERNAL or UNKNOWN
-status, a call past its deadline; then whether the gateway still serves.
+status, a call past its deadline; then whether the gateway still serves, and the stack's log
+lines no input should cause (an error, a traceback, a process dropping another's message).
 
     .venv/bin/python bench/fuzz_api.py [--examples 2000] [--seed 53] [--only chat,Generate]
         [--huge 4194304] [--deadline 300] [--max-tokens 16] [--json out.json]
@@ -17,7 +18,7 @@ descheduled: 1 token a second against 14 with one thread on 2 shared cores); or 
 running one (its key, if it has one):
 
     .venv/bin/python bench/fuzz_api.py --http http://127.0.0.1:8000 --grpc 127.0.0.1:50051 \\
-        [--key KEY]
+        [--key KEY] [--log ITS_LOG]
 
 The same seed sends the same requests. Exits 1 when anything failed."""
 from __future__ import annotations
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--http", help="a running gateway's HTTP root (else the stack is started)")
     p.add_argument("--grpc", help="its gRPC target, host:port")
     p.add_argument("--key", help="its API key, if it has one")
+    p.add_argument("--log", type=Path, help="its log, read as the started stack's is")
     p.add_argument("--max-model-len", type=int, default=64, help="of the stack started here")
     p.add_argument("--threads", type=int, default=1,
                    help="OMP_NUM_THREADS of the stack started here (its worker's kernels)")
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.http:
         http, target, key = args.http.rstrip("/"), args.grpc, args.key
     else:
-        log = Path(tempfile.mkdtemp(prefix="fuzz-api-")) / "stack.log"
+        log = args.log = Path(tempfile.mkdtemp(prefix="fuzz-api-")) / "stack.log"
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the launcher's children inherit it
         cluster = Cluster("--dtype", "float32", "--api-key", KEY,
                           "--max-model-len", str(args.max_model_len), log_path=log,
@@ -119,14 +121,25 @@ def main(argv: list[str] | None = None) -> int:
                     _write(args, reports)
         after = healthy(http, target, key)
         alive = cluster is None or cluster.proc.poll() is None
-        print(f"after: {after}, launcher alive: {alive}", flush=True)
+        logged = _logged_faults(args.log.read_text(errors="replace")) if args.log else []
+        print(f"after: {after}, launcher alive: {alive}, faults in the log: {len(logged)}", flush=True)
+        for line in logged[:20]:
+            print("    " + line[:500], flush=True)
         failed = sum(len(r["failures"]) for r in reports) + (not alive) + (after["http_health"] != 200) \
-            + (not after["grpc_serving"])
-        _write(args, reports, after=after, alive=alive)
+            + (not after["grpc_serving"]) + len(logged)
+        _write(args, reports, after=after, alive=alive, logged=logged[:100])
     finally:
         if cluster is not None:
             cluster.stop()
     return 1 if failed else 0
+
+
+def _logged_faults(log: str) -> list[str]:
+    """The stack's lines that no input should cause: an error, a traceback, or one process
+    dropping another's message (the sender let through what the receiver's checks refuse)."""
+    return [line for line in log.splitlines()
+            if " ERROR " in line or " CRITICAL " in line or line.startswith("Traceback")
+            or (" WARNING " in line and "dropped a" in line)]
 
 
 def _write(args, reports: list[dict], **end) -> None:
