@@ -4,22 +4,28 @@ hypothesis-drawn messages (tests/grpc_fuzz.py), thousands of examples each, as
 tests/faults/test_fuzz_api.py does with 50 on the fake worker. Reports per operation the
 examples sent, the statuses, the fields refused most, and each failure: a 5xx, an answer the
 document does not describe, a request it calls invalid that was taken, an INTERNAL or UNKNOWN
-status, a call past its deadline; then whether the gateway still serves.
+status, a call past its deadline; then whether the gateway still serves, and the stack's log
+lines no input should cause (an error, a traceback, a process dropping another's message).
 
     .venv/bin/python -m bench.fuzz_api [--examples 2000] [--seed 53] [--only chat,Generate]
-        [--huge 4194304] [--deadline 300] [--json out.json]
+        [--huge 4194304] [--deadline 300] [--max-tokens 16] [--json out.json]
 
-starts the real stack (launcher, SmolLM2, fp32, --max-model-len 256 so that an answer is
-short) with an API key; or point it at a running one (its key, if it has one):
+starts the real stack (launcher, SmolLM2, fp32) with an API key, --max-model-len 64 so that an
+answer is short (a chat of one short message, 31 tokens with SmolLM2's system prompt, still
+fits) and one OpenMP thread in each process (--threads; on a machine other processes keep busy,
+the worker's two threads met at every layer's barrier and a step waited for the one that was
+descheduled: 1 token a second against 14 with one thread on 2 shared cores); or point it at a
+running one (its key, if it has one):
 
     .venv/bin/python -m bench.fuzz_api --http http://127.0.0.1:8000 --grpc 127.0.0.1:50051 \\
-        [--key KEY]
+        [--key KEY] [--log ITS_LOG]
 
 The same seed sends the same requests. Exits 1 when anything failed."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -66,7 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--http", help="a running gateway's HTTP root (else the stack is started)")
     p.add_argument("--grpc", help="its gRPC target, host:port")
     p.add_argument("--key", help="its API key, if it has one")
-    p.add_argument("--max-model-len", type=int, default=256, help="of the stack started here")
+    p.add_argument("--log", type=Path, help="its log, read as the started stack's is")
+    p.add_argument("--max-model-len", type=int, default=64, help="of the stack started here")
+    p.add_argument("--threads", type=int, default=1,
+                   help="OMP_NUM_THREADS of the stack started here (its worker's kernels)")
+    p.add_argument("--max-tokens", type=int, default=16,
+                   help="the most tokens asked of the RPCs' requests steered past the first checks")
     p.add_argument("--json", type=Path, help="write the report here")
     args = p.parse_args(argv)
     only = [o for o in args.only.split(",") if o]
@@ -76,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.http:
         http, target, key = args.http.rstrip("/"), args.grpc, args.key
     else:
-        log = Path(tempfile.mkdtemp(prefix="fuzz-api-")) / "stack.log"
+        log = args.log = Path(tempfile.mkdtemp(prefix="fuzz-api-")) / "stack.log"
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the launcher's children inherit it
         cluster = Cluster("--dtype", "float32", "--api-key", KEY,
                           "--max-model-len", str(args.max_model_len), log_path=log,
                           lazy_grammar=False).start(timeout=1200)  # minutes on a busy machine
@@ -95,26 +107,44 @@ def main(argv: list[str] | None = None) -> int:
                                        args.examples, args.seed, timeout=args.deadline)
                     reports.append(_show(r.operation, r.examples, r.statuses, r.refusals,
                                          r.failures, r.seconds, r.messages))
+                    _write(args, reports)
             for rpc in grpc_fuzz.RPCS:
                 if chosen(rpc):
                     r = grpc_fuzz.fuzz(channel, rpc, key or "", args.examples, args.seed,
                                        Sizes(huge=args.huge), vocab_size=model.vocab_size,
-                                       max_tokens=64, timeout=args.deadline)
+                                       max_tokens=args.max_tokens, timeout=args.deadline)
                     reports.append(_show(rpc, r.examples, r.statuses, r.refusals, r.failures,
                                          r.seconds, r.details))
+                    _write(args, reports)
         after = healthy(http, target, key)
         alive = cluster is None or cluster.proc.poll() is None
-        print(f"after: {after}, launcher alive: {alive}", flush=True)
+        logged = _logged_faults(args.log.read_text(errors="replace")) if args.log else []
+        print(f"after: {after}, launcher alive: {alive}, faults in the log: {len(logged)}", flush=True)
+        for line in logged[:20]:
+            print("    " + line[:500], flush=True)
         failed = sum(len(r["failures"]) for r in reports) + (not alive) + (after["http_health"] != 200) \
-            + (not after["grpc_serving"])
-        if args.json:
-            args.json.write_text(json.dumps({"examples": args.examples, "seed": args.seed,
-                                             "huge": args.huge, "operations": reports,
-                                             "after": after, "alive": alive}, indent=1))
+            + (not after["grpc_serving"]) + len(logged)
+        _write(args, reports, after=after, alive=alive, logged=logged[:100])
     finally:
         if cluster is not None:
             cluster.stop()
     return 1 if failed else 0
+
+
+def _logged_faults(log: str) -> list[str]:
+    """The stack's lines that no input should cause: an error, a traceback, or one process
+    dropping another's message (the sender let through what the receiver's checks refuse)."""
+    return [line for line in log.splitlines()
+            if " ERROR " in line or " CRITICAL " in line or line.startswith("Traceback")
+            or (" WARNING " in line and "dropped a" in line)]
+
+
+def _write(args, reports: list[dict], **end) -> None:
+    """After each operation, so that a run cut short keeps what it did."""
+    if args.json:
+        args.json.write_text(json.dumps({"examples": args.examples, "seed": args.seed,
+                                         "huge": args.huge, "operations": reports, **end},
+                                        indent=1))
 
 
 def _show(name: str, examples: int, statuses, refusals, failures: list[str], seconds: float,

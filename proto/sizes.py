@@ -18,6 +18,11 @@ MAX_REQUEST_SEQUENCES = 256
 MAX_BEAM_WIDTH = 16           # beams of one search: the public bound, checked by both ends
 MAX_LEN = 1 << 20             # max_model_len, max_tokens, positions, token counts, vocab size
 MAX_LOGPROBS = 64             # alternatives per position: the scheduler refuses more
+MAX_TEMPERATURE = 1e6         # sampling: the scheduler refuses more, the gateway refuses it first
+# Presence and frequency (either sign), repetition: likewise; far above the public bound for
+# presence and frequency (gateway/validation/validate.py MAX_PENALTY, 2).
+MAX_PENALTY_INTERNAL = 1000.0
+MAX_TOP_K = 1 << 20           # likewise
 MAX_TEXT = 4096               # error and refusal messages to a gateway
 MAX_WORKERS = 1024            # registered with one scheduler at once
 MAX_STRUCTURED_OUTPUT = 64 << 10  # bytes of one SamplingConfig.structured_output (its spec)

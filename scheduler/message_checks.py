@@ -14,13 +14,11 @@ from proto import internal_pb2 as pb
 from proto.auth import PROTOCOL_VERSION
 from proto.columns import unpack
 from proto.sizes import (MAX_BEAM_WIDTH, MAX_ID_BYTES, MAX_LEN, MAX_LIST, MAX_LOGPROBS,
-                         MAX_REQUEST_SEQUENCES, MAX_SPECULATIVE_TOKENS, MAX_STRUCTURED_OUTPUT)
+                         MAX_PENALTY_INTERNAL, MAX_REQUEST_SEQUENCES, MAX_SPECULATIVE_TOKENS,
+                         MAX_STRUCTURED_OUTPUT, MAX_TEMPERATURE, MAX_TOP_K)
 
 MAX_BLOCKS = 1 << 21          # per pool, device or CPU
 MAX_BLOCK_SIZE = 2048
-# A sanity bound on any penalty, far above the public one for presence and frequency
-# (gateway/validation/validate.py MAX_PENALTY).
-MAX_PENALTY_INTERNAL = 1000.0
 
 
 def _text(name: str, value: str, limit: int = MAX_ID_BYTES, required: bool = False) -> str | None:
@@ -91,9 +89,9 @@ def check_gateway_hello(h: pb.GatewayHello, cluster_model: str) -> str | None:
 def check_sampling(s: pb.SamplingConfig, vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> str | None:
     top = min(max_logprobs, vocab_size or max_logprobs)
     return _first(
-        _float("sampling.temperature", s.temperature, 0.0, 1e6),
+        _float("sampling.temperature", s.temperature, 0.0, MAX_TEMPERATURE),
         _float("sampling.top_p", s.top_p, 0.0, 1.0),
-        _int("sampling.top_k", s.top_k, 0, MAX_LEN),
+        _int("sampling.top_k", s.top_k, 0, MAX_TOP_K),
         _float("sampling.min_p", s.min_p, 0.0, 1.0),
         _float("sampling.presence_penalty", s.presence_penalty, -MAX_PENALTY_INTERNAL,
                MAX_PENALTY_INTERNAL),

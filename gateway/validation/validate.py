@@ -6,7 +6,6 @@ Ranges follow vLLM's SamplingParams. Every message starts with the field's path.
 """
 from __future__ import annotations
 
-import math
 import secrets
 from array import array
 from dataclasses import dataclass, field
@@ -20,7 +19,8 @@ from gateway.validation.structured_check import StructuredError, structured_spec
 from gateway.tokenizer import TextTokenizer
 from gateway.validation.validation_error import ValidationError
 from proto import internal_pb2, pagoda_pb2
-from proto.sizes import MAX_LIST
+from proto.sizes import MAX_LIST, MAX_TEMPERATURE, MAX_TOP_K
+from proto.sizes import MAX_PENALTY_INTERNAL as MAX_REPETITION_PENALTY
 from structured.spec import Spec
 
 MAX_CACHE_SALT_BYTES = 256
@@ -262,15 +262,16 @@ def _sampling(req: pagoda_pb2.GenerateRequest, limits: Limits,
               unary: bool) -> tuple[internal_pb2.SamplingConfig, int]:
     s = req.sampling
     temperature = s.temperature if s.HasField("temperature") else 1.0
-    if not math.isfinite(temperature) or temperature < 0:
-        raise ValidationError("sampling.temperature",
-                              f"sampling.temperature must be a finite number >= 0, got {temperature:g}")
+    if not 0 <= temperature <= MAX_TEMPERATURE:  # also false for NaN
+        raise ValidationError("sampling.temperature", f"sampling.temperature must be in "
+                              f"[0, {MAX_TEMPERATURE:g}], got {temperature:g}")
     top_p = s.top_p if s.HasField("top_p") else 1.0
     if not 0.0 < top_p <= 1.0:  # also false for NaN
         raise ValidationError("sampling.top_p", f"sampling.top_p must be in (0, 1], got {top_p:g}")
     top_k = s.top_k if s.HasField("top_k") else 0
-    if top_k < 0:
-        raise ValidationError("sampling.top_k", f"sampling.top_k must be >= 0 (0 = off), got {top_k}")
+    if not 0 <= top_k <= MAX_TOP_K:
+        raise ValidationError("sampling.top_k", f"sampling.top_k must be in [0, {MAX_TOP_K}] "
+                              f"(0 = off), got {top_k}")
     n = s.n if s.HasField("n") else 1
     if not 1 <= n <= MAX_N:
         raise ValidationError("sampling.n", f"sampling.n must be between 1 and {MAX_N}, got {n}")
@@ -281,9 +282,9 @@ def _sampling(req: pagoda_pb2.GenerateRequest, limits: Limits,
     _check_range("sampling.presence_penalty", s.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
     _check_range("sampling.frequency_penalty", s.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
     repetition = s.repetition_penalty if s.HasField("repetition_penalty") else 1.0
-    if not (math.isfinite(repetition) and repetition > 0):
+    if not 0 < repetition <= MAX_REPETITION_PENALTY:  # also false for NaN
         raise ValidationError("sampling.repetition_penalty", "sampling.repetition_penalty must be "
-                              f"a finite number > 0 (1 = off), got {repetition:g}")
+                              f"in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), got {repetition:g}")
     config = internal_pb2.SamplingConfig(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=s.min_p,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,

@@ -88,3 +88,23 @@ def test_bodies_the_document_calls_invalid_are_refused(run, path, body, param):
                                        json={**(chat if path.startswith("/v1") else {}), **body})
     r = run(body_())
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+@pytest.mark.parametrize("sampling, field", [
+    ({"temperature": 2.5e16}, "sampling.temperature"),
+    ({"repetition_penalty": 1.1e15}, "sampling.repetition_penalty"),
+    ({"top_k": (1 << 31) - 1}, "sampling.top_k"),
+])
+def test_sampling_values_the_scheduler_refuses_are_refused_at_the_edge(run, sampling, field):
+    """bench/fuzz_api.py, real model: the gateway took a temperature or a repetition_penalty
+    past the scheduler's bounds (scheduler/message_checks.py), and the scheduler dropped the
+    request as a misbehaving gateway's, with a warning in its log; top_k is bounded there too."""
+    async def body():
+        async with local_gateway(TOK) as h:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await h.stub.Generate(pb.GenerateRequest(
+                    prompt_token_ids=[1, 2], sampling=pb.SamplingParams(**sampling)))
+            return e.value.code(), e.value.details(), len(h.scheduler.adds)
+    code, details, adds = run(body())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(field), details
+    assert adds == 0
