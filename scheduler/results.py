@@ -16,6 +16,10 @@ from scheduler.step import Step
 if TYPE_CHECKING:
     from scheduler.batch import Batch
 
+# Looked up once: an Enum member read through its class costs more than a call, and these are
+# read for every row of every result.
+FINISHED, RUNNING, SWAPPED = Status.FINISHED, Status.RUNNING, Status.SWAPPED
+
 
 def apply_result(sched: Batch, step: Step, result: pb.StepResult) -> list[Request]:
     """Hand each sampled row to its group, in plan order (the result lists the sampled slots in
@@ -33,7 +37,6 @@ def apply_result(sched: Batch, step: Step, result: pb.StepResult) -> list[Reques
         raise ValueError(f"step {result.step_id}: {len(res_slots)} slots but {len(res_tokens)} tokens")
     if result.logprobs:
         deliver_logprobs(sched, step, result.logprobs)
-    FINISHED, RUNNING, SWAPPED = Status.FINISHED, Status.RUNNING, Status.SWAPPED
     j, num_results, ended, settle = 0, len(res_slots), [], []
     accepted = []  # rows of one token, whose progress moves once for the step (nothing below reads it)
     accept_one = accepted.append
@@ -84,7 +87,7 @@ def accept(sched: Batch, req: Request, tokens: list[int]) -> bool:
     if len(tokens) == 1:
         token = tokens[0]
         all_ids.append(token)
-        if kv.prefix_caching and req.status is Status.RUNNING and \
+        if kv.prefix_caching and req.status is RUNNING and \
                 req.num_computed_tokens // kv.block_size > req.num_cached_blocks:
             kv.cache_blocks(req)  # a block filled (the check is cache_blocks' own first line)
         if token in req.stop_set and len(all_ids) >= req.min_stop_len:
@@ -109,7 +112,7 @@ def accept(sched: Batch, req: Request, tokens: list[int]) -> bool:
             break
     if reason is not None:
         sched.finish(req, reason)
-    if kv.prefix_caching and req.status is Status.RUNNING:
+    if kv.prefix_caching and req.status is RUNNING:
         kv.cache_blocks(req)  # only the accepted tokens count as computed, so only they are hashed
     sched.streams.tokens(req.stream, tokens[:kept], req)
     if reason is not None:
@@ -144,5 +147,5 @@ def deliver_logprobs(sched: Batch, step: Step, logprobs) -> None:
     by_slot = {slot: req for req, _, slot in step.entries}
     for lp in logprobs:
         req = by_slot.get(lp.slot)
-        if req is not None and req.status is not Status.FINISHED:
+        if req is not None and req.status is not FINISHED:
             req.group.on_logprobs(sched, req, lp)
