@@ -28,6 +28,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.cpu_pool = BlockPool(num_cpu_blocks, enable_prefix_caching=False)
+        # A plain attribute, not a property over the pool's: results read it for every row.
+        self.prefix_caching = enable_prefix_caching
 
     @property
     def num_blocks(self) -> int:
@@ -41,10 +43,6 @@ class KVCacheManager:
     @property
     def num_used(self) -> int:
         return self.pool.num_used
-
-    @property
-    def prefix_caching(self) -> bool:
-        return self.pool.enable_prefix_caching
 
     @property
     def has_swap_space(self) -> bool:

@@ -16,6 +16,10 @@ from scheduler.step import Step
 if TYPE_CHECKING:
     from scheduler.batch import Batch
 
+# Looked up once: an Enum member read through its class costs more than a call, and these are
+# read for every row of every result.
+FINISHED, RUNNING, SWAPPED = Status.FINISHED, Status.RUNNING, Status.SWAPPED
+
 
 def apply_result(sched: Batch, step: Step, result: pb.StepResult) -> list[Request]:
     """Hand each sampled row to its group, in plan order (the result lists the sampled slots in
@@ -25,52 +29,77 @@ def apply_result(sched: Batch, step: Step, result: pb.StepResult) -> list[Reques
     A sequence that ended while the step ran (a stop seen one result earlier, an abort) is
     skipped: the token it computed is dropped."""
     res_slots, res_tokens = unpack_list(result.slots), unpack_list(result.token_ids)
-    runs = None  # speculative decoding: row j's tokens are res_tokens[runs[j]:runs[j + 1]]
-    if result.num_tokens:
-        runs = run_starts(sched, step, result, res_slots)
-        drafts, most = unpack_list(result.num_drafts), sched.config.num_speculative_tokens
-    elif len(res_slots) != len(res_tokens):
+    if not result.num_tokens and len(res_slots) != len(res_tokens):
         raise ValueError(f"step {result.step_id}: {len(res_slots)} slots but {len(res_tokens)} tokens")
     if result.logprobs:
         deliver_logprobs(sched, step, result.logprobs)
-    FINISHED, RUNNING, SWAPPED = Status.FINISHED, Status.RUNNING, Status.SWAPPED
-    j, num_results, ended, settle = 0, len(res_slots), [], []
-    accepted = []  # rows of one token, whose progress moves once for the step (nothing below reads it)
+    ended, settle = [], []
+    # Two loops, not one with a branch per row: the one-token loop is every plain decode's.
+    rows = sampled_runs if result.num_tokens else sampled_tokens
+    j = rows(sched, step, result, res_slots, res_tokens, ended, settle)
+    if j != len(res_slots):
+        raise ValueError(f"step {result.step_id}: {len(res_slots) - j} sampled slots match no "
+                         "sequence of the plan")
+    ended += [group.handle for group in settle if group.settle(sched)]
+    sched.streams.flush()
+    return ended
+
+
+def sampled_tokens(sched: Batch, step: Step, result: pb.StepResult, res_slots: list[int],
+                   res_tokens: list[int], ended: list[Request],
+                   settle: list) -> int:
+    """A result of one token per row to the rows' groups: adds the sequences that ended to
+    `ended` and the groups to settle to `settle`. Returns the rows matched."""
+    j, num_results = 0, len(res_slots)
+    accepted = []  # the rows' progress moves once for the step (nothing below reads it)
     accept_one = accepted.append
     for req, _, slot in step.entries:
         if j == num_results or res_slots[j] != slot:
             continue  # a prefill chunk that did not reach the end: nothing sampled
-        status = req.status
-        if runs is None:
-            tokens, cached = [res_tokens[j]], 0
-        else:
-            start, end = runs[j], runs[j + 1]
-            tokens = res_tokens[start:end]
-            if drafts[j] and req.draft is not None and status is not FINISHED:
-                req.draft.update(drafts[j], end - start - 1, most)
-            # The run's KV is in the cache up to its last token (which the next step computes);
-            # a sequence preempted while the step ran keeps it only if it keeps its blocks.
-            cached = end - start - 1 if status is RUNNING or status is SWAPPED else 0
+        token = res_tokens[j]
         j += 1
-        if status is FINISHED:
+        if req.status is FINISHED:
             continue
-        if cached:
-            progress.accept(req, cached)  # before the tokens: their blocks are cached by it
-        else:
-            accept_one(req)
+        accept_one(req)
         group = req.group
-        if group.on_sampled(sched, req, tokens):
+        if group.on_sampled(sched, req, [token]):
             if group not in settle:
                 settle.append(group)
         elif req.status is FINISHED:
             ended.append(req)
-    if j != num_results:
-        raise ValueError(f"step {result.step_id}: {num_results - j} sampled slots match no "
-                         "sequence of the plan")
     progress.accept_all(accepted)
-    ended += [group.handle for group in settle if group.settle(sched)]
-    sched.streams.flush()
-    return ended
+    return j
+
+
+def sampled_runs(sched: Batch, step: Step, result: pb.StepResult, res_slots: list[int],
+                 res_tokens: list[int], ended: list[Request],
+                 settle: list) -> int:
+    """sampled_tokens() for a speculative step: row j's tokens are
+    res_tokens[runs[j]:runs[j + 1]], the accepted proposals and the target's token."""
+    runs = run_starts(sched, step, result, res_slots)
+    drafts, most = unpack_list(result.num_drafts), sched.config.num_speculative_tokens
+    j, num_results = 0, len(res_slots)
+    for req, _, slot in step.entries:
+        if j == num_results or res_slots[j] != slot:
+            continue  # a prefill chunk that did not reach the end: nothing sampled
+        status = req.status
+        start, end = runs[j], runs[j + 1]
+        if drafts[j] and req.draft is not None and status is not FINISHED:
+            req.draft.update(drafts[j], end - start - 1, most)
+        j += 1
+        if status is FINISHED:
+            continue
+        # The run's KV is in the cache up to its last token (which the next step computes);
+        # a sequence preempted while the step ran keeps it only if it keeps its blocks, and
+        # counts it before the tokens, whose blocks are cached by it.
+        progress.accept(req, end - start - 1 if status is RUNNING or status is SWAPPED else 0)
+        group = req.group
+        if group.on_sampled(sched, req, res_tokens[start:end]):
+            if group not in settle:
+                settle.append(group)
+        elif req.status is FINISHED:
+            ended.append(req)
+    return j
 
 
 def accept(sched: Batch, req: Request, tokens: list[int]) -> bool:
@@ -84,7 +113,7 @@ def accept(sched: Batch, req: Request, tokens: list[int]) -> bool:
     if len(tokens) == 1:
         token = tokens[0]
         all_ids.append(token)
-        if kv.prefix_caching and req.status is Status.RUNNING and \
+        if kv.prefix_caching and req.status is RUNNING and \
                 req.num_computed_tokens // kv.block_size > req.num_cached_blocks:
             kv.cache_blocks(req)  # a block filled (the check is cache_blocks' own first line)
         if token in req.stop_set and len(all_ids) >= req.min_stop_len:
@@ -109,7 +138,7 @@ def accept(sched: Batch, req: Request, tokens: list[int]) -> bool:
             break
     if reason is not None:
         sched.finish(req, reason)
-    if kv.prefix_caching and req.status is Status.RUNNING:
+    if kv.prefix_caching and req.status is RUNNING:
         kv.cache_blocks(req)  # only the accepted tokens count as computed, so only they are hashed
     sched.streams.tokens(req.stream, tokens[:kept], req)
     if reason is not None:
@@ -144,5 +173,5 @@ def deliver_logprobs(sched: Batch, step: Step, logprobs) -> None:
     by_slot = {slot: req for req, _, slot in step.entries}
     for lp in logprobs:
         req = by_slot.get(lp.slot)
-        if req is not None and req.status is not Status.FINISHED:
+        if req is not None and req.status is not FINISHED:
             req.group.on_logprobs(sched, req, lp)

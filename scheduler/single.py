@@ -17,6 +17,8 @@ from scheduler.sequence_group import SequenceGroup, admit_whole
 if TYPE_CHECKING:
     from scheduler.step import Step
 
+RUNNING = Status.RUNNING  # read once: an Enum member through its class costs more than a call
+
 
 # -- one plain sequence: the group's handle ---------------------------------------------------
 def admit(group: SequenceGroup, sched: Batch, step: Step, held_back: int = 0) -> int | None:
@@ -43,7 +45,7 @@ def schedule(group: SequenceGroup, sched: Batch, step: Step, held_back: int = 0)
     """Its work in `step` while it runs. Returns True when its work reached the tokens it holds
     back (for the caller to do what comes there)."""
     seq = group.handle
-    if seq.status is not Status.RUNNING or seq.suspect:
+    if seq.status is not RUNNING or seq.suspect:
         return False  # a victim earlier in this step, or a suspect (it runs alone)
     known = len(seq.all_token_ids) + seq.num_pending
     if known >= seq.length_limit:

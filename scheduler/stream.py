@@ -64,10 +64,11 @@ class Streams:
             self._appends.get(stream.gateway) or self._open(stream.gateway)
         add_id(stream.request_id)
         add_index(stream.index)
-        add_count(len(ids))
+        n = len(ids)
+        add_count(n)
         add_offset(stream.sent)
         add_tokens(ids)
-        stream.sent += len(ids)
+        stream.sent += n
         if not stream.started:
             stream.started = True
             self._due.append((stream, usage))
