@@ -201,7 +201,7 @@ def report(root: Path, top: int, progress_fields: tuple[str, ...], progress_verb
             "|---|---|---|"]
     out += [f"| `{where}` | {line} | {length} |" for length, where, line in funcs[:top]] + [""]
 
-    modules = {module_name(rel): rel for rel in trees}
+    modules = {module_name(rel, root): rel for rel in trees}
     graph = {m: set() for m in modules}
     for mod, rel in modules.items():
         for name, _ in imported_names(trees[rel], mod, rel.name == "__init__.py"):

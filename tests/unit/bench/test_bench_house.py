@@ -53,3 +53,14 @@ def test_exact_duplicates_pair_runs_of_six_normalized_lines(tmp_path):
                                             for n in ("a.py", "b.py", "c.py")])
     # The 8 shared body lines make 3 windows of 6, one run; `def` lines and returns differ.
     assert runs == [(3, "a.py:4", "b.py:3")]
+
+
+def test_the_report_finds_an_import_cycle_in_a_small_tree(tmp_path, monkeypatch):
+    # The whole report on a tree of two packages that import each other inside functions.
+    monkeypatch.setattr(house, "duplicates_tool", lambda root: [])  # the tool is not the point
+    for name, other in (("alpha", "beta"), ("beta", "alpha")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("")
+        (tmp_path / name / "core.py").write_text(f"def f():\n    from {other} import core\n")
+    text = house.report(tmp_path, 10, PROGRESS, set())
+    assert "**1 cycle(s)**.\n1. `alpha.core`, `beta.core`" in text
