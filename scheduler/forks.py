@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from scheduler import progress, single
 from scheduler.batch import Batch
 from scheduler.request import FinishReason, Request, Status
-from scheduler.sequence_group import SequenceGroup
+from scheduler.sequence_group import OneHandle
 from scheduler.single import Single
 
 if TYPE_CHECKING:
@@ -21,23 +21,12 @@ if TYPE_CHECKING:
 
 
 @dataclass(eq=False, slots=True)
-class Forks(SequenceGroup):
+class Forks(OneHandle):
     """handle: sequence 0, the parent, scheduled as a plain sequence (scheduler/single.py) that
     holds back its last prompt token until the fork, then as a plain one."""
     handle: Request
     children: list[Request] = field(default_factory=list)  # until the fork
     key: tuple[int, int] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.key = self.handle.sort_key()
-
-    @property
-    def suspect(self) -> bool:
-        return self.handle.suspect
-
-    @suspect.setter
-    def suspect(self, value: bool) -> None:
-        self.handle.suspect = value
 
     @property
     def seats(self) -> int:

@@ -100,6 +100,23 @@ class SequenceGroup:
         raise NotImplementedError
 
 
+class OneHandle(SequenceGroup):
+    """A group whose handle is a sequence of its own (a plain request, the parent of forks): its
+    place in the queues and its suspicion are the handle's."""
+    __slots__ = ()
+
+    def __post_init__(self) -> None:
+        self.key = self.handle.sort_key()
+
+    @property
+    def suspect(self) -> bool:
+        return self.handle.suspect
+
+    @suspect.setter
+    def suspect(self, value: bool) -> None:
+        self.handle.suspect = value
+
+
 def admit_whole(sched: Batch, group: SequenceGroup, seqs: list[Request], step: Step,
                 held_back: int = 0) -> list[tuple[Request, int]] | None:
     """The one admission of every kind: each of `seqs` from waiting into `step` with its

@@ -12,7 +12,7 @@ from proto.speculation import may_speculate
 from scheduler.draft_length import DraftLength
 from scheduler.batch import Batch
 from scheduler.request import FinishReason, Request, Status
-from scheduler.sequence_group import SequenceGroup, admit_whole
+from scheduler.sequence_group import OneHandle, SequenceGroup, admit_whole
 
 if TYPE_CHECKING:
     from scheduler.step import Step
@@ -119,21 +119,10 @@ def _lookahead(k: int, seq: Request, known: int, step: Step) -> int:
 
 
 @dataclass(eq=False, slots=True)
-class Single(SequenceGroup):
+class Single(OneHandle):
     """A plain request: one sequence, the handle itself."""
     handle: Request
     key: tuple[int, int] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.key = self.handle.sort_key()
-
-    @property
-    def suspect(self) -> bool:
-        return self.handle.suspect
-
-    @suspect.setter
-    def suspect(self, value: bool) -> None:
-        self.handle.suspect = value
 
     def seqs(self) -> list[Request]:
         return [self.handle]
