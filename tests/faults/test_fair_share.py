@@ -47,7 +47,8 @@ def first_token_at(s: Stream) -> float:
 def test_a_flooding_tenant_keeps_the_rest_and_another_starts_within_two_of_its_requests(tmp_path):
     with FakeCluster(tmp_path, scheduler_flags=["--max-num-seqs", str(SEATS)],
                      gateway_flags=["--api-key", KEY_A, "--api-key", KEY_B],
-                     worker_flags=["--num-gpu-blocks-override", "4096", "--step-delay", "0.01"]) as c:
+                     # Steps of 0.04 s: the 20 waiting stay queued 1.2 s while the first four run.
+                     worker_flags=["--num-gpu-blocks-override", "4096", "--step-delay", "0.04"]) as c:
         c.start()
         # Alone, tenant A fills every seat.
         flood = [stream(c.stub, i, AUTH_A) for i in range(FLOOD)]
@@ -82,7 +83,9 @@ def test_a_tenant_that_fills_the_whole_queue_gives_way_to_another(tmp_path):
     with FakeCluster(tmp_path, scheduler_flags=["--max-num-seqs", str(SEATS),
                                                 "--max-waiting-requests", str(waiting)],
                      gateway_flags=["--api-key", KEY_A, "--api-key", KEY_B],
-                     worker_flags=["--num-gpu-blocks-override", "4096", "--step-delay", "0.02"]) as c:
+                     # Steps of 0.1 s: A's waiting requests stay queued for 3 s while the first
+                     # four run, long enough for GetLoads to see them on a loaded machine.
+                     worker_flags=["--num-gpu-blocks-override", "4096", "--step-delay", "0.1"]) as c:
         c.start()
         flood = [stream(c.stub, i, AUTH_A) for i in range(SEATS)]  # those run first, then
         assert wait_for(lambda: sum(bool(s.tokens) for s in flood) == SEATS, 20), c.log_tail()
