@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from scheduler import progress, single
 from scheduler.batch import Batch
-from scheduler.request import FinishReason, Request, Status
+from scheduler.request import Request, Status
 from scheduler.sequence_group import OneHandle
 from scheduler.single import Single
 
@@ -67,15 +67,6 @@ class Forks(OneHandle):
 
     def requeue(self, sched: Batch, suspect: bool) -> None:
         single.requeue(self, sched, suspect)
-
-    def fail(self, sched: Batch, failed: list[Request], alone: bool) -> Request | None:
-        if alone and failed and self.handle.suspect:
-            return self.handle  # it failed alone: the cause
-        self.requeue(sched, suspect=bool(failed))
-        return None
-
-    def end(self, sched: Batch, reason: FinishReason) -> None:
-        sched.finish(self.handle, reason)
 
     def _fork(self, sched: Batch, step: Step, may_preempt: bool = True) -> None:
         """The fork: the parent computes its prompt's last token and its children start from

@@ -116,6 +116,15 @@ class OneHandle(SequenceGroup):
     def suspect(self, value: bool) -> None:
         self.handle.suspect = value
 
+    def fail(self, sched: Batch, failed: list[Request], alone: bool) -> Request | None:
+        if alone and failed and self.handle.suspect:
+            return self.handle  # it failed alone: the cause
+        self.requeue(sched, suspect=bool(failed))
+        return None
+
+    def end(self, sched: Batch, reason: FinishReason) -> None:
+        sched.finish(self.handle, reason)
+
 
 def admit_whole(sched: Batch, group: SequenceGroup, seqs: list[Request], step: Step,
                 held_back: int = 0) -> list[tuple[Request, int]] | None:

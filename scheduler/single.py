@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from proto.speculation import may_speculate
 from scheduler.draft_length import DraftLength
 from scheduler.batch import Batch
-from scheduler.request import FinishReason, Request, Status
+from scheduler.request import Request, Status
 from scheduler.sequence_group import OneHandle, SequenceGroup, admit_whole
 
 if TYPE_CHECKING:
@@ -142,15 +142,6 @@ class Single(OneHandle):
     schedule = schedule
     preempt = preempt
     requeue = requeue
-
-    def fail(self, sched: Batch, failed: list[Request], alone: bool) -> Request | None:
-        if alone and failed and self.handle.suspect:
-            return self.handle  # it failed alone: the cause
-        self.requeue(sched, suspect=bool(failed))
-        return None
-
-    def end(self, sched: Batch, reason: FinishReason) -> None:
-        sched.finish(self.handle, reason)
 
     def drained(self) -> list[Request]:
         return [self.handle]
